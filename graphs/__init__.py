@@ -1,0 +1,1 @@
+"""The static cache, eager prefill with selection, and the compiled / CUDA-graph decode step."""

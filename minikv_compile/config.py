@@ -1,0 +1,139 @@
+"""MiniKVConfig: every knob of the compressed cache and the compiled decode loop, validated once."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+_SELECTIONS = ("h2o", "snapkv")
+_POLICIES = ("uniform", "pyramid")
+
+
+@dataclass(frozen=True)
+class MiniKVConfig:
+    """How the KV cache is compressed and how the decode loop runs.
+
+    Budgets are fractions of the prompt length ``L``. The paper's methods are configurations:
+
+    ===================  =====================================================================
+    full cache           ``bits=16, heavy_budget=1.0, recent_budget=1.0`` (or any budgets
+                         summing to >= 1)
+    KIVI                 ``bits=2`` with budgets summing to >= 1 (no eviction)
+    H2O (16 bit)         ``bits=16`` with budgets below 1
+    SnapKV + 2 bit       ``selection="snapkv"``
+    MiniKV               the defaults
+    MiniKV-pyramid       ``budget_policy="pyramid"``
+    ===================  =====================================================================
+
+    Parameters
+    ----------
+    heavy_budget, recent_budget:
+        ``a_HH`` and ``a_RW``: fractions of the prompt kept as heavy hitters (highest cumulative
+        attention) and as the recent window. ``n_RW = ceil(a_RW * L)``,
+        ``n_HH(l) = round(a_HH(l) * L)``; when they cover the prompt every token is kept.
+    budget_policy:
+        ``"uniform"`` (``a_HH(l) = a_HH``) or ``"pyramid"`` (linear from ``a_HH * (2 - 1/d)`` at the
+        bottom layer to ``a_HH / d`` at the top, mean ``a_HH``).
+    selection:
+        ``"h2o"``: cumulative attention of every key over all prompt queries (the paper's rule).
+        ``"snapkv"``: attention from the last ``snapkv_window`` prompt queries, max-pooled over
+        ``snapkv_kernel`` neighbouring positions.
+    bits:
+        2 or 4 (quantized cache), or 16 (the model's own dtype, no quantization).
+    group_size:
+        Quantization group: keys per channel over this many tokens, values per token over this
+        many channels.
+    residual_length:
+        ``n_r``: tokens held in full precision in the ring before a flush; a multiple of
+        ``group_size``.
+    max_batch_size, max_prompt_len, max_new_tokens:
+        The static capacity; buffers are allocated once for these.
+    compile:
+        Trace the decode step with ``torch.compile(fullgraph=True)``. ``None``: on for a CUDA
+        model, off on the CPU (where compiling costs more than it saves for a short demo).
+    cuda_graphs:
+        Capture the decode step into CUDA graphs (one per batch-size bucket) and replay them.
+        ``None``: on for a CUDA model; ``True`` for a CPU model is an error.
+    """
+
+    heavy_budget: float = 0.25
+    recent_budget: float = 0.25
+    budget_policy: str = "uniform"
+    pyramid_depth: int = 7
+    selection: str = "h2o"
+    snapkv_window: int = 32
+    snapkv_kernel: int = 7
+    bits: int = 2
+    group_size: int = 16
+    residual_length: int = 128
+    max_batch_size: int = 1
+    max_prompt_len: int = 4096
+    max_new_tokens: int = 256
+    compile: Optional[bool] = None
+    cuda_graphs: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name in ("heavy_budget", "recent_budget"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: expected a fraction in [0, 1], got {value!r}")
+        if self.budget_policy not in _POLICIES:
+            raise ValueError(f"budget_policy: expected one of {_POLICIES}, got {self.budget_policy!r}")
+        if self.selection not in _SELECTIONS:
+            raise ValueError(f"selection: expected one of {_SELECTIONS}, got {self.selection!r}")
+        if self.bits not in (2, 4, 16):
+            raise ValueError(f"bits: expected 2, 4 or 16, got {self.bits!r}")
+        if self.group_size not in (16, 32, 64, 128):
+            raise ValueError(f"group_size: expected one of (16, 32, 64, 128), got {self.group_size!r}")
+        _positive_int("residual_length", self.residual_length)
+        if self.residual_length % self.group_size:
+            raise ValueError(
+                f"residual_length: expected a multiple of group_size={self.group_size}, "
+                f"got {self.residual_length}"
+            )
+        for name in ("pyramid_depth", "snapkv_window", "snapkv_kernel", "max_batch_size",
+                     "max_prompt_len", "max_new_tokens"):
+            _positive_int(name, getattr(self, name))
+        if self.snapkv_kernel % 2 == 0:
+            raise ValueError(f"snapkv_kernel: expected an odd pooling width, got {self.snapkv_kernel}")
+        if self.budget_policy == "pyramid" and self.pyramid_depth < 1:
+            raise ValueError(f"pyramid_depth: expected >= 1, got {self.pyramid_depth}")
+        for name in ("compile", "cuda_graphs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: expected True, False or None, got {value!r}")
+
+    # -- budgets (DESIGN.md section 2, step 3) -------------------------------------------------
+
+    def heavy_fraction(self, layer: int, num_layers: int) -> float:
+        """``a_HH(l)``: the heavy-hitter fraction of layer ``layer`` (0 = bottom)."""
+        if self.budget_policy == "uniform" or num_layers == 1:
+            return self.heavy_budget
+        d = self.pyramid_depth
+        bottom, top = self.heavy_budget * (2.0 - 1.0 / d), self.heavy_budget / d
+        return bottom + (top - bottom) * layer / (num_layers - 1)
+
+    def kept_tokens(self, prompt_len: int, layer: int, num_layers: int) -> tuple[int, int]:
+        """``(n_RW, n_HH(l))`` for a prompt of ``prompt_len`` tokens; their sum is capped at L."""
+        n_rw = min(prompt_len, math.ceil(self.recent_budget * prompt_len - 1e-9))
+        n_hh = round(self.heavy_fraction(layer, num_layers) * prompt_len)
+        return n_rw, max(0, min(n_hh, prompt_len - n_rw))
+
+    def max_kept(self, layer: int, num_layers: int) -> int:
+        """Most tokens layer ``layer`` keeps of any prompt up to ``max_prompt_len``.
+
+        ``ceil`` and ``round`` are both non-decreasing, so the kept count grows with ``L``.
+        """
+        return sum(self.kept_tokens(self.max_prompt_len, layer, num_layers))
+
+    @property
+    def keeps_everything(self) -> bool:
+        """True when no prompt token is ever evicted (full cache or KIVI)."""
+        return self.recent_budget >= 1.0 or (
+            self.budget_policy == "uniform" and self.recent_budget + self.heavy_budget >= 1.0
+        )
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")

@@ -1,0 +1,21 @@
+"""MiniKV kernels: Triton kernels with pure-PyTorch references, registered as ``minikv::`` ops.
+
+This package imports nothing else of the project. Every public function here is backed by a
+``torch.library`` custom op with a fake (meta) implementation, so ``torch.compile(fullgraph=True)``
+traces through it; on CPU tensors the op runs its reference, on CUDA tensors the Triton kernel.
+"""
+from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .selective_attention import selective_attention
+from .decode_attention import decode_attention
+from .cache_update import cache_append, cache_write_prefill
+
+__all__ = [
+    "quantize_keys",
+    "dequantize_keys",
+    "quantize_values",
+    "dequantize_values",
+    "selective_attention",
+    "decode_attention",
+    "cache_append",
+    "cache_write_prefill",
+]

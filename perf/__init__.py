@@ -1,0 +1,1 @@
+"""Benchmarks and NVML-based reports (``python -m minikv_compile.perf``)."""
