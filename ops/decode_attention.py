@@ -1,0 +1,566 @@
+"""Decode attention over the compressed KV cache: one new query token per sequence.
+
+For every active slot ``b`` of the static cache and query head ``i`` (KV head
+``i // (H_q / H_kv)``)::
+
+    K_b = [dequant(k_cache[b, :, :lens[b, 0]]) ; k_ring[b, :, :lens[b, 1]]]      (T_b, D)
+    V_b = [dequant(v_cache[b, :, :lens[b, 0]]) ; v_ring[b, :, :lens[b, 1]]]
+    out[b, i] = softmax(q[b, i] . K_b^T * scale) . V_b
+
+This is the decode hot path: it reads every KV byte it attends to exactly once, so it runs at
+memory bandwidth. Flash-decoding in two launches:
+
+1. ``_decode_attention_split_kernel``, grid ``(B, H_kv, NUM_SPLITS + 1)``. Program ``(b, h, s)``
+   serves *all* query heads of KV group ``h`` from one read of K/V. Its dots put the block's
+   tokens on the tensor-core M axis and the group's heads, padded to >= 8, on N
+   (``scores^T = K q^T``, ``acc^T += V^T p^T``): padding heads to the 16 rows of M instead cost
+   ~10% more instructions per cached value in the compiled sm_90 loop. Programs ``s < NUM_SPLITS``
+   cover an equal, block-aligned share of the slot's *valid* quantized tokens (the share is
+   computed on the device from ``lens[b, 0]``, so work tracks tokens held, not capacity);
+   program ``s == NUM_SPLITS`` covers the fp ring. K and V are dequantized in registers (see
+   ``_dequant_last``) right before the two dot products; softmax is online, in fp32, with exp2.
+   Each program writes a partial ``(m, l, acc)``; one with no tokens writes ``(-inf, 0, 0)``.
+2. ``_decode_attention_combine_kernel``, grid ``(B * H_q,)``, merges the partials into ``out``.
+
+``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
+fixed shapes, never syncs with the host, and can be captured in a CUDA graph.
+
+At 2 bits the kernel is bound by instruction issue more than by HBM (half a byte per cached value
+with scales): the figures quoted in comments are instructions per cached value in the main loop
+of the sm_90 code triton 3.9 generates (``cuobjdump -sass``), the measure every choice was made
+on; the first straightforward version needed 11.8, this one 5.8.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_choice, check_quant_params, check_tensor, codes_per_word
+from .quant import dequantize_keys_ref, dequantize_values_ref
+
+_LOG2E = 1.4426950408889634
+
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """fp32 -> DTYPE, round to nearest even.
+
+    BF16_BY_HAND (interpreter only): Triton's interpreter truncates fp32 -> bf16 casts (triton 3.9),
+    which biases every rounded value toward zero; there the rounding is done on the bits and the
+    result, exactly representable in bf16, stays fp32 (the interpreter's dots run in fp32).
+    """
+    if BF16_BY_HAND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
+    """Dequantize along the last axis.
+
+    words: (R, C) int32, each packing P = 32 / BITS codes (code j of word c is element c * P + j,
+    at bits j * BITS); scale, zero: (R, C * P / G) fp16, one per G consecutive elements.
+    Returns (R, C * P) fp32: code * scale + zero.
+
+    Every step keeps a word's codes in the thread that loaded it (interleave and join add their
+    new elements inside the thread; the final permute only relabels registers), so nothing moves
+    through shared memory and each thread ends up with P consecutive values, stored to shared
+    memory for the dots as 16-byte vectors. Unpacking with one broadcast shift per code and a
+    reshape instead compiled to per-value shared-memory shuffles (11.8 vs 7.4 instructions per
+    value before the other changes).
+    """
+    P: tl.constexpr = 32 // BITS
+    H: tl.constexpr = P // 2
+    R: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    # -- shift tree: x[r, c * H + j] = words[r, c] >> (j * BITS), j < H. Interleaving puts the new
+    #    elements in the thread that loaded the word: no data crosses threads.
+    x = words
+    for level in tl.static_range(3):
+        if (1 << level) < H:
+            x = tl.interleave(x, x >> ((H // 2 >> level) * BITS))
+    # -- codes j and j + H sit at bits 0 and 16 of x: one mask isolates both (and drops the sign
+    #    bits the arithmetic >> dragged in). Read as fp16, each half is the subnormal code * 2^-24;
+    #    widening it to fp32 is exact and runs at full rate (HADD2.F32 on either half) where an
+    #    int-to-float conversion (I2F) runs at quarter rate. Multiplying the scale by 2^24 (exact)
+    #    makes the FMA below compute code * s + z with the single rounding of the reference.
+    y = x & (((1 << BITS) - 1) * 0x10001)
+    lo = y.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (y >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    # -- scale/zero: one value per (word, j), like lo and hi
+    s = scale.to(tl.float32) * 16777216.0
+    z = zero.to(tl.float32)
+    for level in tl.static_range(7):
+        if (1 << level) < G // 2:
+            s = tl.interleave(s, s)
+            z = tl.interleave(z, z)
+    lo = lo * s + z
+    hi = hi * s + z
+    # -- back to natural order: (R, C, H, 2) -> (R, C, 2, H), relabelling registers only
+    out = tl.join(tl.reshape(lo, (R, C, H)), tl.reshape(hi, (R, C, H)))
+    return tl.reshape(tl.permute(out, (0, 1, 3, 2)), (R, C * P))
+
+
+@triton.jit
+def _dequant_keys_t(k_ptr, ks_ptr, kz_ptr, plane, start, hi, T_CAP,
+                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Keys of tokens [start, start + BLOCK_N) of one (slot, KV head) plane, transposed to
+    (D, BLOCK_N) fp32 so that the packed (token) axis is last, where ``_dequant_last`` unpacks.
+
+    Codes: (T_CAP / P, D) int32 per plane, token t in row t // P at bits (t % P) * BITS.
+    Scale/zero: (T_CAP / G, D) fp16 per plane (one group = one channel over G tokens).
+    Tokens >= hi read as 0 (neither codes nor scales beyond the valid length are touched).
+    """
+    P: tl.constexpr = 32 // BITS
+    offs_d = tl.arange(0, D)
+    rows = start // P + tl.arange(0, BLOCK_N // P)
+    words = tl.load(k_ptr + plane * (T_CAP // P * D) + rows[None, :] * D + offs_d[:, None],
+                    mask=(rows * P < hi)[None, :], other=0)               # (D, BLOCK_N / P)
+    groups = start // G + tl.arange(0, BLOCK_N // G)
+    sz_offs = plane * (T_CAP // G * D) + groups[None, :] * D + offs_d[:, None]
+    sz_mask = (groups * G < hi)[None, :]
+    scale = tl.load(ks_ptr + sz_offs, mask=sz_mask, other=0.0)          # (D, BLOCK_N / G)
+    zero = tl.load(kz_ptr + sz_offs, mask=sz_mask, other=0.0)
+    return _dequant_last(words, scale, zero, BITS, G)
+
+
+@triton.jit
+def _dequant_values(v_ptr, vs_ptr, vz_ptr, plane, tokens, valid, T_CAP,
+                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """Values of ``tokens`` (BLOCK_N,) of one plane -> (BLOCK_N, D) fp32; invalid rows read 0.
+
+    Codes: (T_CAP, D / P) int32 per plane, channel c in column c // P at bits (c % P) * BITS.
+    Scale/zero: (T_CAP, D / G) fp16 per plane (one group = G channels of one token).
+    """
+    P: tl.constexpr = 32 // BITS
+    cols = tl.arange(0, D // P)
+    words = tl.load(v_ptr + plane * (T_CAP * (D // P)) + tokens[:, None] * (D // P) + cols[None, :],
+                    mask=valid[:, None], other=0)                        # (BLOCK_N, D / P)
+    gcols = tl.arange(0, D // G)
+    sz_offs = plane * (T_CAP * (D // G)) + tokens[:, None] * (D // G) + gcols[None, :]
+    scale = tl.load(vs_ptr + sz_offs, mask=valid[:, None], other=0.0)    # (BLOCK_N, D / G)
+    zero = tl.load(vz_ptr + sz_offs, mask=valid[:, None], other=0.0)
+    return _dequant_last(words, scale, zero, BITS, G)
+
+
+@triton.jit
+def _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  BF16_BY_HAND: tl.constexpr):
+    """One online-softmax step over a block of BLOCK_N tokens, heads on the dots' N axis.
+
+    q_t: (D, BLOCK_H) in DOT_DTYPE; k_t: (D, BLOCK_N) and v: (BLOCK_N, D) holding model-dtype
+    (ELEM) values; valid: (BLOCK_N,) bool. m_i, l_i: (BLOCK_H,) fp32 running max (log2 domain) and
+    denominator; acc: (D, BLOCK_H) fp32. Transposes only relabel (registers or shared memory).
+    """
+    s = tl.dot(tl.trans(k_t.to(DOT_DTYPE)), q_t, input_precision=INPUT_PRECISION) * qk_scale
+    s = tl.where(valid[:, None], s, float("-inf"))                      # (BLOCK_N, BLOCK_H)
+    # Every block holds >= 1 valid token, so m_new is finite and exp2(-inf - m_new) == 0.
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    # p is rounded to the model dtype like in any fp16/bf16 flash attention.
+    p_lo = _round_to(p, ELEM, BF16_BY_HAND).to(DOT_DTYPE)
+    pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p_lo, input_precision=INPUT_PRECISION)  # (D, BLOCK_H)
+    return m_new, l_i, acc * alpha[None, :] + pv
+
+
+@triton.jit
+def _decode_attention_split_kernel(
+    q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
+    m_ptr, l_ptr, acc_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    H_KV, T_CAP, R,
+    NUM_SPLITS: tl.constexpr, GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    # int64: Bmax * H_kv * T_cap * D exceeds 2^31 for large caches; offsets inside one plane fit.
+    plane = b.to(tl.int64) * H_KV + h
+    # Clamping keeps a corrupt length from reading outside the buffers.
+    n_quant = tl.minimum(tl.load(lens_ptr + 2 * b), T_CAP)
+    n_ring = tl.minimum(tl.load(lens_ptr + 2 * b + 1), R)
+
+    heads = tl.arange(0, BLOCK_H)  # heads >= GQA are padding for tl.dot: q = 0, never stored
+    head_ok = heads < GQA
+    offs_d = tl.arange(0, D)
+    q_t = tl.load(q_ptr + b * stride_qb + (h * GQA + heads)[None, :] * stride_qh
+                  + offs_d[:, None] * stride_qd, mask=head_ok[None, :], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((D, BLOCK_H), tl.float32)
+    elem_ty = kr_ptr.dtype.element_ty
+
+    if split < NUM_SPLITS:
+        # -- quantized region: this split's block-aligned share of [0, n_quant)
+        split_len = tl.cdiv(tl.cdiv(n_quant, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, n_quant)
+        for start in range(lo, hi, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            valid = tokens < hi
+            if BITS == 16:
+                k_t = tl.load(k_ptr + plane * T_CAP * D + tokens[None, :] * D + offs_d[:, None],
+                              mask=valid[None, :], other=0.0)
+                v = tl.load(v_ptr + plane * T_CAP * D + tokens[:, None] * D + offs_d[None, :],
+                            mask=valid[:, None], other=0.0)
+            else:
+                k_t = _dequant_keys_t(k_ptr, ks_ptr, kz_ptr, plane, start, hi, T_CAP,
+                                      D, BITS, G, BLOCK_N)
+                v = _dequant_values(v_ptr, vs_ptr, vz_ptr, plane, tokens, valid, T_CAP,
+                                    D, BITS, G)
+                k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
+                v = _round_to(v, elem_ty, BF16_BY_HAND)
+            m_i, l_i, acc = _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, elem_ty,
+                                          DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
+    else:
+        # -- residual ring: [0, n_ring) in the model dtype. Not software-pipelined: it is at most
+        #    R / BLOCK_N (2) blocks, and a pipelined loop gets its own multi-buffered shared memory
+        #    next to the main loop's (sm_90, bits 2, D 128: 68 KB per program instead of 35 KB).
+        for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
+            tokens = start + tl.arange(0, BLOCK_N)
+            valid = tokens < n_ring
+            k_t = tl.load(kr_ptr + plane * R * D + tokens[None, :] * D + offs_d[:, None],
+                          mask=valid[None, :], other=0.0)
+            v = tl.load(vr_ptr + plane * R * D + tokens[:, None] * D + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, elem_ty,
+                                          DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
+
+    # -- partials: m, l (B, H_q, S) and acc (B, H_q, S, D) fp32, S = NUM_SPLITS + 1
+    rows = (b * (H_KV * GQA) + h * GQA + heads) * (NUM_SPLITS + 1) + split
+    tl.store(m_ptr + rows, m_i, mask=head_ok)
+    tl.store(l_ptr + rows, l_i, mask=head_ok)
+    tl.store(acc_ptr + rows[None, :] * D + offs_d[:, None], acc, mask=head_ok[None, :])
+
+
+@triton.jit
+def _decode_attention_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    H_Q, stride_ob, stride_oh, stride_od,
+    S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * H_q + query head
+    offs_d = tl.arange(0, D)
+    # -- pass 1: the global max over the splits' running maxima
+    m_run = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        m = tl.load(m_ptr + row * S + offs_s, mask=offs_s < S, other=float("-inf"))
+        m_run = tl.maximum(m_run, m)
+    m_max = tl.max(m_run, axis=0)
+    # All splits empty only happens on an empty slot (outside the contract): give 0, not NaN.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    # -- pass 2: rescale to the global max and sum
+    l_run = tl.zeros((BLOCK_S,), tl.float32)
+    acc_run = tl.zeros((BLOCK_S, D), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        in_range = offs_s < S
+        m = tl.load(m_ptr + row * S + offs_s, mask=in_range, other=float("-inf"))
+        l = tl.load(l_ptr + row * S + offs_s, mask=in_range, other=0.0)
+        a = tl.load(acc_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        w = tl.exp2(m - m_max)
+        l_run += w * l
+        acc_run += w[:, None] * a
+    l_sum = tl.sum(l_run, axis=0)
+    acc = tl.sum(acc_run, axis=0)
+    out = tl.where(l_sum > 0.0, acc / l_sum, 0.0)
+    b = row // H_Q
+    hq = row % H_Q
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d * stride_od,
+             _round_to(out, out_ty, BF16_BY_HAND).to(out_ty))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher (callable on CPU tensors under TRITON_INTERPRET=1)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int) -> int:
+    """Splits of the quantized region per (slot, KV head): a launch-time constant.
+
+    Aims at ~4 programs per SM (about as many as fit at once at 4 warps and ~128 registers per
+    thread), so one wave covers the GPU even for a single long sequence; never cuts a full-capacity
+    region into pieces shorter than 4 blocks (each program also pays a fixed cost for its q load and
+    partial store); at most 64 so the combine stays cheap. Depends only on shapes, never on lens.
+    """
+    want = triton.cdiv(4 * sm_count, batch * h_kv)
+    useful = max(1, capacity // (4 * block_n))
+    return max(1, min(want, useful, 64))
+
+
+def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtype):
+    """(BLOCK_N, num_warps, num_stages) when the caller gives none.
+
+    Tiles of 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup, so on sm_90 the dots
+    (M = BLOCK_N tokens) are wgmma; a block holds whole key groups. Compiled sm_90 loop for bits 2,
+    D 128, bf16: 5.8 instructions per cached value, 96 registers and 36 KB of shared memory per
+    program at 3 stages, no spills. bits 16 keeps 2 stages (its tiles are 8x larger: 69 KB).
+    fp32 models use 4096-value tiles: fp32 dots run on the FMA units and spill at 8192.
+    """
+    tile = 4096 if dtype == torch.float32 else 8192
+    block_n = max(16, tile // head_dim)
+    if bits == 16:
+        return block_n, 4, 2
+    block_n = max(block_n, group_size)
+    return block_n, (4 if block_n * head_dim <= 8192 else 8), 3
+
+
+def _decode_attention_triton(
+    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+    scale: float, bits: int, group_size: int, *,
+    num_splits: Optional[int] = None, block_n: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`decode_attention` (inputs already validated).
+
+    The keyword arguments override the launch configuration (tests, tuning); ``block_n`` must be a
+    power of two, >= 16 and a multiple of ``group_size`` when ``bits < 16``.
+    """
+    batch, h_q, d = q.shape
+    h_kv = k_ring.shape[1]
+    ring_cap = k_ring.shape[2]
+    capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
+    cfg_block_n, cfg_warps, cfg_stages = _default_config(bits, group_size, d, q.dtype)
+    block_n = block_n or cfg_block_n
+    num_warps = num_warps or cfg_warps
+    num_stages = num_stages or cfg_stages
+    if block_n < 16 or block_n & (block_n - 1) or (bits != 16 and block_n % group_size):
+        raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of group_size="
+                         f"{group_size}, got {block_n}")
+    if num_splits is None:
+        sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 1
+        num_splits = _num_splits(batch, h_kv, capacity, block_n, sm_count)
+    gqa = h_q // h_kv
+    n_slots = num_splits + 1  # + the ring's split
+
+    m = torch.empty(batch, h_q, n_slots, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(batch, h_q, n_slots, d, dtype=torch.float32, device=q.device)
+    out = q.new_empty(batch, h_q, d)
+
+    # fp32 models get exact fp32 products (tf32 would be far less precise than the model dtype).
+    # The interpreter (triton 3.9) mishandles bf16: its tl.dot multiplies the raw uint16 bits and
+    # its fp32 -> bf16 cast truncates. There bf16 values are rounded by hand and kept in fp32,
+    # and the dots run in fp32 on them: the same products, exact in fp32, as on the GPU.
+    bf16_by_hand = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
+    if q.dtype == torch.float32 or bf16_by_hand:
+        dot_dtype, precision = tl.float32, "ieee"
+    else:
+        dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
+
+    _decode_attention_split_kernel[(batch, h_kv, n_slots)](
+        q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+        m, l, acc,
+        scale * _LOG2E,
+        *q.stride(),
+        h_kv, capacity, ring_cap,
+        NUM_SPLITS=num_splits, GQA=gqa, BLOCK_H=max(8, triton.next_power_of_2(gqa)), D=d,
+        BITS=bits, G=group_size, BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_attention_combine_kernel[(batch * h_q,)](
+        m, l, acc, out, h_q, *out.stride(),
+        S=n_slots, D=d, BLOCK_S=min(16, triton.next_power_of_2(n_slots)),
+        BF16_BY_HAND=bf16_by_hand, num_warps=4,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-PyTorch reference (same signature and output layout; runs on any device, syncs on lens)
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_attention_ref(
+    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+    scale: float, bits: int, group_size: int,
+) -> torch.Tensor:
+    """Reference for :func:`decode_attention`: per slot, dequantize the valid region and append the
+    valid ring in fp32, then plain softmax attention in fp32; the output is cast to q's dtype."""
+    batch, h_q, d = q.shape
+    h_kv = k_ring.shape[1]
+    out = q.new_empty(batch, h_q, d)
+    for b, (n_quant, n_ring) in enumerate(lens[:batch].tolist()):
+        if bits == 16:
+            k = k_cache[b, :, :n_quant].float()                        # (H_kv, n_quant, D)
+            v = v_cache[b, :, :n_quant].float()
+        else:
+            rows = n_quant // codes_per_word(bits)
+            groups = n_quant // group_size
+            k = dequantize_keys_ref(k_cache[b:b + 1, :, :rows], k_scale[b:b + 1, :, :groups],
+                                    k_zero[b:b + 1, :, :groups], bits, group_size,
+                                    torch.float32)[0]
+            v = dequantize_values_ref(v_cache[b:b + 1, :, :n_quant], v_scale[b:b + 1, :, :n_quant],
+                                      v_zero[b:b + 1, :, :n_quant], bits, group_size,
+                                      torch.float32)[0]
+        k = torch.cat([k, k_ring[b, :, :n_ring].float()], dim=1)         # (H_kv, T_b, D)
+        v = torch.cat([v, v_ring[b, :, :n_ring].float()], dim=1)
+        qb = q[b].float().reshape(h_kv, h_q // h_kv, d)                   # (H_kv, gqa, D)
+        probs = torch.softmax(qb @ k.transpose(1, 2) * scale, dim=-1)   # (H_kv, gqa, T_b)
+        out[b] = (probs @ v).view(h_q, d).to(q.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered op: the reference by default (CPU), the Triton kernels on CUDA
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("minikv::decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
+    scale: float, bits: int, group_size: int,
+) -> torch.Tensor:
+    return decode_attention_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
+                                k_ring, v_ring, lens, scale, bits, group_size)
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+      scale, bits, group_size):
+    return q.new_empty(q.shape)
+
+
+_decode_attention_op.register_kernel("cuda")(_decode_attention_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+                  bits, group_size):
+    check_choice("bits", bits, (2, 4, 16))
+    if bits != 16:
+        check_quant_params(bits, group_size)
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    batch, h_q, d = q.shape
+    check_choice("head_dim (q.shape[2])", d, _HEAD_DIMS)
+    dev, dt = q.device, q.dtype
+    check_tensor("k_ring", k_ring, ndim=4, dtypes=(dt,), device=dev, contiguous=True)
+    b_max, h_kv, ring_cap, _ = k_ring.shape
+    check_tensor("k_ring", k_ring, shape=(b_max, h_kv, ring_cap, d))
+    check_tensor("v_ring", v_ring, shape=(b_max, h_kv, ring_cap, d), dtypes=(dt,), device=dev,
+                 contiguous=True)
+    check_tensor("lens", lens, shape=(b_max, 2), dtypes=(torch.int32,), device=dev,
+                 contiguous=True)
+    if not 1 <= batch <= b_max:
+        raise ValueError(f"q: expected 1 <= batch (q.shape[0]) <= max_batch_size={b_max}, "
+                         f"got {batch}")
+    if h_q % h_kv:
+        raise ValueError(f"q: expected query heads divisible by KV heads {h_kv}, got {h_q}")
+
+    if bits == 16:
+        check_tensor("k_cache", k_cache, ndim=4, dtypes=(dt,), device=dev, contiguous=True)
+        capacity = k_cache.shape[2]
+        want = (b_max, h_kv, capacity, d)
+        check_tensor("k_cache", k_cache, shape=want)
+        check_tensor("v_cache", v_cache, shape=want, dtypes=(dt,), device=dev, contiguous=True)
+        for name, t in (("k_scale", k_scale), ("k_zero", k_zero),
+                        ("v_scale", v_scale), ("v_zero", v_zero)):
+            if t.numel() != 0:
+                raise ValueError(f"{name}: expected an empty tensor when bits=16, "
+                                 f"got shape {tuple(t.shape)}")
+        return
+
+    g, p = group_size, codes_per_word(bits)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(torch.int32,), device=dev, contiguous=True)
+    capacity = v_cache.shape[2]
+    if capacity % g or d % g or ring_cap % g:
+        raise ValueError(f"cache: expected capacity, head_dim and ring length divisible by "
+                         f"group_size={g}, got {capacity}, {d}, {ring_cap}")
+    check_tensor("v_cache", v_cache, shape=(b_max, h_kv, capacity, d // p))
+    check_tensor("k_cache", k_cache, shape=(b_max, h_kv, capacity // p, d), dtypes=(torch.int32,),
+                 device=dev, contiguous=True)
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero)):
+        check_tensor(name, t, shape=(b_max, h_kv, capacity // g, d), dtypes=(torch.float16,),
+                     device=dev, contiguous=True)
+    for name, t in (("v_scale", v_scale), ("v_zero", v_zero)):
+        check_tensor(name, t, shape=(b_max, h_kv, capacity, d // g), dtypes=(torch.float16,),
+                     device=dev, contiguous=True)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
+    scale: float, bits: int = 2, group_size: int = 16,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over one layer's compressed cache.
+
+    One softmax per (slot, query head) over the slot's quantized tokens followed by its ring
+    tokens; query head ``i`` uses KV head ``i // (H_q / H_kv)``. Slots ``>= B`` are never read.
+    Reads ``lens`` on the device (no host sync); safe to capture in a CUDA graph, and the graph
+    may be replayed after ``lens`` changes in place.
+
+    Args:
+        q: ``(B, H_q, D)`` fp16/bf16/fp32, any strides; ``B <= Bmax``, ``D`` in {16, 32, 64, 128,
+            256}, ``H_q % H_kv == 0``.
+        k_cache: bits 2/4: ``(Bmax, H_kv, T_cap * bits / 32, D)`` int32, token ``t`` in row
+            ``t // (32 / bits)`` at bit offset ``(t % (32 / bits)) * bits``;
+            bits 16: ``(Bmax, H_kv, T_cap, D)`` in q's dtype.
+        k_scale, k_zero: ``(Bmax, H_kv, T_cap / G, D)`` fp16 (one group = one channel over G
+            tokens); empty when bits == 16.
+        v_cache: bits 2/4: ``(Bmax, H_kv, T_cap, D * bits / 32)`` int32, channel ``c`` in column
+            ``c // (32 / bits)`` at bit offset ``(c % (32 / bits)) * bits``;
+            bits 16: ``(Bmax, H_kv, T_cap, D)`` in q's dtype.
+        v_scale, v_zero: ``(Bmax, H_kv, T_cap, D / G)`` fp16 (one group = G channels of one
+            token); empty when bits == 16.
+        k_ring, v_ring: ``(Bmax, H_kv, R, D)`` in q's dtype, the fp residual ring.
+        lens: ``(Bmax, 2)`` int32 on q's device: ``lens[b, 0]`` quantized tokens of slot b (a
+            multiple of G, <= T_cap), ``lens[b, 1]`` ring tokens (<= R). Every active slot must
+            hold at least one token. Values outside these ranges are not checked (that would
+            sync); the kernel clamps them to the buffers.
+        scale: softmax scale, usually ``D ** -0.5``.
+        bits: 2 or 4 (quantized) or 16 (no quantization).
+        group_size: G in {16, 32, 64, 128}; ``T_cap``, ``R`` and ``D`` are multiples of it
+            (ignored when bits == 16).
+        All cache buffers and ``lens`` are contiguous and on q's device.
+
+    Returns:
+        ``(B, H_q, D)`` in q's dtype, contiguous.
+
+    Raises:
+        ValueError: a shape, dtype or device inconsistent with the layout above.
+    """
+    _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+                  bits, group_size)
+    return torch.ops.minikv.decode_attention(q, k_cache, k_scale, k_zero, v_cache, v_scale,
+                                             v_zero, k_ring, v_ring, lens, float(scale), bits,
+                                             group_size)
