@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import sys
@@ -222,7 +223,7 @@ def _free_bytes() -> int:
 
 def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[int, int, int, int]:
     """(BLOCK_N, num_warps, num_stages, NUM_SPLITS) the op uses for ``cfg``, or with overrides."""
-    from minikv_compile.ops import decode_attention as da
+    da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     dtype = getattr(torch, cfg.dtype)
     bn, warps, stages = da._default_config(cfg.bits, cfg.group_size, cfg.D, dtype)
@@ -304,7 +305,7 @@ _CANDIDATES = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2,
 
 def tune(cfg: ExperimentConfig) -> None:
     """Time (BLOCK_N, warps, stages) candidates, then halve/double NUM_SPLITS of the best."""
-    from minikv_compile.ops import decode_attention as da
+    da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     nbytes = bytes_read(cfg)
     replicas = _replicas(nbytes)

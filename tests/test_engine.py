@@ -209,23 +209,31 @@ def test_pyramid_budgets_average_to_the_uniform_budget():
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_graph_replay_equals_eager_and_is_replayed():
+def test_gpu_graph_replay_equals_the_step_it_captured_and_is_replayed():
     model = tiny(dtype=torch.bfloat16, device="cuda")
     base = dict(residual_length=32, max_prompt_len=128, max_new_tokens=200, max_batch_size=4)
-    eager = minikv_compile(model, MiniKVConfig(**base, compile=False, cuda_graphs=False))
+    unreplayed = minikv_compile(model, MiniKVConfig(**base, compile=True, cuda_graphs=False))
     graph = minikv_compile(model, MiniKVConfig(**base))
+    eager = minikv_compile(model, MiniKVConfig(**base, compile=False, cuda_graphs=False))
     prompts = [prompt_of(n, seed=n) for n in (9, 120, 64)]
-    want = eager.generate(prompts, max_new_tokens=200).sequences
     r = graph.runner
     before = r.replays
     out = graph.generate(prompts, max_new_tokens=200)
-    assert out.sequences == want
+    # Replaying the captured graph is the compiled step, bit for bit (199 steps, 6 flushes).
+    assert out.sequences == unreplayed.generate(prompts, max_new_tokens=200).sequences
     assert r.replays - before == 199
     assert graph.stats["compiles"] == len(graph.stats["graphs"]) == 1  # bucket 4 only, no per-step
+    # Compiled vs eager: inductor fuses bf16 elementwise chains in fp32 and rounds once, eager
+    # rounds after every op, so greedy paths of a random model may part; the log-probs of the
+    # same tokens must agree to bf16 precision (2**-8 relative on |logp| ~ 4.6 -> ~0.02; 0.1 max).
+    lp_graph = graph.teacher_force(prompts, out.sequences)
+    lp_eager = eager.teacher_force(prompts, out.sequences)
+    for a, b in zip(lp_graph, lp_eager):
+        assert (a - b).abs().max() < 0.1
     torch.cuda.set_sync_debug_mode("error")  # a host sync inside a replayed step would raise
     try:
         for _ in range(10):
-            r.run_step(4, True)
+            r.run_step(4, "greedy")
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
