@@ -18,6 +18,8 @@ at the start of step ``s + 1``, so the attention of step ``s`` still saw it in f
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +29,12 @@ from .quant import (_quantize_key_block, _quantize_value_block, quantize_keys, q
                     quantize_values, quantize_values_ref)
 
 _GROUP_SIZES = (16, 32, 64, 128)
-# A flush works through the ring in tiles of about this many elements (32 registers per thread
-# at 4 warps): one (slot, head) program holds R x D = 16K values for R = D = 128.
-_FLUSH_TILE_ELEMENTS = 4096
+# Elements of one input tensor that a program holds at once (16 registers per thread at 4 warps).
+# A flush program quantizes one G x D block of ring keys and as many ring values: for B = 8 slots,
+# H_kv = 8, R = D = 128, G = 16 that is B * H * R / G = 512 programs, enough for every SM of an
+# H100/H200 (132). One program per (slot, head) quantizing its whole 128 x 128 ring serially took
+# 64 us per layer on an H200 (most SMs idle, each program a chain of dependent tile loads).
+_TILE_ELEMENTS = 2048
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,131 +58,143 @@ def _append_plan(n_quant, n_ring, T_cap, RING: tl.constexpr):
 
 
 @triton.jit
-def _flush_keys(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, D, T_cap,
-                RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                GROUPS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Quantize the R ring keys of one (slot, head) into its region from token n_quant."""
+def _flush_key_group(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, j, d0, D, T_cap,
+                     RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                     BLOCK_DK: tl.constexpr):
+    """Quantize ring key group ``j`` (tokens [j * G, (j + 1) * G)) of one (slot, head), channels
+    [d0, d0 + BLOCK_DK), into region group ``n_quant / G + j``."""
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = G // P
     w = tl.arange(0, W)
     p = tl.arange(0, P)
-    d = tl.arange(0, BLOCK_D)
+    d = d0 + tl.arange(0, BLOCK_DK)
     d_ok = d < D
-    ring = ring_ptr + bh * RING * D
-    for g0 in range(0, RING // G, GROUPS):
-        g = g0 + tl.arange(0, GROUPS)
-        g_ok = g < RING // G
-        t = (g[:, None, None, None] * W + w[None, :, None, None]) * P + p[None, None, :, None]
-        x = tl.load(ring + t * D + d[None, None, None, :],
-                    mask=g_ok[:, None, None, None] & d_ok[None, None, None, :], other=0.0)
-        packed, scale_h, zero_h = _quantize_key_block(x.to(tl.float32), BITS)
-        row = n_quant // P + g[:, None, None] * W + w[None, :, None]
-        tl.store(codes_ptr + (bh * (T_cap // P) + row) * D + d[None, None, :], packed,
-                 mask=g_ok[:, None, None] & d_ok[None, None, :])
-        sz = (bh * (T_cap // G) + n_quant // G + g[:, None]) * D + d[None, :]
-        sz_ok = g_ok[:, None] & d_ok[None, :]
-        tl.store(scale_ptr + sz, scale_h, mask=sz_ok)
-        tl.store(zero_ptr + sz, zero_h, mask=sz_ok)
+    # -- load [1, W, P, BLOCK_DK]: one group, token j * G + w * P + p
+    t = j * G + w[None, :, None, None] * P + p[None, None, :, None]
+    x = tl.load(ring_ptr + (bh * RING + t) * D + d[None, None, None, :],
+                mask=d_ok[None, None, None, :], other=0.0)
+    packed, scale_h, zero_h = _quantize_key_block(x.to(tl.float32), BITS)  # [1, W, BD], [1, BD]
+    # -- store codes rows n_quant / P + j * W + w and scale/zero row n_quant / G + j
+    row = n_quant // P + j * W + w[None, :, None]
+    tl.store(codes_ptr + (bh * (T_cap // P) + row) * D + d[None, None, :], packed,
+             mask=d_ok[None, None, :])
+    sz = (bh * (T_cap // G) + n_quant // G + j) * D + d[None, :]
+    tl.store(scale_ptr + sz, scale_h, mask=d_ok[None, :])
+    tl.store(zero_ptr + sz, zero_h, mask=d_ok[None, :])
 
 
 @triton.jit
-def _flush_values(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, D, T_cap,
-                  RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                  TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr):
-    """Quantize the R ring values of one (slot, head) into its region from token n_quant."""
+def _flush_value_tokens(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, t0, D, T_cap,
+                        RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                        TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr):
+    """Quantize ring values [t0, t0 + TOKENS) of one (slot, head), all their channel groups,
+    into region tokens from ``n_quant + t0``."""
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = G // P
     NG = D // G
+    t = t0 + tl.arange(0, TOKENS)
     g = tl.arange(0, BLOCK_NG)
     g_ok = g < NG
     w = tl.arange(0, W)
     p = tl.arange(0, P)
+    # -- load [TOKENS, BLOCK_NG, W, P]: channel (g * W + w) * P + p
     c = (g[None, :, None, None] * W + w[None, None, :, None]) * P + p[None, None, None, :]
+    x = tl.load(ring_ptr + (bh * RING + t[:, None, None, None]) * D + c,
+                mask=g_ok[None, :, None, None], other=0.0)
+    packed, scale_h, zero_h = _quantize_value_block(x.to(tl.float32), BITS)  # [TB, NG, W], [TB, NG]
+    # -- store codes columns g * W + w and scale/zero columns g of region tokens n_quant + t
+    dst = bh * T_cap + n_quant + t
     col = g[None, :, None] * W + w[None, None, :]
-    ring = ring_ptr + bh * RING * D
-    for t0 in range(0, RING, TOKENS):
-        t = t0 + tl.arange(0, TOKENS)
-        t_ok = t < RING
-        x = tl.load(ring + t[:, None, None, None] * D + c,
-                    mask=t_ok[:, None, None, None] & g_ok[None, :, None, None], other=0.0)
-        packed, scale_h, zero_h = _quantize_value_block(x.to(tl.float32), BITS)
-        dst = bh * T_cap + n_quant + t
-        tl.store(codes_ptr + dst[:, None, None] * (D // P) + col, packed,
-                 mask=t_ok[:, None, None] & g_ok[None, :, None])
-        sz = dst[:, None] * NG + g[None, :]
-        sz_ok = t_ok[:, None] & g_ok[None, :]
-        tl.store(scale_ptr + sz, scale_h, mask=sz_ok)
-        tl.store(zero_ptr + sz, zero_h, mask=sz_ok)
+    tl.store(codes_ptr + dst[:, None, None] * (D // P) + col, packed, mask=g_ok[None, :, None])
+    sz = dst[:, None] * NG + g[None, :]
+    tl.store(scale_ptr + sz, scale_h, mask=g_ok[None, :])
+    tl.store(zero_ptr + sz, zero_h, mask=g_ok[None, :])
 
 
 @triton.jit
-def _flush_plain(ring_ptr, cache_ptr, bh, n_quant, D, T_cap,
-                 RING: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """bits == 16: copy the R ring tokens of one (slot, head) into its region from n_quant."""
+def _flush_plain_tokens(ring_ptr, cache_ptr, bh, n_quant, t0, D, T_cap,
+                        RING: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """bits == 16: copy ring tokens [t0, t0 + TOKENS) of one (slot, head) to region tokens from
+    ``n_quant + t0``."""
+    t = t0 + tl.arange(0, TOKENS)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    ring = ring_ptr + bh * RING * D
-    for t0 in range(0, RING, TOKENS):
-        t = t0 + tl.arange(0, TOKENS)
-        mask = (t < RING)[:, None] & d_ok[None, :]
-        x = tl.load(ring + t[:, None] * D + d[None, :], mask=mask)
-        tl.store(cache_ptr + (bh * T_cap + n_quant + t[:, None]) * D + d[None, :], x, mask=mask)
+    mask = (t < RING)[:, None] & (d < D)[None, :]
+    x = tl.load(ring_ptr + (bh * RING + t[:, None]) * D + d[None, :], mask=mask)
+    tl.store(cache_ptr + (bh * T_cap + n_quant + t[:, None]) * D + d[None, :], x, mask=mask)
 
 
 @triton.jit
-def _cache_append_kernel(
-    k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+def _flush_kernel(
+    k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
     H, D, T_cap,
-    RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
-    KEY_GROUPS: tl.constexpr, VALUE_TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr,
-    PLAIN_TOKENS: tl.constexpr,
+    RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One program per (slot, kv head). Every program reads only its own ring and writes only its
-    # own region and ring, so programs never see each other's writes. lens is only read here:
-    # all heads of a slot need the old counters, so _advance_lens_kernel updates them afterwards.
+    # Launch 1 of cache_append. One program per (slot, kv head, ring chunk); a chunk is, with
+    # bits < 16, the channel block c % SPLIT of ring key group c // SPLIT plus the matching
+    # 1 / SPLIT of that group's value tokens; with bits == 16, TOKENS ring tokens of K and V.
+    # Programs read the ring and lens and write only their own region cells, so no program reads
+    # what another writes. The new token's ring write and the counter update come in launch 2.
     b = tl.program_id(0)
     h = tl.program_id(1)
-    bh = (b * H + h).to(tl.int64)
+    c = tl.program_id(2)
     n_quant = tl.load(lens + 2 * b)
     n_ring = tl.load(lens + 2 * b + 1)
-    flush, write, index, _, _ = _append_plan(n_quant, n_ring, T_cap, RING)
-
-    # -- flush: the full ring -> region tokens [n_quant, n_quant + R)
-    if flush:
+    flush, _, _, _, _ = _append_plan(n_quant, n_ring, T_cap, RING)
+    if flush:  # the other slots' programs end here (the common step: no slot flushes)
+        bh = (b * H + h).to(tl.int64)
         if BITS == 16:
-            _flush_plain(k_ring, k_cache, bh, n_quant, D, T_cap, RING, PLAIN_TOKENS, BLOCK_D)
-            _flush_plain(v_ring, v_cache, bh, n_quant, D, T_cap, RING, PLAIN_TOKENS, BLOCK_D)
+            _flush_plain_tokens(k_ring, k_cache, bh, n_quant, c * TOKENS, D, T_cap,
+                                RING, TOKENS, BLOCK_D)
+            _flush_plain_tokens(v_ring, v_cache, bh, n_quant, c * TOKENS, D, T_cap,
+                                RING, TOKENS, BLOCK_D)
         else:
-            _flush_keys(k_ring, k_cache, k_scale, k_zero, bh, n_quant, D, T_cap,
-                        RING, BITS, G, KEY_GROUPS, BLOCK_D)
-            _flush_values(v_ring, v_cache, v_scale, v_zero, bh, n_quant, D, T_cap,
-                          RING, BITS, G, VALUE_TOKENS, BLOCK_NG)
-    # The flush read ring row 0 through threads other than those that overwrite it below; the
-    # CTA barrier orders those global reads before the write.
-    tl.debug_barrier()
+            j = c // SPLIT
+            i = c % SPLIT
+            _flush_key_group(k_ring, k_cache, k_scale, k_zero, bh, n_quant, j, i * BLOCK_DK, D,
+                             T_cap, RING, BITS, G, BLOCK_DK)
+            _flush_value_tokens(v_ring, v_cache, v_scale, v_zero, bh, n_quant,
+                                j * G + i * TOKENS, D, T_cap, RING, BITS, G, TOKENS, BLOCK_NG)
 
-    # -- append: the new token -> ring row `index`
+
+@triton.jit
+def _append_kernel(
+    k_new, v_new, k_ring, v_ring, lens,
+    stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+    H, D, T_cap,
+    RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Launch 2 of cache_append, after every flush program has read the ring and lens. One program
+    # per slot, all heads: it is the only reader and writer of lens[b] in this launch, so it can
+    # advance the counters itself instead of a third launch (which would cost every decode step
+    # another ~2 us per layer, not just the flush step).
+    b = tl.program_id(0)
+    b64 = b.to(tl.int64)
+    n_quant = tl.load(lens + 2 * b)
+    n_ring = tl.load(lens + 2 * b + 1)
+    _, write, index, new_quant, new_ring = _append_plan(n_quant, n_ring, T_cap, RING)
+
+    # -- append: the new token of every head -> ring row `index`
     if write:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        b64 = b.to(tl.int64)
-        k = tl.load(k_new + b64 * stride_kb + h * stride_kh + d * stride_kd, mask=d_ok)
-        v = tl.load(v_new + b64 * stride_vb + h * stride_vh + d * stride_vd, mask=d_ok)
-        dst = (bh * RING + index) * D + d
-        tl.store(k_ring + dst, k, mask=d_ok)
-        tl.store(v_ring + dst, v, mask=d_ok)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            mask = (h < H)[:, None] & d_ok[None, :]
+            k = tl.load(k_new + b64 * stride_kb + h[:, None] * stride_kh + d[None, :] * stride_kd,
+                        mask=mask)
+            v = tl.load(v_new + b64 * stride_vb + h[:, None] * stride_vh + d[None, :] * stride_vd,
+                        mask=mask)
+            dst = ((b64 * H + h[:, None]) * RING + index) * D + d[None, :]
+            tl.store(k_ring + dst, k, mask=mask)
+            tl.store(v_ring + dst, v, mask=mask)
 
-
-@triton.jit
-def _advance_lens_kernel(lens, T_cap, RING: tl.constexpr):
-    # One program per slot, launched after _cache_append_kernel has finished.
-    b = tl.program_id(0)
-    n_quant = tl.load(lens + 2 * b)
-    n_ring = tl.load(lens + 2 * b + 1)
-    _, _, _, new_quant, new_ring = _append_plan(n_quant, n_ring, T_cap, RING)
-    tl.store(lens + 2 * b, new_quant)
-    tl.store(lens + 2 * b + 1, new_ring)
+    # -- counters. Every thread loaded lens[b] above, and a thread of another warp may run ahead:
+    # the CTA barrier makes all those reads complete before any thread overwrites lens[b].
+    tl.debug_barrier()
+    if write:
+        tl.store(lens + 2 * b, new_quant)
+        tl.store(lens + 2 * b + 1, new_ring)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,21 +202,38 @@ def _advance_lens_kernel(lens, T_cap, RING: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 
 
+def _flush_tiles(R: int, D: int, bits: int, G: int) -> Tuple[int, int, int, int]:
+    """(CHUNKS, SPLIT, BLOCK_DK, TOKENS): the flush launch has CHUNKS programs per (slot, head).
+
+    bits < 16: each ring key group (G tokens x D channels) is split into SPLIT channel blocks of
+    BLOCK_DK, so that a key tile holds about _TILE_ELEMENTS; program ``c`` takes channel block
+    ``c % SPLIT`` of group ``c // SPLIT`` and the TOKENS = G / SPLIT value tokens from
+    ``(c // SPLIT) * G + (c % SPLIT) * TOKENS``. CHUNKS = (R / G) * SPLIT.
+    bits == 16: program ``c`` copies ring tokens [c * TOKENS, (c + 1) * TOKENS); SPLIT = 1.
+    """
+    block_d = triton.next_power_of_2(D)
+    if bits == 16:
+        tokens = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(R)))
+        return triton.cdiv(R, tokens), 1, block_d, tokens
+    # Powers of two throughout, so SPLIT divides both G and block_d.
+    split = max(1, min(G * block_d // _TILE_ELEMENTS, G, block_d))
+    return R // G * split, split, block_d // split, G // split
+
+
 def _cache_append_triton(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                          k_ring, v_ring, lens, bits: int, group_size: int) -> None:
     B, H, D = k_new.shape
     R, T_cap, G = k_ring.shape[2], v_cache.shape[2], group_size
     block_d = triton.next_power_of_2(D)
-    block_ng = triton.next_power_of_2(max(D // G, 1))
-    key_groups = max(1, min(_FLUSH_TILE_ELEMENTS // (G * block_d), triton.next_power_of_2(R // G)))
-    value_tokens = max(1, min(_FLUSH_TILE_ELEMENTS // (block_ng * G), triton.next_power_of_2(R)))
-    plain_tokens = max(1, min(_FLUSH_TILE_ELEMENTS // block_d, triton.next_power_of_2(R)))
-    _cache_append_kernel[(B, H)](
-        k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-        *k_new.stride(), *v_new.stride(), H, D, T_cap,
-        RING=R, BITS=bits, G=G, BLOCK_D=block_d, KEY_GROUPS=key_groups,
-        VALUE_TOKENS=value_tokens, BLOCK_NG=block_ng, PLAIN_TOKENS=plain_tokens)
-    _advance_lens_kernel[(B,)](lens, T_cap, RING=R)
+    chunks, split, block_dk, tokens = _flush_tiles(R, D, bits, G)
+    _flush_kernel[(B, H, chunks)](
+        k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, H, D, T_cap,
+        RING=R, BITS=bits, G=G, SPLIT=split, BLOCK_DK=block_dk, TOKENS=tokens,
+        BLOCK_NG=triton.next_power_of_2(max(D // G, 1)), BLOCK_D=block_d)
+    block_h = max(1, min(triton.next_power_of_2(H), _TILE_ELEMENTS // block_d))
+    _append_kernel[(B,)](
+        k_new, v_new, k_ring, v_ring, lens, *k_new.stride(), *v_new.stride(), H, D, T_cap,
+        RING=R, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,8 +408,10 @@ def cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor
         bits: 2, 4, or 16 (no quantization).
         group_size: 16, 32, 64 or 128; divides R, D and T_cap when bits < 16.
 
-    On CUDA this is two launches: one program per (slot, head) for the flush and append, then one
-    per slot that advances ``lens`` (every head of a slot must read the old counters).
+    On CUDA this is two launches. 1: the flush, one program per (slot, head, ring chunk) of about
+    G x D keys and values (``_flush_tiles``); programs of slots that do not flush exit at once.
+    2: one program per slot writes the new token of every head to the ring and advances
+    ``lens``; it runs after the flush has read ring row 0 and the old counters.
     """
     Bmax, H, T_cap, R, D = _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                                         k_ring, v_ring, lens, bits, group_size)

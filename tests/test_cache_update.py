@@ -12,6 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
 from minikv_compile.ops import cache_append, cache_write_prefill
+from minikv_compile.ops import cache_update
 from minikv_compile.ops.cache_update import _cache_append_triton, cache_append_ref
 from minikv_compile.ops.quant import (dequantize_keys_ref, dequantize_values_ref,
                                       quantize_keys_ref, quantize_values_ref)
@@ -190,6 +191,34 @@ def test_triton_matches_reference(bits, dtype, D, G):
         _cache_append_triton(k_new, v_new, *tri, bits, G)
         assert_buffers_equal(tri, ref, f"step {step}")
     assert ref[8][:B].tolist() == [[32, 2], [64, 4], [64, 7]]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("D,G,tile,chunks", [
+    (64, 16, 2048, 4),    # one flush program per ring group of 16 tokens (R / G = 4)
+    (64, 16, 256, 16),    # each group split into 4 key channel blocks / 4 value-token slices
+    (80, 16, 256, 32),    # D = 80 pads to 128 channels: key blocks 5..7 of a group are all masked
+    (64, 64, 256, 16),    # one group of 64 tokens, split 16 ways (4 channels / 4 value tokens)
+])
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_triton_flush_spans_programs(bits, D, G, tile, chunks, monkeypatch):
+    monkeypatch.setattr(cache_update, "_TILE_ELEMENTS", tile)
+    # H = 3: with D = 80 and the small tile the append program loops over 2 head blocks of 2.
+    Bmax, H, R, T_cap = 4, 3, 64, 128
+    if bits < 16:
+        assert cache_update._flush_tiles(R, D, bits, G)[0] == chunks
+    ref = make_cache(Bmax, H, T_cap, R, D, bits, G, torch.float16)
+    # Slot 0 flushes at step 0 into an empty region, slot 1 at step 1 into a non-empty one, slot 2
+    # never flushes, slot 3 has a full ring and no room (never written).
+    ref[8].copy_(torch.tensor([[0, R], [64, R - 1], [0, 3], [T_cap, R]]))
+    tri = clone_all(ref)
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        k_new, v_new = new_tokens(Bmax, H, D, torch.float16, g)
+        cache_append_ref(k_new, v_new, *ref, bits, G)
+        _cache_append_triton(k_new, v_new, *tri, bits, G)
+        assert_buffers_equal(tri, ref, f"step {step}")
+    assert ref[8].tolist() == [[64, 3], [128, 2], [0, 6], [T_cap, R]]
 
 
 @pytest.mark.interpret
