@@ -103,7 +103,9 @@ class DecodeRunner:
                                      cache.bits, cache.group_size)  # (B, H_q, D)
             h = a.finish_layer(layer, h, o.reshape(batch, 1, -1))
         logits = a.logits(h[:, 0])                                 # (B, V) fp32
-        col = self.step.expand(batch, 1)
+        # The step index never passes the last column, whatever ran before (a warm-up, a
+        # request longer than the buffers were told about): an out-of-range scatter would fault.
+        col = self.step.clamp(max=self.generated.shape[1] - 1).expand(batch, 1)
         if mode == "greedy":
             nxt = logits.argmax(dim=-1)
         elif mode == "sample":
@@ -170,6 +172,7 @@ class DecodeRunner:
         if not self.use_graphs or key in self._graphs:
             return None
         start = time.perf_counter()
+        self.reset()  # warm-up steps start from step 0, not from where the last request ended
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
