@@ -131,7 +131,8 @@ def _methods(allowed: Sequence[str]) -> Callable[[str], List[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog=PROG, description="Evidence for adopting the engine: decode "
+                                     "speed, throughput, memory and longest prompt against HF transformers.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="See perf/README.md for definitions and the committed results.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -908,7 +909,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if message:
             print(f"[perf] {message}", file=sys.stderr)
         return 0
-    session = Session(args, argv)
+    try:
+        session = Session(args, argv)
+    except OSError as e:  # the output folder cannot be created or written
+        parser.error(f"--out: cannot write reports to {args.out!r} ({e.strerror or e})")
     previous = None
     try:
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from minikv_compile import MiniKVConfig, minikv_compile
 
@@ -260,7 +261,7 @@ class EngineRunner:
         self.engine = None
 
 
-class _Clock:
+class _Clock(BaseStreamer):
     """An HF streamer that only notes when each ``put`` arrives (the first put is the prompt)."""
 
     def __init__(self, start: float):
@@ -811,18 +812,30 @@ def _version(module: str) -> Optional[str]:
 
 
 def git_info(root: Path) -> Dict[str, object]:
-    """Commit sha of the checkout and whether the tree differs from it."""
-    try:
-        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-        if sha.returncode != 0:
-            return {"sha": None, "reason": sha.stderr.strip()[-200:] or "git rev-parse failed"}
-        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
-        changed = [line for line in status.stdout.splitlines() if line.strip()]
-        return {"sha": sha.stdout.strip(), "dirty": bool(changed), "changed_files": len(changed)}
-    except Exception as e:  # no git binary, a copy without .git
-        return {"sha": None, "reason": f"{type(e).__name__}: {e}"}
+    """Commit sha of the code that ran, and whether the tree differed from it.
+
+    ``$MINIKV_GIT_SHA`` wins (the GPU machine runs an installed copy without ``.git``); else the
+    checkout holding this file, else the current directory's.
+    """
+    sha = os.environ.get("MINIKV_GIT_SHA")
+    if sha:
+        return {"sha": sha, "source": "MINIKV_GIT_SHA"}
+    reason = "not a git checkout"
+    for where in (root, Path.cwd()):
+        try:
+            head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True,
+                                  text=True, timeout=10)
+            if head.returncode != 0:
+                reason = head.stderr.strip()[-200:] or "git rev-parse failed"
+                continue
+            status = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10)
+            changed = [line for line in status.stdout.splitlines() if line.strip()]
+            return {"sha": head.stdout.strip(), "dirty": bool(changed), "changed_files": len(changed),
+                    "source": str(where)}
+        except Exception as e:  # no git binary
+            reason = f"{type(e).__name__}: {e}"
+    return {"sha": None, "reason": reason}
 
 
 def nvml_info(device: torch.device) -> Dict[str, object]:

@@ -563,6 +563,8 @@ def render_summary(datasets: List[Dict[str, object]], out_dir: Path) -> str:
                      f"{d.get('elapsed_s', 0):.0f} s")
     pngs = sorted(p.name for p in Path(out_dir).glob("*.png"))
     if pngs:
+        # Every PNG of the folder: also accuracy.png when `python -m minikv_compile.perf.accuracy`
+        # wrote its reports here (it draws the accuracy-vs-KV-bytes plot itself).
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
 
@@ -584,8 +586,6 @@ def rerender(out_dir: Path) -> Tuple[List[str], str]:
         _atomic_write(path, json.dumps(data, indent=1, allow_nan=False, default=str))
         _atomic_write(out_dir / f"{data['command']}.md", render_markdown(data))
         datasets.append(data)
-    acc, acc_msg = plot_accuracy(out_dir)
-    message = message or acc_msg
     _atomic_write(out_dir / "summary.md", render_summary(datasets, out_dir))
     return [d["command"] for d in datasets], message
 
@@ -742,48 +742,3 @@ def write_plots(data: Dict[str, object], out_dir: Path) -> Tuple[List[str], str]
             ax.legend(fontsize=8)
             _save(plt, fig, out_dir, "memory_claim.png", files)
     return files, ""
-
-
-def _accuracy_points(data) -> List[Tuple[str, float, float]]:
-    """(method, KV bytes, score) from an accuracy report, whatever its exact field names."""
-    rows = data.get("results", data) if isinstance(data, dict) else data
-    if not isinstance(rows, list):
-        return []
-    pts = []
-    for r in rows:
-        if not isinstance(r, dict):
-            continue
-        kv = next((r[k] for k in ("kv_bytes", "kv_bytes_allocated", "total_bytes") if isinstance(r.get(k), (int, float))), None)
-        score = next((r[k] for k in ("score", "accuracy", "match", "exact_match") if isinstance(r.get(k), (int, float))), None)
-        if kv is not None and score is not None:
-            pts.append((str(r.get("method", r.get("name", "?"))), float(kv), float(score)))
-    return pts
-
-
-def plot_accuracy(out_dir: Path) -> Tuple[Optional[str], str]:
-    """accuracy_vs_kv_bytes.png from ``accuracy.json`` when the accuracy harness wrote one."""
-    path = Path(out_dir) / "accuracy.json"
-    if not path.is_file():
-        return None, ""
-    try:
-        pts = _accuracy_points(json.loads(path.read_text()))
-    except ValueError:
-        pts = []
-    if not pts:
-        return None, "accuracy.json holds no rows with a KV-bytes and a score field: accuracy plot skipped"
-    plt = _pyplot()
-    if plt is None:
-        return None, PLOTS_UNAVAILABLE
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for method in sorted({p[0] for p in pts}):
-        sub = sorted((p for p in pts if p[0] == method), key=lambda p: p[1])
-        ax.plot([p[1] / 2**20 for p in sub], [p[2] for p in sub], marker="o", label=_label(method))
-    ax.set_xscale("log")
-    ax.set_xlabel("KV bytes (MiB)")
-    ax.set_ylabel("score")
-    ax.set_title("Accuracy against KV-cache bytes")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    name = "accuracy_vs_kv_bytes.png"
-    _save(plt, fig, Path(out_dir), name, [])
-    return name, ""
