@@ -16,8 +16,11 @@ ADAPTERS = {
 SUPPORTED_MODEL_TYPES = tuple(sorted(ADAPTERS))
 
 
-def get_adapter(model: nn.Module, max_positions: int) -> LlamaFamilyAdapter:
-    """The adapter for ``model`` (an HF ``*ForCausalLM``), or ``NotImplementedError``."""
+def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = False) -> LlamaFamilyAdapter:
+    """The adapter for ``model`` (an HF ``*ForCausalLM``), or ``NotImplementedError``.
+
+    ``fuse_projections`` concatenates q/k/v and gate/up weights in place (see ``llama.py``).
+    """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
@@ -28,7 +31,7 @@ def get_adapter(model: nn.Module, max_positions: int) -> LlamaFamilyAdapter:
         raise NotImplementedError(
             f"expected a *ForCausalLM with .model and .lm_head, got {type(model).__name__}"
         )
-    return ADAPTERS[model_type](model, max_positions)
+    return ADAPTERS[model_type](model, max_positions, fuse_projections)
 
 
 __all__ = ["ADAPTERS", "SUPPORTED_MODEL_TYPES", "get_adapter", "LlamaFamilyAdapter"]

@@ -250,3 +250,23 @@ def test_gpu_full_cache_matches_hf_logits():
     ref = model(ids).logits[0, len(prompt) - 1: -1].float().argmax(-1).tolist()
     agree = sum(a == b for a, b in zip(ours, ref)) / len(ours)
     assert agree >= 0.9
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases are fused too
+def test_fused_projections_and_chunked_prefill_change_no_result(kind):
+    from minikv_compile.models import get_adapter
+
+    model = tiny(kind)
+    x = torch.randint(0, 101, (1, 9))
+    before = model(x).logits
+    plain, fused = get_adapter(model, 64), get_adapter(model, 64, fuse_projections=True)
+    h = plain.embed(x)
+    cos, sin = plain.rope(h, torch.arange(9)[None])
+    for a, b in zip(plain.qkv(1, h, cos, sin), fused.qkv(1, h, cos, sin)):
+        assert torch.equal(a, b)
+    attn = torch.randn(1, 9, 4 * 64)
+    whole = fused.finish_layer(1, h, attn)
+    assert torch.equal(plain.finish_layer(1, h, attn), whole)
+    fused.prefill_chunk = 4  # 9 tokens in chunks of 4, 4, 1: per-token ops, GEMM blocking aside
+    torch.testing.assert_close(fused.finish_layer(1, h, attn), whole, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model(x).logits, before)  # the HF model is untouched by the fusion
