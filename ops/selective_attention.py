@@ -14,10 +14,16 @@ depends on another program of the same launch):
 
 * pass 1 (``_selective_attention_fwd_kernel``): a causal flash-attention forward, one program
   per (query block, query head), that also stores each row's log-sum-exp (base 2, fp32).
-* pass 2 (``_selective_attention_scores_kernel``): one program per (key block, KV head). It loops
-  over the query heads of the group and the query blocks that can see its keys, recomputes
-  ``q k^T``, normalizes with the stored log-sum-exp and sums down the columns. Each score is
-  written exactly once, by the program that owns its key block.
+* pass 2 (``_selective_attention_scores_kernel``): one program per (key block, KV head). It
+  streams the query blocks of every query head of the group that can see its keys past the
+  resident key block, recomputes ``q k^T``, normalizes with the stored log-sum-exp and sums
+  down the columns. Each score is written exactly once, by the program that owns its key block.
+
+Work: pass 1 is a causal forward (``q k^T`` and ``P v``); pass 2 repeats the causal ``q k^T``
+and the exponentials but not ``P v``, so both together do about 1.5x a forward's matmul FLOPs
+and twice its exponentials. Both passes split their loops into fully visible blocks (no mask
+arithmetic) and the blocks on the diagonal, and both fold ``log2(e)`` into the scale so every
+exponential is one ``exp2``.
 
 Extra memory beyond ``out``: the log-sum-exp ``(B, H_q, L)`` and the scores ``(B, H_kv, L)``,
 both fp32 (5 MiB at B=1, 32/8 heads, L=32k).
@@ -65,12 +71,14 @@ def _selective_attention_fwd_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCALE_NEGATIVE: tl.constexpr,
 ):
     """Causal flash-attention forward for one (query block, query head); also writes the LSE.
 
     Grid: (B * H_q, cdiv(L, BLOCK_M)). Requires BLOCK_M % BLOCK_N == 0.
     Lse: (B, H_q, L) fp32 contiguous, holding log2(sum_t exp2(s[r, t])) with
-    s = q k^T * scale * log2(e), i.e. the natural log-sum-exp times log2(e).
+    s = q k^T * qk_scale, qk_scale = scale * log2(e): the natural log-sum-exp times log2(e).
+    SCALE_NEGATIVE: whether qk_scale < 0 (the running max of s is then the scaled row minimum).
     """
     pid_bh = tl.program_id(0)
     # The GPU schedules programs roughly in launch order and grid axis 0 varies fastest, so heads
@@ -96,13 +104,18 @@ def _selective_attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
 
     # -- phase 1: key blocks entirely left of the diagonal. Every key there is < start_m < L and
-    # visible to every row, so neither the causal mask nor a bounds mask is needed.
+    # visible to every row, so neither the causal mask nor a bounds mask is needed. The row max
+    # is taken on the raw logits and scaled once per row, so each logit costs one FMA
+    # (qk * scale - max) before its exp2.
     for start_n in range(0, start_m, BLOCK_N):
         cols = start_n + offs_n
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+        qk = tl.dot(q, tl.trans(k))
+        if SCALE_NEGATIVE:
+            m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :])
@@ -161,44 +174,54 @@ def _selective_attention_scores_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    # The key block stays resident for the whole program; keys past L load as 0 and their
-    # columns are never stored.
+    # The key block stays resident for the whole program (K is read once per GQA group); keys
+    # past L load as 0 and their columns are never stored.
     k_ptrs = K + b * stride_kb + kv_h * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
     k = tl.load(k_ptrs, mask=(cols < L)[:, None], other=0.0)
     # Summing tiles elementwise and reducing once at the end avoids a cross-warp reduction per
     # step (a 64 x 128 fp32 tile is 32 registers per thread at 8 warps).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
+    # The group's query heads h = kv_h * group_size + g, g < group_size.
+    q_group = Q + b * stride_qb + (kv_h * group_size) * stride_qh
+    lse_group = Lse + (b * H_q + kv_h * group_size) * L
+
     # Query blocks [m_lo, m_mid) overlap the diagonal of this key block and need the causal mask;
     # rows from m_mid on are >= start_n + BLOCK_N, past every key of the block.
     m_lo = (start_n // BLOCK_M) * BLOCK_M
     m_mid = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, L)
+    n_diag = tl.cdiv(m_mid - m_lo, BLOCK_M)
+    n_full = tl.cdiv(L - m_mid, BLOCK_M)
 
-    for g in range(0, group_size):
-        h = kv_h * group_size + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        lse_base = Lse + (b * H_q + h) * L
+    # Each part is one flat loop over (head of the group, query block), so the software pipeline
+    # (num_stages deep) streams the q tiles and LSE rows of all heads without restarting.
+    for i in range(0, group_size * n_diag):
+        g = (i // n_diag).to(tl.int64)
+        rows = m_lo + (i % n_diag) * BLOCK_M + offs_m
+        row_ok = rows < L
+        q = tl.load(
+            q_group + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+            mask=row_ok[:, None], other=0.0,
+        )
+        # Rows past L get lse = +inf, so their probabilities are exp2(s - inf) = 0.
+        lse = tl.load(lse_group + g * L + rows, mask=row_ok, other=float("inf"))
+        s = tl.dot(q, tl.trans(k))
+        # Mask before exp2: a future key's logit may exceed the row's LSE and overflow.
+        s = tl.where(rows[:, None] >= cols[None, :], s * qk_scale - lse[:, None], float("-inf"))
+        acc += tl.exp2(s)
 
-        for start_m in range(m_lo, m_mid, BLOCK_M):
-            rows = start_m + offs_m
-            row_ok = rows < L
-            q_ptrs = q_base + rows[:, None] * stride_qm + offs_d[None, :]
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            # Rows past L get lse = +inf, so their probabilities are exp2(s - inf) = 0.
-            lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            # Mask before exp2: a future key's logit may exceed the row's LSE and overflow.
-            s = tl.where(rows[:, None] >= cols[None, :], s, float("-inf"))
-            acc += tl.exp2(s - lse[:, None])
-
-        for start_m in range(m_mid, L, BLOCK_M):
-            rows = start_m + offs_m
-            row_ok = rows < L
-            q_ptrs = q_base + rows[:, None] * stride_qm + offs_d[None, :]
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            acc += tl.exp2(s - lse[:, None])
+    for i in range(0, group_size * n_full):
+        g = (i // n_full).to(tl.int64)
+        rows = m_mid + (i % n_full) * BLOCK_M + offs_m
+        row_ok = rows < L
+        q = tl.load(
+            q_group + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+            mask=row_ok[:, None], other=0.0,
+        )
+        lse = tl.load(lse_group + g * L + rows, mask=row_ok, other=float("inf"))
+        s = tl.dot(q, tl.trans(k))
+        # One FMA and one exp2 per logit.
+        acc += tl.exp2(s * qk_scale - lse[:, None])
 
     tl.store(Scores + pid_bh.to(tl.int64) * L + cols, tl.sum(acc, 0), mask=cols < L)
 
@@ -208,102 +231,143 @@ def _selective_attention_scores_kernel(
 # ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class _KernelConfig:
-    """Block shapes and launch parameters of both passes.
+class _PassConfig:
+    """Block shapes and launch parameters of one pass.
 
-    Pass 1: ``block_m`` query rows per program, ``block_n`` keys per step (``block_m`` must be a
-    multiple of ``block_n``). Pass 2: ``score_block_n`` keys per program, ``score_block_m``
-    query rows per step. All are powers of two >= 16 (tl.dot's minimum on GPU).
+    ``block_m`` counts query rows, ``block_n`` keys. Pass 1 (forward): ``block_m`` rows per
+    program, ``block_n`` keys per step; ``block_m`` must be a multiple of ``block_n``. Pass 2
+    (scores): ``block_n`` keys per program, ``block_m`` query rows per step. Blocks are powers of
+    two >= 16 (tl.dot's minimum on GPU).
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    score_block_m: int
-    score_block_n: int
-    score_num_warps: int
-    score_num_stages: int
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "score_block_m", "score_block_n"):
+        for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
-        if self.block_m % self.block_n:
-            raise ValueError(
-                f"block_m: expected a multiple of block_n={self.block_n}, got {self.block_m}"
-            )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages: expected >= 1, got {self.num_stages}")
+
+
+def _check_fwd_config(config: _PassConfig) -> None:
+    if config.block_m % config.block_n:
+        raise ValueError(
+            f"block_m: expected a multiple of block_n={config.block_n} in the forward pass, "
+            f"got {config.block_m}"
+        )
 
 
 # Starting points for H100/H200 (bf16, the shapes of perf/bench_selective_attention.py); the
-# benchmark's --tune flag searches around them. Pass 1 follows the usual flash-attention tiling
-# (the q tile stays in registers; K/V stream through shared memory, pipelined num_stages deep).
-# Pass 2 holds a large key block and streams smaller query blocks past it.
-_GPU_CONFIGS = {
-    16: _KernelConfig(64, 32, 4, 3, 64, 64, 4, 3),
-    32: _KernelConfig(64, 32, 4, 3, 64, 64, 4, 3),
-    64: _KernelConfig(128, 64, 4, 3, 64, 128, 4, 3),
-    128: _KernelConfig(128, 64, 8, 3, 64, 128, 8, 3),
+# benchmark's --tune flag searches each pass separately and prints replacements. Pass 1 follows
+# the usual flash-attention tiling (the q tile stays on chip; K/V stream through shared memory,
+# pipelined num_stages deep). Pass 2 holds a large key block and streams smaller query blocks.
+_GPU_FWD_CONFIGS = {
+    16: _PassConfig(64, 32, 4, 3),
+    32: _PassConfig(64, 32, 4, 3),
+    64: _PassConfig(128, 64, 4, 3),
+    128: _PassConfig(128, 64, 8, 3),
     # D = 256: a 64 x 256 fp32 accumulator needs 8 warps to stay at 64 registers per thread.
-    256: _KernelConfig(64, 32, 8, 2, 32, 64, 4, 2),
+    256: _PassConfig(64, 32, 8, 2),
+}
+_GPU_SCORES_CONFIGS = {
+    16: _PassConfig(64, 64, 4, 3),
+    32: _PassConfig(64, 64, 4, 3),
+    64: _PassConfig(64, 128, 4, 3),
+    128: _PassConfig(64, 128, 8, 3),
+    256: _PassConfig(32, 64, 4, 2),
 }
 # The interpreter runs every program in Python: small tiles keep the tiny test shapes fast and
 # make them span several blocks, so the masks and block loops are exercised.
-_INTERPRETER_CONFIG = _KernelConfig(16, 16, 1, 1, 16, 16, 1, 1)
+_INTERPRETER_CONFIG = _PassConfig(16, 16, 1, 1)
 
 
-def _default_config(head_dim: int, device: torch.device) -> _KernelConfig:
+def _default_configs(head_dim: int, device: torch.device) -> Tuple[_PassConfig, _PassConfig]:
+    """(pass 1 config, pass 2 config) for this head dim and device."""
     if device.type != "cuda":
-        return _INTERPRETER_CONFIG
-    return _GPU_CONFIGS[head_dim]
+        return _INTERPRETER_CONFIG, _INTERPRETER_CONFIG
+    return _GPU_FWD_CONFIGS[head_dim], _GPU_SCORES_CONFIGS[head_dim]
 
 
-def _selective_attention_triton(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, config: Optional[_KernelConfig] = None
-) -> Tuple[Tensor, Tensor]:
-    """Run both Triton passes. Same contract as ``selective_attention`` (scale already resolved).
-
-    Works on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before triton
-    was imported. Inputs are read through their strides; only the head dim must be contiguous
-    (a (B, L, H, D) buffer viewed as (B, H, L, D) is used in place).
-    """
+def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, qk_scale: float, config: _PassConfig
+                ) -> Tuple[Tensor, Tensor]:
+    """Pass 1: ``(out, lse)``, lse ``(B, H_q, L)`` fp32 in base 2 (see the kernel)."""
+    _check_fwd_config(config)
     B, H_q, L, D = q.shape
-    H_kv = k.shape[1]
-    if config is None:
-        config = _default_config(D, q.device)
-    # The kernels index the head dim with unit stride; anything else (rare) is copied once.
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-
     out = torch.empty((B, H_q, L, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H_q, L), dtype=torch.float32, device=q.device)
-    scores = torch.empty((B, H_kv, L), dtype=torch.float32, device=q.device)
-    # Folding log2(e) into the scale lets both passes use exp2 (one MUFU op) instead of exp.
-    qk_scale = scale * _LOG2E
-    group_size = H_q // H_kv
-
-    grid_fwd = (B * H_q, triton.cdiv(L, config.block_m))
-    _selective_attention_fwd_kernel[grid_fwd](
+    grid = (B * H_q, triton.cdiv(L, config.block_m))
+    _selective_attention_fwd_kernel[grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        L, H_q, group_size, qk_scale,
+        L, H_q, H_q // k.shape[1], qk_scale,
         HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        SCALE_NEGATIVE=qk_scale < 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    grid_scores = (B * H_kv, triton.cdiv(L, config.score_block_n))
-    _selective_attention_scores_kernel[grid_scores](
+    return out, lse
+
+
+def _launch_scores(q: Tensor, k: Tensor, lse: Tensor, qk_scale: float, config: _PassConfig
+                   ) -> Tensor:
+    """Pass 2: scores ``(B, H_kv, L)`` fp32 from q, k and pass 1's lse."""
+    B, H_q, L, D = q.shape
+    H_kv = k.shape[1]
+    scores = torch.empty((B, H_kv, L), dtype=torch.float32, device=q.device)
+    grid = (B * H_kv, triton.cdiv(L, config.block_n))
+    _selective_attention_scores_kernel[grid](
         q, k, lse, scores,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
-        L, H_q, H_kv, group_size, qk_scale,
-        HEAD_DIM=D, BLOCK_M=config.score_block_m, BLOCK_N=config.score_block_n,
-        num_warps=config.score_num_warps, num_stages=config.score_num_stages,
+        L, H_q, H_kv, H_q // H_kv, qk_scale,
+        HEAD_DIM=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out, scores
+    return scores
 
+
+def _selective_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    fwd_config: Optional[_PassConfig] = None,
+    scores_config: Optional[_PassConfig] = None,
+    *,
+    fwd_only: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Run both Triton passes. Same contract as ``selective_attention`` (scale already resolved).
+
+    ``fwd_config`` / ``scores_config`` override the default block configuration of pass 1 /
+    pass 2 independently. ``fwd_only=True`` (benchmarks and tests) runs pass 1 alone and returns
+    ``(out, lse)`` instead of ``(out, scores)``, lse ``(B, H_q, L)`` fp32 holding the natural
+    log-sum-exp of each row times log2(e).
+
+    Works on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before triton
+    was imported. Inputs are read through their strides; only the head dim must be contiguous
+    (a (B, L, H, D) buffer viewed as (B, H, L, D) is used in place).
+    """
+    default_fwd, default_scores = _default_configs(q.shape[-1], q.device)
+    fwd_config = default_fwd if fwd_config is None else fwd_config
+    scores_config = default_scores if scores_config is None else scores_config
+    _check_fwd_config(fwd_config)
+    # The kernels index the head dim with unit stride; anything else (rare) is copied once.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # Folding log2(e) into the scale lets both passes use exp2 (one MUFU op) instead of exp.
+    qk_scale = scale * _LOG2E
+    out, lse = _launch_fwd(q, k, v, qk_scale, fwd_config)
+    if fwd_only:
+        return out, lse
+    return out, _launch_scores(q, k, lse, qk_scale, scores_config)
 
 # ----------------------------------------------------------------------------------------------
 # PyTorch implementations

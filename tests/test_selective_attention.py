@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from minikv_compile.ops import selective_attention
 from minikv_compile.ops.selective_attention import (
     SUPPORTED_HEAD_DIMS,
-    _KernelConfig,
+    _PassConfig,
     _selective_attention_chunked,
     _selective_attention_triton,
     selective_attention_ref,
@@ -200,21 +200,51 @@ def test_triton_interpreter_matches_fp64(L, group, D, dtype):
     torch.testing.assert_close(scores.sum(-1), row_sums, rtol=1e-5, atol=0)
 
 
-# Pass 2 with query steps larger / smaller than its key blocks, and a pass 1 with two key steps
-# per query block: the diagonal bookkeeping differs in each.
+# Pass 1 with one and two key steps per query block; pass 2 with query steps larger / smaller
+# than its key blocks and several query blocks on one key block's diagonal: the diagonal
+# bookkeeping differs in each. The two passes take their configs independently.
 @needs_interpreter
 @pytest.mark.parametrize(
-    "config",
+    "fwd_config, scores_config",
     [
-        _KernelConfig(32, 16, 1, 1, 32, 16, 1, 1),
-        _KernelConfig(16, 16, 1, 1, 16, 32, 1, 1),
-        _KernelConfig(32, 32, 1, 1, 16, 64, 1, 1),
+        (_PassConfig(32, 16, 1, 1), _PassConfig(32, 16, 1, 1)),
+        (_PassConfig(16, 16, 1, 1), _PassConfig(16, 32, 1, 1)),
+        (_PassConfig(32, 32, 1, 1), _PassConfig(16, 64, 1, 1)),
+        (_PassConfig(64, 16, 1, 1), _PassConfig(64, 16, 1, 1)),
     ],
 )
-def test_triton_interpreter_block_configs(config):
+def test_triton_interpreter_block_configs(fwd_config, scores_config):
     q, k, v = _inputs(1, 4, 2, 71, 16, torch.float32)
-    out, scores = _selective_attention_triton(q, k, v, 0.25, config)
+    out, scores = _selective_attention_triton(q, k, v, 0.25, fwd_config, scores_config)
     out_ref, scores_ref = selective_attention_ref(q, k, v, 0.25)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores, scores_ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("L", [1, 37])
+def test_triton_interpreter_fwd_only_returns_lse(L):
+    # Pass 1 alone (what the benchmark times separately): out and the base-2 log-sum-exp.
+    q, k, v = _inputs(2, 6, 2, L, 16, torch.float32)
+    out, lse = _selective_attention_triton(q, k, v, 0.3, fwd_only=True)
+    out_ref, _ = selective_attention_ref(q, k, v, 0.3)
+    s = (q @ k.repeat_interleave(3, dim=1).transpose(-1, -2)) * 0.3
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    lse_ref = s.masked_fill(~causal, float("-inf")).logsumexp(dim=-1) / math.log(2)
+    assert lse.shape == (2, 6, L) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+def test_triton_interpreter_nonpositive_scale(scale):
+    # The unmasked forward loop takes the row max on raw logits and scales it afterwards; with a
+    # negative scale that max is the scaled row minimum, with a zero scale every logit is 0.
+    q, k, v = _inputs(1, 4, 2, 45, 16, torch.float32)
+    out, scores = _selective_attention_triton(q, k, v, scale)
+    out_ref, scores_ref = selective_attention_ref(q, k, v, scale)
+    assert torch.isfinite(out).all() and torch.isfinite(scores).all()
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scores, scores_ref, rtol=1e-5, atol=1e-6)
 
@@ -248,9 +278,17 @@ def test_triton_interpreter_strided_inputs():
 
 def test_kernel_config_rejects_bad_blocks():
     with pytest.raises(ValueError, match="power of two"):
-        _KernelConfig(48, 16, 4, 3, 64, 64, 4, 3)
+        _PassConfig(48, 16, 4, 3)
+    with pytest.raises(ValueError, match="power of two"):
+        _PassConfig(64, 8, 4, 3)
+    with pytest.raises(ValueError, match="num_warps"):
+        _PassConfig(64, 64, 3, 3)
+    with pytest.raises(ValueError, match="num_stages"):
+        _PassConfig(64, 64, 4, 0)
+    # Pass 1 needs whole key steps per query block; pass 2 takes any pair. Checked before launch.
+    q, k, v = _inputs(1, 4, 2, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple of block_n"):
-        _KernelConfig(32, 64, 4, 3, 64, 64, 4, 3)
+        _selective_attention_triton(q, k, v, 0.25, fwd_config=_PassConfig(32, 64, 4, 3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +393,37 @@ def test_gpu_outlier_key_channels():
     assert torch.isfinite(out).all() and torch.isfinite(scores).all()
     _assert_out_within_2x(out, _attention_same_precision(q, k, v, scale), out_64)
     _assert_scores_close(scores, scores_64, SCORES_RTOL_GPU)
+
+
+@pytest.mark.gpu
+def test_gpu_negative_scale():
+    # The forward's unmasked loop takes the scaled row minimum as its running max here.
+    q, k, v = _inputs(1, 8, 2, 333, 64, torch.bfloat16, device="cuda")
+    out, scores = selective_attention(q, k, v, scale=-0.125)
+    out_64, scores_64 = _attention_fp64(q, k, v, -0.125)
+    _assert_out_within_2x(out, _attention_same_precision(q, k, v, -0.125), out_64)
+    _assert_scores_close(scores, scores_64, SCORES_RTOL_GPU)
+
+
+@pytest.mark.gpu
+def test_gpu_fwd_only_and_per_pass_configs():
+    L, scale = 1000, 1 / math.sqrt(128)
+    q, k, v = _inputs(1, 32, 8, L, 128, torch.bfloat16, device="cuda")
+    out, scores = _selective_attention_triton(q, k, v, scale)
+    # Pass 1 alone gives the same out and the base-2 log-sum-exp of every row.
+    out_1, lse = _selective_attention_triton(q, k, v, scale, fwd_only=True)
+    assert torch.equal(out_1, out) and lse.shape == (1, 32, L)
+    s = (q.float() @ k.float().repeat_interleave(4, dim=1).transpose(-1, -2)) * scale
+    causal = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()
+    lse_ref = s.masked_fill(~causal, float("-inf")).logsumexp(dim=-1) / math.log(2)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-4, atol=1e-3)
+    # Other tiles for each pass, chosen independently: same math in another order.
+    out_2, scores_2 = _selective_attention_triton(
+        q, k, v, scale, _PassConfig(64, 32, 4, 2), _PassConfig(128, 32, 8, 3)
+    )
+    tol = SDPA_TOL[torch.bfloat16]
+    torch.testing.assert_close(out_2, out, rtol=tol, atol=tol)
+    torch.testing.assert_close(scores_2, scores, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.gpu
