@@ -283,16 +283,26 @@ _GPU_SCORES_CONFIGS = {
     128: _PassConfig(64, 128, 8, 3),
     256: _PassConfig(32, 64, 4, 2),
 }
+# Pass 2 at D = 128, tuned on the H200 (perf/results/h200/tune_selective_attention_v1.json):
+# 4 warps instead of 8 leave room for two programs per SM, so one's exponentials overlap the
+# other's matmuls. L <= 4096: (128, 64, 4, 3) 0.194 ms vs 0.240; longer: (64, 128, 4, 4)
+# 0.625 ms vs 0.871 at 8k and 9.61 ms vs 13.66 at 32k. Two variants, chosen by length.
+_GPU_SCORES_CONFIGS_D128_SHORT = _PassConfig(128, 64, 4, 3)
+_GPU_SCORES_CONFIGS_D128_LONG = _PassConfig(64, 128, 4, 4)
 # The interpreter runs every program in Python: small tiles keep the tiny test shapes fast and
 # make them span several blocks, so the masks and block loops are exercised.
 _INTERPRETER_CONFIG = _PassConfig(16, 16, 1, 1)
 
 
-def _default_configs(head_dim: int, device: torch.device) -> Tuple[_PassConfig, _PassConfig]:
-    """(pass 1 config, pass 2 config) for this head dim and device."""
+def _default_configs(head_dim: int, device: torch.device, seq_len: int = 0
+                     ) -> Tuple[_PassConfig, _PassConfig]:
+    """(pass 1 config, pass 2 config) for this head dim, device and sequence length."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG, _INTERPRETER_CONFIG
-    return _GPU_FWD_CONFIGS[head_dim], _GPU_SCORES_CONFIGS[head_dim]
+    scores = _GPU_SCORES_CONFIGS[head_dim]
+    if head_dim == 128:
+        scores = _GPU_SCORES_CONFIGS_D128_SHORT if seq_len <= 4096 else _GPU_SCORES_CONFIGS_D128_LONG
+    return _GPU_FWD_CONFIGS[head_dim], scores
 
 
 def _launch_fwd(q: Tensor, k: Tensor, v: Tensor, qk_scale: float, config: _PassConfig
@@ -356,7 +366,7 @@ def _selective_attention_triton(
     was imported. Inputs are read through their strides; only the head dim must be contiguous
     (a (B, L, H, D) buffer viewed as (B, H, L, D) is used in place).
     """
-    default_fwd, default_scores = _default_configs(q.shape[-1], q.device)
+    default_fwd, default_scores = _default_configs(q.shape[-1], q.device, q.shape[2])
     fwd_config = default_fwd if fwd_config is None else fwd_config
     scores_config = default_scores if scores_config is None else scores_config
     _check_fwd_config(fwd_config)

@@ -238,7 +238,7 @@ def run_experiment(cfg: ExperimentConfig) -> ExperimentResult:
 
     ms = _median_ms(lambda: selective_attention(q, k, v))
     # Each launch alone: pass 1 through the launcher's fwd_only flag; pass 2 on pass 1's LSE.
-    fwd_config, scores_config = sa._default_configs(cfg.D, q.device)
+    fwd_config, scores_config = sa._default_configs(cfg.D, q.device, cfg.L)
     pass1_ms = _median_ms(lambda: sa._selective_attention_triton(q, k, v, scale, fwd_only=True))
     _, lse = sa._selective_attention_triton(q, k, v, scale, fwd_only=True)
     qk_scale = scale * sa._LOG2E
