@@ -225,11 +225,13 @@ def test_gpu_graph_replay_equals_the_step_it_captured_and_is_replayed():
     assert graph.stats["compiles"] == len(graph.stats["graphs"]) == 1  # bucket 4 only, no per-step
     # Compiled vs eager: inductor fuses bf16 elementwise chains in fp32 and rounds once, eager
     # rounds after every op, so greedy paths of a random model may part; the log-probs of the
-    # same tokens must agree to bf16 precision (2**-8 relative on |logp| ~ 4.6 -> ~0.02; 0.1 max).
-    lp_graph = graph.teacher_force(prompts, out.sequences)
-    lp_eager = eager.teacher_force(prompts, out.sequences)
-    for a, b in zip(lp_graph, lp_eager):
-        assert (a - b).abs().max() < 0.1
+    # same tokens must agree to bf16 precision: typically 2**-8 relative on |logp| ~ 2-5 (~0.02).
+    # A rounding difference can also flip one 2-bit code (a whole quantization step on one key
+    # channel), which is what the max allows for (0.13 seen on the H200 over 600 positions).
+    # A wrong kernel or a stale cache entry moves log-probs by O(1).
+    diff = torch.cat([(a - b).abs() for a, b in zip(graph.teacher_force(prompts, out.sequences),
+                                                     eager.teacher_force(prompts, out.sequences))])
+    assert diff.median() < 0.03 and diff.max() < 0.3
     torch.cuda.set_sync_debug_mode("error")  # a host sync inside a replayed step would raise
     try:
         for _ in range(10):
