@@ -1,0 +1,69 @@
+"""Where a decode step's time goes: kernels of replayed steps, grouped, by total time (GPU).
+
+    python -m minikv_compile.perf.profile_decode [--batch 1] [--prompt 32768] [--steps 20]
+
+Builds the Llama-3.1-8B shape with random bf16 weights on the GPU, compiles MiniKV for one
+request, prefills it, then profiles ``--steps`` CUDA-graph replays with ``torch.profiler`` and
+prints the kernels grouped by name with their share of the step, beside the weight-read floor.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import torch
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_decode: needs CUDA", file=sys.stderr)
+        return 1
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from minikv_compile import MiniKVConfig, minikv_compile
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=131072, rope_theta=500000.0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    cm = minikv_compile(model, MiniKVConfig(max_batch_size=args.batch, max_prompt_len=args.prompt,
+                                            max_new_tokens=args.steps + 8))
+    prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt)).tolist()
+    cm.generate(prompts, max_new_tokens=2)  # prefill + a replay; the cache now holds the prompt
+    bucket = cm.buckets[-1]
+    r = cm.runner
+    for _ in range(3):
+        r.run_step(bucket, "greedy")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            r.run_step(bucket, "greedy")
+        torch.cuda.synchronize()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:90]
+            totals[name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            counts[name] += 1
+    step_us = sum(totals.values()) / args.steps
+    floor_us = weight_bytes / 4.25e12 * 1e6
+    print(f"batch {args.batch} x prompt {args.prompt}: {step_us:.0f} us of kernel time per step, "
+          f"{sum(counts.values()) / args.steps:.0f} kernels per step; weight-read floor at 4.25 TB/s "
+          f"{floor_us:.0f} us")
+    print(f"{'us/step':>9} {'share':>6} {'n/step':>7}  kernel")
+    for name, t in sorted(totals.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"{t / args.steps:9.1f} {t / args.steps / step_us:6.1%} {counts[name] / args.steps:7.1f}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
