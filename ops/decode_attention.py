@@ -7,34 +7,63 @@ For every active slot ``b`` of the static cache and query head ``i`` (KV head
     V_b = [dequant(v_cache[b, :, :lens[b, 0]]) ; v_ring[b, :, :lens[b, 1]]]
     out[b, i] = softmax(q[b, i] . K_b^T * scale) . V_b
 
-This is the decode hot path: it reads every KV byte it attends to exactly once, so it runs at
-memory bandwidth. Flash-decoding in two launches:
+This is the decode hot path: it reads every KV byte it attends to exactly once, so it should run
+at memory bandwidth. Flash-decoding in two launches:
 
 1. ``_decode_attention_split_kernel``, grid ``(B, H_kv, NUM_SPLITS + 1)``. Program ``(b, h, s)``
    serves *all* query heads of KV group ``h`` from one read of K/V. Its dots put the block's
-   tokens on the tensor-core M axis and the group's heads, padded to >= 8, on N
+   tokens on the tensor-core M axis and the group's heads, padded to BLOCK_H >= 8, on N
    (``scores^T = K q^T``, ``acc^T += V^T p^T``): padding heads to the 16 rows of M instead cost
    ~10% more instructions per cached value in the compiled sm_90 loop. Programs ``s < NUM_SPLITS``
    cover an equal, block-aligned share of the slot's *valid* quantized tokens (the share is
    computed on the device from ``lens[b, 0]``, so work tracks tokens held, not capacity);
-   program ``s == NUM_SPLITS`` covers the fp ring. K and V are dequantized in registers (see
-   ``_dequant_last``) right before the two dot products; softmax is online, in fp32, with exp2.
-   Each program writes a partial ``(m, l, acc)``; one with no tokens writes ``(-inf, 0, 0)``.
+   program ``s == NUM_SPLITS`` covers the fp ring. K and V are dequantized in registers right
+   before the two dot products; softmax is online, in fp32, with exp2. Each program writes a
+   partial ``(m, l, acc)``; one with no tokens writes ``(-inf, 0, 0)``.
 2. ``_decode_attention_combine_kernel``, grid ``(B * H_q,)``, merges the partials into ``out``.
 
 ``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
-fixed shapes, never syncs with the host, and can be captured in a CUDA graph.
+fixed shapes, never syncs with the host, and can be captured in a CUDA graph. It is a run-time
+argument, so batch sizes share one compiled kernel.
 
-At 2 bits the kernel is bound by instruction issue more than by HBM (half a byte per cached value
-with scales): the figures quoted in comments are instructions per cached value in the main loop
-of the sm_90 code triton 3.9 generates (``cuobjdump -sass``), the measure every choice was made
-on; the first straightforward version needed 11.8, this one 5.8.
+Two ways to dequantize the 2/4-bit region (``DEQUANT_PATHS``; the launcher's ``dequant``):
+
+* ``"half2"`` (default for fp16/bf16 models): packed fp16x2 integer tricks
+  (``_dequant_last_half2``: lop3 + sub.f16x2 + fma.rn.f16x2 per 2 values) and fp16 dots, also for
+  bf16 models. The tiles come out in a "pair order" that the other operand follows for free
+  (value rows are loaded in the keys' token order; acc rows are stored to the values' channels),
+  and relabelled so that storing them to shared memory for the dots is free of bank conflicts.
+  Not bit-exact with the reference (fp16 instead of model-dtype operands and probabilities; for
+  bf16 models that is more precise): held, like every path, to twice the error of a
+  same-precision PyTorch attention against fp64.
+* ``"fp32"`` (the first version; always for fp32 models): fp32 FMA per value, then a cast to the
+  model dtype for the dots.
+
+Why. On the H200 the fp32 path ran at 0.79 TB/s (bits 2, B 8, 16k) against 3.1 TB/s for bits
+16 in the same kernel: some 2200-2900 SM cycles per program and 64-token block, about 3x its
+issue slots (831 warp instructions, triton 3.6). Two costs beyond issue fit that gap (inferred
+from the SASS and the shared-memory layouts, not profiled): its loop converts every value twice
+(64 F2FP.PACK_AB fp32 -> bf16 and 144 HADD2.F32 fp16 -> fp32 per warp and block; the CUDA guide
+rates conversions far below the FMA rate), and its K and V tile stores to shared memory hit 4-
+and 2-way bank conflicts. The half2 path has no conversion in the loop (2 F2FP per block, for p)
+and conflict-free stores. Main loop, instructions per cached value (``cuobjdump -sass``; bits 2,
+D 128, bf16, BLOCK_N 64, 4 warps):
+
+=============  =======================  =======================
+               triton 3.9 (CPU wheel)   triton 3.6 (the H200's)
+=============  =======================  =======================
+"fp32"         5.9, 96 regs, wgmma      6.5, 128 regs, mma.sync
+"half2"        3.7, 96 regs, wgmma      4.5, 96 regs, mma.sync
+=============  =======================  =======================
+
+(triton 3.6 emits mma.sync for N = BLOCK_H = 8 and wgmma only from N = 16; the ``block_h``
+argument and the benchmark's ``--variants`` compare both.)
 """
 from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -46,6 +75,11 @@ from .quant import dequantize_keys_ref, dequantize_values_ref
 _LOG2E = 1.4426950408889634
 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
+
+# Ways to turn 2/4-bit codes into dot operands (the launcher's ``dequant`` argument):
+#   "half2": packed fp16x2 integer tricks, fp16 dots (default; fp16 and bf16 models);
+#   "fp32":  fp32 FMA per value, dots in the model dtype (the first version; fp32 models always).
+DEQUANT_PATHS = ("half2", "fp32")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,8 +130,9 @@ def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
             x = tl.interleave(x, x >> ((H // 2 >> level) * BITS))
     # -- codes j and j + H sit at bits 0 and 16 of x: one mask isolates both (and drops the sign
     #    bits the arithmetic >> dragged in). Read as fp16, each half is the subnormal code * 2^-24;
-    #    widening it to fp32 is exact and runs at full rate (HADD2.F32 on either half) where an
-    #    int-to-float conversion (I2F) runs at quarter rate. Multiplying the scale by 2^24 (exact)
+    #    widening it to fp32 is exact, one HADD2.F32 per value instead of a quarter-rate
+    #    int-to-float conversion (I2F); the "half2" path avoids the widening (and the cast back to
+    #    the model dtype) altogether. Multiplying the scale by 2^24 (exact)
     #    makes the FMA below compute code * s + z with the single rounding of the reference.
     y = x & (((1 << BITS) - 1) * 0x10001)
     lo = y.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -116,47 +151,177 @@ def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
     return tl.reshape(tl.permute(out, (0, 1, 3, 2)), (R, C * P))
 
 
-@triton.jit
-def _dequant_keys_t(k_ptr, ks_ptr, kz_ptr, plane, start, hi, T_CAP,
-                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """Keys of tokens [start, start + BLOCK_N) of one (slot, KV head) plane, transposed to
-    (D, BLOCK_N) fp32 so that the packed (token) axis is last, where ``_dequant_last`` unpacks.
+# One int32 holding two codes (at bits 0 and 16; the bits above each code are garbage) -> the two
+# values code * scale + zero as fp16, each rounded once. lop3 masks the codes and ORs in the
+# exponent of 1024.0 (0x6400: fp16 1024 + code, exact), sub.f16x2 removes the 1024, fma.rn.f16x2
+# applies scale and zero to both halves: 3 instructions per 2 values (the fp32 path needs ~7).
+# $3/$4 are the same fp16 scale/zero for both halves; ptxas reads them as .H0_H0 operands.
+_HALF2_ASM_2BIT = tl.constexpr("""{
+    .reg .b32 t, m, s2, z2;
+    lop3.b32 t, $2, 0x00030003, 0x64006400, 0xea;
+    mov.b32 m, 0x64006400;
+    sub.f16x2 t, t, m;
+    mov.b32 s2, {$3, $3};
+    mov.b32 z2, {$4, $4};
+    fma.rn.f16x2 t, t, s2, z2;
+    mov.b32 {$0, $1}, t;
+}""")
+_HALF2_ASM_4BIT = tl.constexpr("""{
+    .reg .b32 t, m, s2, z2;
+    lop3.b32 t, $2, 0x000f000f, 0x64006400, 0xea;
+    mov.b32 m, 0x64006400;
+    sub.f16x2 t, t, m;
+    mov.b32 s2, {$3, $3};
+    mov.b32 z2, {$4, $4};
+    fma.rn.f16x2 t, t, s2, z2;
+    mov.b32 {$0, $1}, t;
+}""")
 
-    Codes: (T_CAP / P, D) int32 per plane, token t in row t // P at bits (t % P) * BITS.
-    Scale/zero: (T_CAP / G, D) fp16 per plane (one group = one channel over G tokens).
-    Tokens >= hi read as 0 (neither codes nor scales beyond the valid length are touched).
+
+@triton.jit
+def _code_pairs_to_half(x, s, z, BITS: tl.constexpr, INTERPRET: tl.constexpr):
+    """x: int32 with one code at bits 0 and one at bits 16; s, z: fp16, same shape.
+    Returns (lo, hi) fp16: code * s + z for the low and the high code, rounded once to fp16."""
+    if INTERPRET:
+        # The interpreter has no inline PTX: the same values from fp32 math (code * s exact).
+        mask: tl.constexpr = (1 << BITS) - 1
+        sf = s.to(tl.float32)
+        zf = z.to(tl.float32)
+        lo = ((x & mask).to(tl.float32) * sf + zf).to(tl.float16)
+        hi = (((x >> 16) & mask).to(tl.float32) * sf + zf).to(tl.float16)
+    elif BITS == 2:
+        lo, hi = tl.inline_asm_elementwise(_HALF2_ASM_2BIT, "=h,=h,r,h,h", [x, s, z],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_HALF2_ASM_4BIT, "=h,=h,r,h,h", [x, s, z],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
+def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    """Dequantize along the last axis to fp16, in *pair order*.
+
+    words: (R, C) int32, each packing P = 32 / BITS codes (code j at bits j * BITS); scale, zero:
+    (R, C * P / G) fp16. Returns (R, C * P) fp16 whose element c * P + i holds code
+    ``_pair_order`` (i) of word c: codes j and j + P / 2 sit at bits 0 and 16 of ``word >> (j *
+    BITS)``, so one packed fp16x2 register holds that pair, and keeping the pair adjacent is what
+    lets it go to shared memory as is (natural order would cost a PRMT per 2 values). Callers
+    permute the other operand instead: keys' tokens -> the order value rows are loaded in;
+    values' channels -> the rows the accumulator is stored to.
+    """
+    P: tl.constexpr = 32 // BITS
+    H: tl.constexpr = P // 2
+    R: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    # -- shift tree as in _dequant_last: x[r, c * H + j] = words[r, c] >> (j * BITS), j < H
+    x = words
+    for level in tl.static_range(3):
+        if (1 << level) < H:
+            x = tl.interleave(x, x >> ((H // 2 >> level) * BITS))
+    # -- one scale/zero per element of x (a word never spans two groups: G >= 16 >= P)
+    s = scale
+    z = zero
+    for level in tl.static_range(7):
+        if (1 << level) < G // 2:
+            s = tl.interleave(s, s)
+            z = tl.interleave(z, z)
+    lo, hi = _code_pairs_to_half(x, s, z, BITS, INTERPRET)
+    return tl.reshape(tl.join(lo, hi), (R, C * P))
+
+
+@triton.jit
+def _pair_order(N: tl.constexpr, P: tl.constexpr):
+    """(N,) int32: element i of a pair-ordered axis (see ``_dequant_last_half2``) is element
+    ``_pair_order(N, P)[i]`` of the natural axis."""
+    i = tl.arange(0, N)
+    return i // P * P + (i % 2) * (P // 2) + (i % P) // 2
+
+
+@triton.jit
+def _interleave_rows(x, V: tl.constexpr):
+    """(R, C) -> (R, C), row p = row (p % (R / V)) * V + p // (R / V) of x: rows that sat V to a
+    thread (a 16-byte load) end up 1 apart across lanes. Only relabels registers; see the bank
+    note in ``_decode_attention_split_kernel``."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, (R // V, V, C)), (1, 0, 2)), (R, C))
+
+
+@triton.jit
+def _spread_words(x, W: tl.constexpr):
+    """(R, C) -> (R, C), the C columns being W words of C / W columns each (W >= 8): word
+    4 k + j (the j-th of the 4 words that lane k of a row loads as 16 bytes) moves to position
+    8 (j // 2) + 2 k + j % 2, so that the lanes sharing a row store to different banks.
+    Only relabels registers; see the bank note in ``_decode_attention_split_kernel``."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, (R, W // 4, 2, 2, C // W))
+    return tl.reshape(tl.permute(x, (0, 2, 1, 3, 4)), (R, C))
+
+
+@triton.jit
+def _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HALF2: tl.constexpr, INTERPRET: tl.constexpr):
+    """Keys of tokens [start, start + BLOCK_N) of one (slot, KV head) plane, transposed to
+    (D, BLOCK_N) so that the packed (token) axis is last, where the dequantizers unpack.
+    HALF2: fp16 with the token axis in pair order; else fp32 in natural order.
+
+    k_plane: the plane's codes, (T_CAP / P, D) int32, token t in row t // P at bits
+    (t % P) * BITS. ks_plane, kz_plane: its scales/zeros, (T_CAP / G, D) fp16 (one group = one
+    channel over G tokens). Tokens >= hi read as 0 (nothing beyond the valid length is touched).
     """
     P: tl.constexpr = 32 // BITS
     offs_d = tl.arange(0, D)
     rows = start // P + tl.arange(0, BLOCK_N // P)
-    words = tl.load(k_ptr + plane * (T_CAP // P * D) + rows[None, :] * D + offs_d[:, None],
+    words = tl.load(k_plane + rows[None, :] * D + offs_d[:, None],
                     mask=(rows * P < hi)[None, :], other=0)               # (D, BLOCK_N / P)
     groups = start // G + tl.arange(0, BLOCK_N // G)
-    sz_offs = plane * (T_CAP // G * D) + groups[None, :] * D + offs_d[:, None]
+    sz_offs = groups[None, :] * D + offs_d[:, None]
     sz_mask = (groups * G < hi)[None, :]
-    scale = tl.load(ks_ptr + sz_offs, mask=sz_mask, other=0.0)          # (D, BLOCK_N / G)
-    zero = tl.load(kz_ptr + sz_offs, mask=sz_mask, other=0.0)
-    return _dequant_last(words, scale, zero, BITS, G)
+    scale = tl.load(ks_plane + sz_offs, mask=sz_mask, other=0.0)        # (D, BLOCK_N / G)
+    zero = tl.load(kz_plane + sz_offs, mask=sz_mask, other=0.0)
+    if HALF2:
+        return _dequant_last_half2(words, scale, zero, BITS, G, INTERPRET)
+    else:
+        return _dequant_last(words, scale, zero, BITS, G)
 
 
 @triton.jit
-def _dequant_values(v_ptr, vs_ptr, vz_ptr, plane, tokens, valid, T_CAP,
-                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
-    """Values of ``tokens`` (BLOCK_N,) of one plane -> (BLOCK_N, D) fp32; invalid rows read 0.
+def _dequant_values(v_plane, vs_plane, vz_plane, tokens, valid,
+                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                    HALF2: tl.constexpr, INTERPRET: tl.constexpr):
+    """Values of ``tokens`` (BLOCK_N,) of one plane -> (BLOCK_N, D); invalid rows read 0.
+    HALF2: fp16 with the channel axis in pair order; else fp32 in natural order.
 
-    Codes: (T_CAP, D / P) int32 per plane, channel c in column c // P at bits (c % P) * BITS.
-    Scale/zero: (T_CAP, D / G) fp16 per plane (one group = G channels of one token).
+    v_plane: the plane's codes, (T_CAP, D / P) int32, channel c in column c // P at bits
+    (c % P) * BITS. vs_plane, vz_plane: (T_CAP, D / G) fp16 (one group = G channels of one token).
     """
     P: tl.constexpr = 32 // BITS
     cols = tl.arange(0, D // P)
-    words = tl.load(v_ptr + plane * (T_CAP * (D // P)) + tokens[:, None] * (D // P) + cols[None, :],
+    words = tl.load(v_plane + tokens[:, None] * (D // P) + cols[None, :],
                     mask=valid[:, None], other=0)                        # (BLOCK_N, D / P)
     gcols = tl.arange(0, D // G)
-    sz_offs = plane * (T_CAP * (D // G)) + tokens[:, None] * (D // G) + gcols[None, :]
-    scale = tl.load(vs_ptr + sz_offs, mask=valid[:, None], other=0.0)    # (BLOCK_N, D / G)
-    zero = tl.load(vz_ptr + sz_offs, mask=valid[:, None], other=0.0)
-    return _dequant_last(words, scale, zero, BITS, G)
+    sz_offs = tokens[:, None] * (D // G) + gcols[None, :]
+    scale = tl.load(vs_plane + sz_offs, mask=valid[:, None], other=0.0)  # (BLOCK_N, D / G)
+    zero = tl.load(vz_plane + sz_offs, mask=valid[:, None], other=0.0)
+    if HALF2:
+        return _dequant_last_half2(words, scale, zero, BITS, G, INTERPRET)
+    else:
+        return _dequant_last(words, scale, zero, BITS, G)
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i):
+    """Online-softmax step. s: (BLOCK_N, BLOCK_H) fp32 scores in the log2 domain; valid:
+    (BLOCK_N,); m_i: (BLOCK_H,) running max. Returns the new max, the factor alpha (BLOCK_H,)
+    that rescales what was accumulated so far, and p = exp2(s - new max), 0 where invalid."""
+    s = tl.where(valid[:, None], s, float("-inf"))
+    # Every block holds >= 1 valid token, so m_new is finite and exp2(-inf - m_new) == 0.
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    return m_new, tl.exp2(m_i - m_new), tl.exp2(s - m_new[None, :])
 
 
 @triton.jit
@@ -170,11 +335,7 @@ def _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexp
     denominator; acc: (D, BLOCK_H) fp32. Transposes only relabel (registers or shared memory).
     """
     s = tl.dot(tl.trans(k_t.to(DOT_DTYPE)), q_t, input_precision=INPUT_PRECISION) * qk_scale
-    s = tl.where(valid[:, None], s, float("-inf"))                      # (BLOCK_N, BLOCK_H)
-    # Every block holds >= 1 valid token, so m_new is finite and exp2(-inf - m_new) == 0.
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[None, :])
+    m_new, alpha, p = _softmax_step(s, valid, m_i)                      # (BLOCK_N, BLOCK_H)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     # p is rounded to the model dtype like in any fp16/bf16 flash attention.
     p_lo = _round_to(p, ELEM, BF16_BY_HAND).to(DOT_DTYPE)
@@ -188,10 +349,11 @@ def _decode_attention_split_kernel(
     m_ptr, l_ptr, acc_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_qd,
-    H_KV, T_CAP, R,
-    NUM_SPLITS: tl.constexpr, GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-    BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    H_KV, T_CAP, R, NUM_SPLITS,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -206,39 +368,97 @@ def _decode_attention_split_kernel(
     head_ok = heads < GQA
     offs_d = tl.arange(0, D)
     q_t = tl.load(q_ptr + b * stride_qb + (h * GQA + heads)[None, :] * stride_qh
-                  + offs_d[:, None] * stride_qd, mask=head_ok[None, :], other=0.0).to(DOT_DTYPE)
+                  + offs_d[:, None] * stride_qd, mask=head_ok[None, :], other=0.0)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((D, BLOCK_H), tl.float32)
     elem_ty = kr_ptr.dtype.element_ty
+    acc_rows = offs_d  # the channel each row of acc holds
 
     if split < NUM_SPLITS:
         # -- quantized region: this split's block-aligned share of [0, n_quant)
         split_len = tl.cdiv(tl.cdiv(n_quant, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, n_quant)
-        for start in range(lo, hi, BLOCK_N):
-            tokens = start + tl.arange(0, BLOCK_N)
-            valid = tokens < hi
-            if BITS == 16:
-                k_t = tl.load(k_ptr + plane * T_CAP * D + tokens[None, :] * D + offs_d[:, None],
-                              mask=valid[None, :], other=0.0)
-                v = tl.load(v_ptr + plane * T_CAP * D + tokens[:, None] * D + offs_d[None, :],
-                            mask=valid[:, None], other=0.0)
-            else:
-                k_t = _dequant_keys_t(k_ptr, ks_ptr, kz_ptr, plane, start, hi, T_CAP,
-                                      D, BITS, G, BLOCK_N)
-                v = _dequant_values(v_ptr, vs_ptr, vz_ptr, plane, tokens, valid, T_CAP,
-                                    D, BITS, G)
-                k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
-                v = _round_to(v, elem_ty, BF16_BY_HAND)
-            m_i, l_i, acc = _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, elem_ty,
-                                          DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
+        if BITS == 16:
+            k_plane = k_ptr + plane * T_CAP * D
+            v_plane = v_ptr + plane * T_CAP * D
+        else:
+            P: tl.constexpr = 32 // BITS
+            k_plane = k_ptr + plane * (T_CAP // P * D)
+            ks_plane = ks_ptr + plane * (T_CAP // G * D)
+            kz_plane = kz_ptr + plane * (T_CAP // G * D)
+            v_plane = v_ptr + plane * (T_CAP * (D // P))
+            vs_plane = vs_ptr + plane * (T_CAP * (D // G))
+            vz_plane = vz_ptr + plane * (T_CAP * (D // G))
+        if HALF2:
+            # -- packed fp16x2 dequantization, fp16 dots (also for bf16 models: dequantized
+            #    values are fp16 by construction, fp16 scale and zero; probabilities are in
+            #    [0, 1]). bf16 q converts exactly unless |q| >= 2^16: a power-of-two prescale,
+            #    undone in the softmax scale, keeps max |q| below 2^15.
+            qf = q_t.to(tl.float32)
+            if elem_ty == tl.bfloat16:
+                q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(qf)))) - 15.0, 0.0)
+                qf = qf * tl.exp2(-q_exp)
+                qk_scale = qk_scale * tl.exp2(q_exp)
+            # Keys come out with their tokens in pair order: value rows are loaded in that
+            # order; values come out with their channels in pair order: acc rows are stored so.
+            # Bank note: on top, both tiles get a channel relabelling (q follows the keys', acc
+            # rows the values') for their 16-byte stores to the swizzled shared-memory tiles of
+            # the dots. Without it, a quarter-warp's 8 stores fell into 2 (keys: 4 channels per
+            # thread, so rows 4 apart) or 4 (values) of the 8 bank groups: 4x and 2x the
+            # conflict-free time. With it, 1x: computed from the ttgir layouts (triton 3.6 and
+            # 3.9, D 128, BLOCK_N 64, 4 warps, bits 2 and 4); other shapes stay correct but may
+            # keep some conflicts.
+            q_h = _interleave_rows(qf.to(tl.float16), 4)
+            order_n = _pair_order(BLOCK_N, P)
+            acc_rows = _pair_order(D, P)
+            if D // P >= 8:
+                acc_rows = tl.reshape(_spread_words(tl.reshape(acc_rows, (1, D)), D // P), (D,))
+            # Per-row partial sums of p (summed once at the end): no cross-warp reduction of l
+            # per block.
+            l_rows = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
+            for start in range(lo, hi, BLOCK_N):
+                tokens = start + order_n
+                valid = tokens < hi
+                k_t = _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                                      D, BITS, G, BLOCK_N, True, INTERPRET)  # (D, BLOCK_N) fp16
+                k_t = _interleave_rows(k_t, 4)
+                s = tl.dot(tl.trans(k_t), q_h) * qk_scale                 # (BLOCK_N, BLOCK_H)
+                m_i, alpha, p = _softmax_step(s, valid, m_i)
+                l_rows = l_rows * alpha[None, :] + p
+                # Values after the softmax: their registers are not live across it.
+                v = _dequant_values(v_plane, vs_plane, vz_plane, tokens, valid,
+                                    D, BITS, G, True, INTERPRET)             # (BLOCK_N, D) fp16
+                if D // P >= 8:
+                    v = _spread_words(v, D // P)
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+            l_i = tl.sum(l_rows, axis=0)
+        else:
+            q_d = q_t.to(DOT_DTYPE)
+            for start in range(lo, hi, BLOCK_N):
+                tokens = start + tl.arange(0, BLOCK_N)
+                valid = tokens < hi
+                if BITS == 16:
+                    k_t = tl.load(k_plane + tokens[None, :] * D + offs_d[:, None],
+                                  mask=valid[None, :], other=0.0)
+                    v = tl.load(v_plane + tokens[:, None] * D + offs_d[None, :],
+                                mask=valid[:, None], other=0.0)
+                else:
+                    k_t = _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                                          D, BITS, G, BLOCK_N, False, INTERPRET)
+                    v = _dequant_values(v_plane, vs_plane, vz_plane, tokens, valid,
+                                        D, BITS, G, False, INTERPRET)
+                    k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
+                    v = _round_to(v, elem_ty, BF16_BY_HAND)
+                m_i, l_i, acc = _attend_block(q_d, k_t, v, valid, m_i, l_i, acc, qk_scale,
+                                              elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
     else:
         # -- residual ring: [0, n_ring) in the model dtype. Not software-pipelined: it is at most
         #    R / BLOCK_N (2) blocks, and a pipelined loop gets its own multi-buffered shared memory
         #    next to the main loop's (sm_90, bits 2, D 128: 68 KB per program instead of 35 KB).
+        q_d = q_t.to(DOT_DTYPE)
         for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
             tokens = start + tl.arange(0, BLOCK_N)
             valid = tokens < n_ring
@@ -246,21 +466,21 @@ def _decode_attention_split_kernel(
                           mask=valid[None, :], other=0.0)
             v = tl.load(vr_ptr + plane * R * D + tokens[:, None] * D + offs_d[None, :],
                         mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, elem_ty,
+            m_i, l_i, acc = _attend_block(q_d, k_t, v, valid, m_i, l_i, acc, qk_scale, elem_ty,
                                           DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
 
     # -- partials: m, l (B, H_q, S) and acc (B, H_q, S, D) fp32, S = NUM_SPLITS + 1
     rows = (b * (H_KV * GQA) + h * GQA + heads) * (NUM_SPLITS + 1) + split
     tl.store(m_ptr + rows, m_i, mask=head_ok)
     tl.store(l_ptr + rows, l_i, mask=head_ok)
-    tl.store(acc_ptr + rows[None, :] * D + offs_d[:, None], acc, mask=head_ok[None, :])
+    tl.store(acc_ptr + rows[None, :] * D + acc_rows[:, None], acc, mask=head_ok[None, :])
 
 
 @triton.jit
 def _decode_attention_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
-    H_Q, stride_ob, stride_oh, stride_od,
-    S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    H_Q, stride_ob, stride_oh, stride_od, S,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * H_q + query head
     offs_d = tl.arange(0, D)
@@ -319,42 +539,73 @@ def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: in
     return max(1, min(want, useful, 64))
 
 
-def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtype):
-    """(BLOCK_N, num_warps, num_stages) when the caller gives none.
+class _Launch(NamedTuple):
+    """Launch configuration of the split kernel. maxnreg None: no register cap; BLOCK_H is
+    max(min_block_h, next power of two of H_q / H_kv)."""
 
-    Tiles of 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup, so on sm_90 the dots
-    (M = BLOCK_N tokens) are wgmma; a block holds whole key groups. Compiled sm_90 loop for bits 2,
-    D 128, bf16: 5.8 instructions per cached value, 96 registers and 36 KB of shared memory per
-    program at 3 stages, no spills. bits 16 keeps 2 stages (its tiles are 8x larger: 69 KB).
-    fp32 models use 4096-value tiles: fp32 dots run on the FMA units and spill at 8192.
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: Optional[int]
+    min_block_h: int
+
+
+def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtype,
+                    dequant: str = "half2") -> _Launch:
+    """The launch configuration when the caller gives none.
+
+    Tiles of 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup; a block holds whole
+    key groups. bits 16 keeps 2 stages (its tiles are 8x larger: 69 KB). fp32 models use
+    4096-value tiles: fp32 dots run on the FMA units and spill at 8192. BLOCK_H >= 8 is the
+    smallest tensor-core N (triton 3.9 emits wgmma for it, triton 3.6 mma.sync: 3.6 needs
+    N >= 16 for wgmma). Compiled sm_90 main loop, bits 2, D 128, bf16, triton 3.6 (3.9):
+    instructions per cached value, registers, shared memory per program:
+      "fp32":  6.5 (5.9), 128 (96) registers, 53 (35) KB at 3 stages: 4 (5) programs per SM.
+      "half2": uncapped 4.2 (3.5) at 128 registers: 4 programs per SM. Capped at 96: 4.5 (3.7),
+               no spill inside the loop, 37 KB: 5 programs per SM, so B 8 x 8 KV heads x 10
+               splits fit in one wave of 132 SMs. bits 4 take 2 stages (33 KB; 46 KB at 3 would
+               allow only 4 programs per SM). D < 64 stays uncapped (D 16 spills at 96).
+               BLOCK_H 16 (wgmma on 3.6): 4.2 at 128 registers, 43 KB.
     """
     tile = 4096 if dtype == torch.float32 else 8192
     block_n = max(16, tile // head_dim)
     if bits == 16:
-        return block_n, 4, 2
+        return _Launch(block_n, 4, 2, None, 8)
     block_n = max(block_n, group_size)
-    return block_n, (4 if block_n * head_dim <= 8192 else 8), 3
+    warps = 4 if block_n * head_dim <= 8192 else 8
+    if dequant != "half2" or dtype == torch.float32:
+        return _Launch(block_n, warps, 3, None, 8)
+    return _Launch(block_n, warps, 3 if bits == 2 else 2,
+                   96 if warps == 4 and head_dim >= 64 else None, 8)
 
 
 def _decode_attention_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    scale: float, bits: int, group_size: int, *,
+    scale: float, bits: int, group_size: int, *, dequant: str = "half2",
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+    maxnreg: Optional[int] = None, block_h: Optional[int] = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`decode_attention` (inputs already validated).
 
-    The keyword arguments override the launch configuration (tests, tuning); ``block_n`` must be a
-    power of two, >= 16 and a multiple of ``group_size`` when ``bits < 16``.
+    ``dequant`` picks the quantized-region path (see :data:`DEQUANT_PATHS`); the other keyword
+    arguments override the launch configuration (tests, tuning); ``block_n`` must be a power of
+    two, >= 16 and a multiple of ``group_size`` when ``bits < 16``; ``maxnreg`` caps registers per
+    thread (0: no cap); ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the
+    query heads of a KV group padded.
     """
+    check_choice("dequant", dequant, DEQUANT_PATHS)
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     ring_cap = k_ring.shape[2]
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    cfg_block_n, cfg_warps, cfg_stages = _default_config(bits, group_size, d, q.dtype)
-    block_n = block_n or cfg_block_n
-    num_warps = num_warps or cfg_warps
-    num_stages = num_stages or cfg_stages
+    cfg = _default_config(bits, group_size, d, q.dtype, dequant)
+    block_n = block_n or cfg.block_n
+    num_warps = num_warps or cfg.num_warps
+    num_stages = num_stages or cfg.num_stages
+    if maxnreg is None:  # the default cap is sized for the default warps
+        maxnreg = cfg.maxnreg if num_warps == cfg.num_warps else None
+    maxnreg = maxnreg or None
     if block_n < 16 or block_n & (block_n - 1) or (bits != 16 and block_n % group_size):
         raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of group_size="
                          f"{group_size}, got {block_n}")
@@ -362,6 +613,9 @@ def _decode_attention_triton(
         sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 1
         num_splits = _num_splits(batch, h_kv, capacity, block_n, sm_count)
     gqa = h_q // h_kv
+    block_h = block_h or max(cfg.min_block_h, triton.next_power_of_2(gqa))
+    if block_h < max(8, gqa) or block_h & (block_h - 1):
+        raise ValueError(f"block_h: expected a power of two >= max(8, {gqa}), got {block_h}")
     n_slots = num_splits + 1  # + the ring's split
 
     m = torch.empty(batch, h_q, n_slots, dtype=torch.float32, device=q.device)
@@ -373,7 +627,10 @@ def _decode_attention_triton(
     # The interpreter (triton 3.9) mishandles bf16: its tl.dot multiplies the raw uint16 bits and
     # its fp32 -> bf16 cast truncates. There bf16 values are rounded by hand and kept in fp32,
     # and the dots run in fp32 on them: the same products, exact in fp32, as on the GPU.
-    bf16_by_hand = os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    bf16_by_hand = interpret and q.dtype == torch.bfloat16
+    # fp32 models keep fp32 dots: fp16 operands would be less precise than the model dtype.
+    half2 = dequant == "half2" and bits != 16 and q.dtype != torch.float32
     if q.dtype == torch.float32 or bf16_by_hand:
         dot_dtype, precision = tl.float32, "ieee"
     else:
@@ -384,15 +641,16 @@ def _decode_attention_triton(
         m, l, acc,
         scale * _LOG2E,
         *q.stride(),
-        h_kv, capacity, ring_cap,
-        NUM_SPLITS=num_splits, GQA=gqa, BLOCK_H=max(8, triton.next_power_of_2(gqa)), D=d,
-        BITS=bits, G=group_size, BLOCK_N=block_n,
+        h_kv, capacity, ring_cap, num_splits,
+        GQA=gqa, BLOCK_H=block_h, D=d,
+        BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
         DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-        num_warps=num_warps, num_stages=num_stages,
+        INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _decode_attention_combine_kernel[(batch * h_q,)](
-        m, l, acc, out, h_q, *out.stride(),
-        S=n_slots, D=d, BLOCK_S=min(16, triton.next_power_of_2(n_slots)),
+        m, l, acc, out, h_q, *out.stride(), n_slots,
+        D=d, BLOCK_S=min(16, triton.next_power_of_2(n_slots)),
         BF16_BY_HAND=bf16_by_hand, num_warps=4,
     )
     return out

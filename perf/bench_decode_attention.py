@@ -2,6 +2,7 @@
 SDPA's fp16/bf16 decode attention over the full, uncompressed context.
 
     python -m minikv_compile.perf.bench_decode_attention [--out results.json] [--bits 2] [--tune]
+    python -m minikv_compile.perf.bench_decode_attention --variants [--out variants.json]
 
 Shapes are Llama-3-8B attention (32 query / 8 KV heads, D = 128, bf16), G = 16, a full 128-token
 ring. MiniKV keeps 50% of the prompt, so a row with N quantized tokens is compared with SDPA over
@@ -23,6 +24,11 @@ of SDPA over 32k.
 
 ``--tune`` times a grid of (BLOCK_N, num_warps, num_stages) and splits around the defaults for
 each row of the first table and prints the best per row.
+
+``--variants`` times the quantized-region paths and launch variants of ``VARIANTS`` side by side
+on ``VARIANT_CASES`` (same timing method, one cache set per case shared by all variants), checks
+each against the reference on the B 8 rows, and prints one table; about a minute on an H200,
+most of it compiling.
 """
 from __future__ import annotations
 
@@ -221,22 +227,30 @@ def _free_bytes() -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, NUM_SPLITS) the op uses for ``cfg``, or with overrides."""
+def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[int, ...]:
+    """(BLOCK_N, num_warps, num_stages, NUM_SPLITS, maxnreg, BLOCK_H) the op uses for ``cfg``, or
+    with launcher overrides (``dequant`` included); maxnreg 0 means no cap."""
     da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     dtype = getattr(torch, cfg.dtype)
-    bn, warps, stages = da._default_config(cfg.bits, cfg.group_size, cfg.D, dtype)
+    dequant = override.get("dequant", da.DEQUANT_PATHS[0])
+    bn, warps, stages, maxnreg, min_block_h = da._default_config(cfg.bits, cfg.group_size,
+                                                                 cfg.D, dtype, dequant)
     bn = override.get("block_n") or bn
-    warps = override.get("num_warps") or warps
+    if override.get("num_warps") not in (None, warps):
+        warps, maxnreg = override["num_warps"], None  # the default cap is sized for its warps
     stages = override.get("num_stages") or stages
+    if override.get("maxnreg") is not None:
+        maxnreg = override["maxnreg"]
     splits = override.get("num_splits") or da._num_splits(
         cfg.B, cfg.H_kv, cfg.n_quant, bn, da._sm_count(torch.cuda.current_device()))
-    return bn, warps, stages, splits
+    block_h = override.get("block_h") or max(min_block_h,
+                                             1 << (cfg.H_q // cfg.H_kv - 1).bit_length())
+    return bn, warps, stages, splits, maxnreg or 0, block_h
 
 
-def _describe(launch: Tuple[int, int, int, int]) -> str:
-    return "BLOCK_N={} warps={} stages={} NUM_SPLITS={}".format(*launch)
+def _describe(launch: Tuple[int, ...]) -> str:
+    return "BLOCK_N={} warps={} stages={} NUM_SPLITS={} maxnreg={} BLOCK_H={}".format(*launch)
 
 
 def run_experiment(cfg: ExperimentConfig, copy_bps: float, check: bool = False
@@ -352,6 +366,120 @@ def tune(cfg: ExperimentConfig) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# --variants
+# ---------------------------------------------------------------------------------------------
+
+# (name, keyword arguments of ops.decode_attention._decode_attention_triton). "fp32" is the first
+# version (fp32 FMA dequantization, model-dtype dots); "half2" the default (packed fp16x2
+# dequantization, fp16 dots); the others vary one launch choice of the default each, to show
+# which resource binds: registers (no cap: 4 instead of 5 programs per SM), the MMA kind (triton
+# 3.6 emits mma.sync for N = 8 and wgmma only from N = 16: BLOCK_H 16 pads 4 heads to 16),
+# shared-memory traffic (1 stage: codes loaded straight to registers, no cp.async staging).
+VARIANTS: List[Tuple[str, dict]] = [
+    ("fp32", dict(dequant="fp32")),
+    ("half2", dict()),
+    ("half2 no reg cap", dict(maxnreg=0)),
+    ("half2 BLOCK_H 16", dict(block_h=16, maxnreg=128)),
+    ("half2 1 stage", dict(num_stages=1)),
+]
+VARIANT_CASES = [ExperimentConfig(8, 16384, 2), ExperimentConfig(8, 16384, 4),
+                 ExperimentConfig(8, 16384, 16), ExperimentConfig(1, 16384, 2),
+                 ExperimentConfig(1, 131072, 2), ExperimentConfig(64, 16384, 2)]
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    config: ExperimentConfig
+    variant: str
+    launch_config: str
+    ms: Optional[float]
+    tb_per_s: Optional[float]
+    fraction_of_copy: Optional[float]
+    speedup_vs_first: Optional[float]   # VARIANTS[0] ms / this ms
+    ratio_vs_sdpa: Optional[float]
+    sdpa_ms: Optional[float]
+    max_abs_diff_vs_ref: Optional[float]
+    error: Optional[str]
+
+
+def run_variants(cfg: ExperimentConfig, copy_bps: float) -> List[VariantResult]:
+    """Every entry of VARIANTS on one cache set of ``cfg`` (bits 16: one row, the default launch;
+    the variants differ only in the quantized path), plus SDPA over the uncompressed context.
+    A variant that fails to compile or launch gets a row saying why; the others still run."""
+    da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
+
+    nbytes = bytes_read(cfg)
+    replicas = _replicas(nbytes)
+    if nbytes * replicas > MEMORY_FRACTION * _free_bytes():
+        return [VariantResult(cfg, "-", "", None, None, None, None, None, None, None,
+                              "cache exceeds free memory")]
+    dtype = getattr(torch, cfg.dtype)
+    scale = cfg.D ** -0.5
+    q = torch.randn(cfg.B, cfg.H_q, cfg.D, dtype=dtype, device="cuda")
+    caches = [_cache(cfg) for _ in range(replicas)]
+    ref = None
+    if cfg.B == 8:  # the reference loops over slots on the host: cheap only for small batches
+        ref = da.decode_attention_ref(q, *caches[0], scale, cfg.bits, cfg.group_size).float()
+
+    sdpa_ms = None
+    sbytes = sdpa_bytes(cfg)
+    sdpa_replicas = _replicas(sbytes)
+    if sbytes * sdpa_replicas <= MEMORY_FRACTION * _free_bytes():
+        sq = q.view(cfg.B, cfg.H_q, 1, cfg.D)
+        kvs = [(torch.randn(cfg.B, cfg.H_kv, cfg.sdpa_tokens, cfg.D, dtype=dtype, device="cuda"),
+                torch.randn(cfg.B, cfg.H_kv, cfg.sdpa_tokens, cfg.D, dtype=dtype, device="cuda"))
+               for _ in range(sdpa_replicas)]
+        sdpa_ms = _graph_ms([_sdpa_callable(sq, k, v)[0] for k, v in kvs])
+        del kvs
+        torch.cuda.empty_cache()
+
+    results: List[VariantResult] = []
+    first_ms = None
+    for name, kw in ([("(no quantized path)", {})] if cfg.bits == 16 else VARIANTS):
+        launch = _describe(_launch_config(cfg, **kw))
+        calls = [lambda c=c, kw=kw: da._decode_attention_triton(q, *c, scale, cfg.bits,
+                                                                cfg.group_size, **kw)
+                 for c in caches]
+        try:
+            out = calls[0]()  # compile outside any timing
+            torch.cuda.synchronize()
+        except Exception as err:  # e.g. out of shared memory for this shape: report, go on
+            msg = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
+            results.append(VariantResult(cfg, name, launch, None, None, None, None, None,
+                                         sdpa_ms, None, msg))
+            continue
+        diff = (out.float() - ref).abs().max().item() if ref is not None else None
+        ms = _graph_ms(calls)
+        first_ms = first_ms or ms
+        tbps = nbytes / (ms * 1e-3) / 1e12
+        results.append(VariantResult(
+            cfg, name, launch, ms, tbps, tbps * 1e12 / copy_bps, first_ms / ms,
+            ms / sdpa_ms if sdpa_ms else None, sdpa_ms, diff, None))
+        print(f"  {cfg.name:<26} {name:<22} {ms:.4f} ms"
+              + (f", max |out - ref| {diff:.2e}" if diff is not None else ""), flush=True)
+    del caches
+    torch.cuda.empty_cache()
+    return results
+
+
+def print_variant_table(results: List[VariantResult], copy_bps: float) -> None:
+    print(f"\ndevice-to-device copy: {copy_bps / 1e12:.2f} TB/s (read + write); "
+          f"'x first' = {VARIANTS[0][0]} ms / ms")
+    header = (f"{'case':<26} {'variant':<22} {'ms':>8} {'TB/s':>6} {'of copy':>7} "
+              f"{'x first':>7} {'sdpa ms':>8} {'/sdpa':>6} {'|out-ref|':>9}  launch")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        if r.ms is None:
+            print(f"{r.config.name:<26} {r.variant:<22} failed: {r.error}")
+            continue
+        print(f"{r.config.name:<26} {r.variant:<22} {r.ms:8.4f} {r.tb_per_s:6.2f} "
+              f"{r.fraction_of_copy:7.0%} {r.speedup_vs_first:7.2f} "
+              f"{_fmt(r.sdpa_ms, '8.4f'):>8} {_fmt(r.ratio_vs_sdpa, '6.3f'):>6} "
+              f"{_fmt(r.max_abs_diff_vs_ref, '9.2e'):>9}  {r.launch_config}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Reporting
 # ---------------------------------------------------------------------------------------------
 
@@ -384,6 +512,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="bits of the batch x length sweep (default 2)")
     parser.add_argument("--tune", action="store_true",
                         help="search launch configurations per row, print the best")
+    parser.add_argument("--variants", action="store_true",
+                        help="time the VARIANTS of the kernel side by side on VARIANT_CASES")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode_attention: needs a CUDA GPU; none found, nothing measured.")
@@ -401,6 +531,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     copy_bps = copy_bandwidth()
     torch.cuda.empty_cache()
+    if args.variants:
+        variant_results: List[VariantResult] = []
+        for cfg in VARIANT_CASES:
+            variant_results += run_variants(cfg, copy_bps)
+        print_variant_table(variant_results, copy_bps)
+        if args.out:
+            rows = [{**env, "copy_tb_per_s": copy_bps / 1e12, **dataclasses.asdict(r)}
+                    for r in variant_results]
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=2)
+            print(f"wrote {args.out}")
+        return 0
     results = []
     for i, cfg in enumerate(configs):
         results.append(run_experiment(cfg, copy_bps, check=i < 3))

@@ -6,7 +6,10 @@ Caches are built here from scratch with the contract's quantization math and bit
 
 Tolerance rule for the kernel (flash-attention's): its max abs error against the fp64 oracle is at
 most twice the max abs error of the same computation done with PyTorch in the model dtype (q, K, V,
-scores, probabilities and output rounded to that dtype), plus 1e-6 for fp32 rounding noise.
+scores, probabilities and output rounded to that dtype), plus 1e-6 for fp32 rounding noise. Every
+kernel test runs each quantized-region path (``DEQUANT_PATHS``): the "half2" path rounds
+differently from the reference (fp16 dots also for bf16 models), so it is held to this rule, never
+to bit-exactness.
 """
 from __future__ import annotations
 
@@ -17,7 +20,11 @@ import pytest
 import torch
 
 from minikv_compile.ops import decode_attention
-from minikv_compile.ops.decode_attention import _decode_attention_triton, decode_attention_ref
+from minikv_compile.ops.decode_attention import (
+    DEQUANT_PATHS,
+    _decode_attention_triton,
+    decode_attention_ref,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # rtol for "reference == oracle rounded to the output dtype" (about one unit in the last place).
@@ -203,76 +210,112 @@ def test_reference_matches_fp64(batch, b_max, h_kv, gqa, d, capacity, ring, n_qu
     torch.testing.assert_close(out.double(), oracle, rtol=ULP[dtype], atol=1e-5)
 
 
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 4, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,b_max,h_kv,gqa,d,capacity,ring,n_quant,n_ring", SHAPES)
 def test_triton_matches_reference(batch, b_max, h_kv, gqa, d, capacity, ring, n_quant, n_ring,
-                                  bits, dtype):
+                                  bits, dtype, dequant):
+    if bits == 16 and dequant != DEQUANT_PATHS[0]:
+        pytest.skip("bits 16 has no quantized path to choose")
     case = make_case(batch, b_max, h_kv, d, capacity, ring, bits, 16, dtype, n_quant, n_ring)
     q = torch.randn(batch, h_kv * gqa, d).to(dtype)
     # 3 splits over 64 tokens in blocks of 16: some splits get one block, some none.
-    out = run_triton(q, case, d ** -0.5, num_splits=3, block_n=16)
+    out = run_triton(q, case, d ** -0.5, dequant=dequant, num_splits=3, block_n=16)
     assert out.dtype == dtype and out.shape == q.shape
     assert_within_2x(out, q, case, d ** -0.5)
 
 
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (1, 64), (2, 32), (5, 16), (64, 16)])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_triton_split_and_block_configs(num_splits, block_n, bits):
+def test_triton_split_and_block_configs(num_splits, block_n, bits, dequant):
     # n_quant = 80 is not a multiple of any block above 16: the last block is partial.
     case = make_case(2, 2, 2, 64, 128, 32, bits, 16, torch.float16, [80, 128], [32, 3])
     q = torch.randn(2, 8, 64).half()
-    out = run_triton(q, case, 0.125, num_splits=num_splits, block_n=block_n)
+    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=num_splits, block_n=block_n)
     assert_within_2x(out, q, case, 0.125)
 
 
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_triton_group_sizes(bits, group_size):
+def test_triton_group_sizes(bits, group_size, dequant):
     case = make_case(2, 2, 1, 64, 128, 64, bits, group_size, torch.bfloat16, [64, 128], [64, 9])
     q = torch.randn(2, 3, 64).bfloat16()
-    out = run_triton(q, case, 0.125, num_splits=2)
+    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=2)
     assert_within_2x(out, q, case, 0.125)
 
 
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits", [2, 4])
-def test_triton_outlier_key_channels(bits):
-    case = make_case(2, 2, 2, 64, 64, 16, bits, 16, torch.float16, [64, 32], [16, 2],
-                     outliers=True)
-    q = torch.randn(2, 4, 64).half()
-    out = run_triton(q, case, 0.125, num_splits=2, block_n=32)
+def test_triton_outlier_key_channels(bits, dtype, dequant):
+    case = make_case(2, 2, 2, 64, 64, 16, bits, 16, dtype, [64, 32], [16, 2], outliers=True)
+    q = torch.randn(2, 4, 64).to(dtype)
+    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=2, block_n=32)
     assert_within_2x(out, q, case, 0.125)
 
 
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+def test_triton_bf16_query_beyond_fp16_range(dequant):
+    """bf16 q up to ~2^19: the half2 path's fp16 dots must prescale q, not overflow to inf."""
+    case = make_case(2, 2, 2, 64, 64, 16, 2, 16, torch.bfloat16, [64, 48], [16, 5])
+    q = (torch.randn(2, 4, 64) * 2.0 ** 17).bfloat16()
+    out = run_triton(q, case, 2.0 ** -24, dequant=dequant, num_splits=2, block_n=32)
+    assert torch.isfinite(out).all()
+    assert_within_2x(out, q, case, 2.0 ** -24)
+
+
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 16])
-def test_triton_ring_only(bits):
+def test_triton_ring_only(bits, dequant):
     case = make_case(2, 2, 2, 64, 64, 32, bits, 16, torch.float16, [0, 0], [1, 32])
     q = torch.randn(2, 4, 64).half()
-    out = run_triton(q, case, 0.125, num_splits=2)
+    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=2)
     assert_within_2x(out, q, case, 0.125)
 
 
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 4, 16])
-def test_unused_capacity_and_slots_are_never_read(bits):
+def test_unused_capacity_and_slots_are_never_read(bits, dequant):
     """NaN scales/ring entries and random codes past every length, and NaN everywhere in the slots
     >= B (with absurd lengths): kernel and reference give bit-identical results."""
     batch = 2
     case = make_case(batch, 4, 2, 16, 64, 32, bits, 16, torch.float16, [16, 48], [5, 32])
     bad = poisoned(case, batch)
     q = torch.randn(batch, 4, 16).half()
-    clean = run_triton(q, case, 0.25, num_splits=3, block_n=16)
-    dirty = run_triton(q, case, 0.25, bufs=bad, num_splits=3, block_n=16)
+    clean = run_triton(q, case, 0.25, dequant=dequant, num_splits=3, block_n=16)
+    dirty = run_triton(q, case, 0.25, bufs=bad, dequant=dequant, num_splits=3, block_n=16)
     assert torch.equal(clean, dirty)
     torch.testing.assert_close(decode_attention_ref(q, *bad, 0.25, bits, 16),
                                decode_attention_ref(q, *case.bufs, 0.25, bits, 16),
                                rtol=0, atol=0)
 
 
-def test_default_launch_config_runs():
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+def test_default_launch_config_runs(dequant):
     # No overrides: BLOCK_N and NUM_SPLITS come from the launch heuristics (1 split on CPU).
     case = make_case(1, 2, 2, 64, 128, 32, 2, 16, torch.float16, [112], [4])
     q = torch.randn(1, 4, 64).half()
-    assert_within_2x(run_triton(q, case, 0.125), q, case, 0.125)
+    assert_within_2x(run_triton(q, case, 0.125, dequant=dequant), q, case, 0.125)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_triton_block_h_override(bits):
+    """BLOCK_H 16 (what makes triton 3.6 emit wgmma) pads 3 query heads per KV head to 16."""
+    case = make_case(2, 2, 2, 64, 128, 16, bits, 16, torch.bfloat16, [128, 48], [16, 1])
+    q = torch.randn(2, 6, 64).bfloat16()
+    out = run_triton(q, case, 0.125, num_splits=2, block_n=32, block_h=16)
+    assert_within_2x(out, q, case, 0.125)
+    with pytest.raises(ValueError, match="block_h"):
+        run_triton(q, case, 0.125, block_h=12)
+
+
+def test_unknown_dequant_path_raises():
+    case = make_case(1, 1, 1, 16, 16, 16, 2, 16, torch.float16, [16], [1])
+    with pytest.raises(ValueError, match="dequant"):
+        run_triton(torch.randn(1, 1, 16).half(), case, 0.25, dequant="fp8")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,9 +412,12 @@ def test_bits16_requires_empty_scales():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_llama_size(bits, dtype):
+def test_gpu_llama_size(bits, dtype, dequant):
+    if bits == 16 and dequant != DEQUANT_PATHS[0]:
+        pytest.skip("bits 16 has no quantized path to choose")
     # Llama-3-8B attention: 32 query / 8 KV heads, D = 128; 16k quantized tokens + a 128 ring.
     batch, n_q = 8, 16384
     n_quant = [n_q, n_q - 1024, 0, 4096, n_q, 16, 8192, n_q]
@@ -379,55 +425,89 @@ def test_gpu_llama_size(bits, dtype):
     case = make_case(batch, batch, 8, 128, n_q, 128, bits, 16, dtype, n_quant, n_ring,
                      outliers=True, device="cuda")
     q = torch.randn(batch, 32, 128, device="cuda").to(dtype)
-    out = decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16)
+    out = run_triton(q, case, 128 ** -0.5, dequant=dequant)
     assert_within_2x(out, q, case, 128 ** -0.5)
     ref = decode_attention_ref(q, *case.bufs, 128 ** -0.5, bits, 16)
     torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+    if dequant == DEQUANT_PATHS[0]:  # the public op runs the default path
+        assert torch.equal(out, decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_smollm_gqa(bits, dtype):
+def test_gpu_smollm_gqa(bits, dtype, dequant):
+    if bits == 16 and dequant != DEQUANT_PATHS[0]:
+        pytest.skip("bits 16 has no quantized path to choose")
     # SmolLM2-135M attention: 9 query / 3 KV heads, D = 64; capacity 8k, partly filled.
     case = make_case(5, 6, 3, 64, 8192, 128, bits, 16, dtype,
                      [8192, 0, 4000 // 16 * 16, 16, 2048], [1, 128, 60, 128, 7], device="cuda")
     q = torch.randn(5, 9, 64, device="cuda").to(dtype)
-    out = decode_attention(q, *case.bufs, 0.125, bits, 16)
+    out = run_triton(q, case, 0.125, dequant=dequant)
     assert_within_2x(out, q, case, 0.125)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_gpu_group_sizes(bits, group_size):
+def test_gpu_group_sizes(bits, group_size, dequant):
     # G = 128 makes the key block 128 tokens (8 warps); lengths are multiples of G.
     g = group_size
     case = make_case(3, 3, 8, 128, 4096, 128, bits, g, torch.float16, [4096, 0, 10 * g],
                      [128, 1, 5], outliers=True, device="cuda")
     q = torch.randn(3, 32, 128, device="cuda").half()
-    out = decode_attention(q, *case.bufs, 128 ** -0.5, bits, g)
+    out = run_triton(q, case, 128 ** -0.5, dequant=dequant)
     assert_within_2x(out, q, case, 128 ** -0.5)
 
 
 @pytest.mark.gpu
-def test_gpu_unused_capacity_and_slots_are_never_read():
-    case = make_case(3, 5, 8, 128, 4096, 128, 2, 16, torch.bfloat16, [1024, 4096, 0], [3, 128, 1],
-                     device="cuda")
-    q = torch.randn(3, 32, 128, device="cuda").bfloat16()
-    clean = decode_attention(q, *case.bufs, 128 ** -0.5, 2, 16)
-    assert torch.equal(clean, decode_attention(q, *poisoned(case, 3), 128 ** -0.5, 2, 16))
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gpu_block_h16(bits):
+    # BLOCK_H 16: wgmma on triton 3.6 (BLOCK_H 8 gives mma.sync there); a --variants candidate.
+    case = make_case(4, 4, 8, 128, 4096, 128, bits, 16, torch.bfloat16, [4096, 1024, 16, 0],
+                     [128, 7, 1, 64], outliers=True, device="cuda")
+    q = torch.randn(4, 32, 128, device="cuda").bfloat16()
+    out = run_triton(q, case, 128 ** -0.5, block_h=16, maxnreg=128)
+    assert_within_2x(out, q, case, 128 ** -0.5)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+def test_gpu_bf16_query_beyond_fp16_range(dequant):
+    case = make_case(2, 2, 8, 128, 4096, 128, 2, 16, torch.bfloat16, [4096, 1024], [128, 3],
+                     device="cuda")
+    q = (torch.randn(2, 32, 128, device="cuda") * 2.0 ** 17).bfloat16()
+    out = run_triton(q, case, 2.0 ** -24, dequant=dequant)
+    assert torch.isfinite(out).all()
+    assert_within_2x(out, q, case, 2.0 ** -24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gpu_unused_capacity_and_slots_are_never_read(bits, dequant):
+    case = make_case(3, 5, 8, 128, 4096, 128, bits, 16, torch.bfloat16, [1024, 4096, 0],
+                     [3, 128, 1], device="cuda")
+    q = torch.randn(3, 32, 128, device="cuda").bfloat16()
+    clean = run_triton(q, case, 128 ** -0.5, dequant=dequant)
+    assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, bufs=poisoned(case, 3),
+                                         dequant=dequant))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 16])
-def test_gpu_deterministic(bits):
+def test_gpu_deterministic(bits, dequant):
+    if bits == 16 and dequant != DEQUANT_PATHS[0]:
+        pytest.skip("bits 16 has no quantized path to choose")
     case = make_case(4, 4, 8, 128, 8192, 128, bits, 16, torch.bfloat16, [8192, 4096, 16, 0],
                      [128, 7, 1, 64], device="cuda")
     q = torch.randn(4, 32, 128, device="cuda").bfloat16()
-    first = decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16)
+    first = run_triton(q, case, 128 ** -0.5, dequant=dequant)
     for _ in range(3):
-        assert torch.equal(first, decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16))
+        assert torch.equal(first, run_triton(q, case, 128 ** -0.5, dequant=dequant))
 
 
 @pytest.mark.gpu
