@@ -54,7 +54,7 @@ def prefill(adapter: Adapter, cache: StaticKVCache, config, slot: int, input_ids
             k_sel, v_sel = k[0], v[0]
         else:
             out, cumulative = ops.selective_attention(q, k, v, scale=adapter.scale)
-            scores = token_scores(config, q, k, cumulative, adapter.scale)
+            scores = token_scores(config, q, k, cumulative, adapter.scale, n_recent)
             idx = select_tokens(scores, n_recent, n_heavy)  # (H_kv, n)
             idx = idx[..., None].expand(-1, -1, adapter.head_dim)
             k_sel, v_sel = k[0].gather(1, idx), v[0].gather(1, idx)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.config import SELECTIONS
 from minikv_compile.models.smollm2 import load_smollm2
 from minikv_compile.texts import Verse, kjv_verses
 
@@ -113,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-tokens", type=int, default=None,
                         help="passage length in tokens (default: 4000 on cuda, 1500 on cpu)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--selection", default="h2o", choices=("h2o", "snapkv"),
-                        help="how MiniKV picks the heavy hitters (default: h2o)")
+    parser.add_argument("--selection", default=None, choices=SELECTIONS,
+                        help="how MiniKV picks the heavy hitters (default: the library's default)")
     args = parser.parse_args(argv)
     on_cuda = torch.device(args.device).type == "cuda"
     context_tokens = args.context_tokens or (4000 if on_cuda else 1500)
@@ -131,9 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"question:      {prompt.question}")
 
     common = dict(max_batch_size=1, max_prompt_len=len(prompt.input_ids), max_new_tokens=args.max_new_tokens,
-                  compile=on_cuda, cuda_graphs=on_cuda, selection=args.selection)
+                  compile=on_cuda, cuda_graphs=on_cuda)
+    chosen = {} if args.selection is None else dict(selection=args.selection)
     run(model, tokenizer, prompt, "MiniKV",
-        MiniKVConfig(heavy_budget=0.25, recent_budget=0.25, bits=2, **common))
+        MiniKVConfig(heavy_budget=0.25, recent_budget=0.25, bits=2, **chosen, **common))
+    if args.selection is None:  # the paper's selection rule at the same bytes, for comparison
+        run(model, tokenizer, prompt, "MiniKV, the paper's H2O selection",
+            MiniKVConfig(heavy_budget=0.25, recent_budget=0.25, bits=2, selection="h2o", snapkv_kernel=7,
+                         selection_block=1, sink_tokens=0, **common))
     if on_cuda:
         torch.cuda.empty_cache()
     run(model, tokenizer, prompt, "uncompressed",

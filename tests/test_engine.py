@@ -51,7 +51,7 @@ def test_full_cache_reproduces_hf_greedy(kind):
 
 
 @pytest.mark.parametrize("mode", [
-    dict(),                                         # MiniKV: 25% / 25%, 2 bit
+    dict(),                                         # the paper's MiniKV: 25% / 25%, 2 bit
     dict(budget_policy="pyramid"),                  # MiniKV-pyramid
     dict(heavy_budget=1.0, recent_budget=1.0),      # KIVI: no eviction, 2 bit
     dict(bits=4),
@@ -59,7 +59,9 @@ def test_full_cache_reproduces_hf_greedy(kind):
 ])
 def test_minikv_matches_plain_reference(mode):
     model = tiny()
-    cfg = MiniKVConfig(**{**dict(residual_length=32, max_prompt_len=128, max_new_tokens=70), **mode})
+    paper = dict(selection="h2o", snapkv_kernel=7, selection_block=1, sink_tokens=0)
+    cfg = MiniKVConfig(**{**paper, **dict(residual_length=32, max_prompt_len=128, max_new_tokens=70),
+                          **mode})
     cm = minikv_compile(model, cfg)
     prompt = prompt_of(101, seed=3)  # 101 kept 50% -> 51 tokens: 48 quantized + 3 in the ring
     got = cm.generate([prompt], max_new_tokens=70).sequences[0]

