@@ -616,6 +616,11 @@ def _decode_attention_triton(
     block_h = block_h or max(cfg.min_block_h, triton.next_power_of_2(gqa))
     if block_h < max(8, gqa) or block_h & (block_h - 1):
         raise ValueError(f"block_h: expected a power of two >= max(8, {gqa}), got {block_h}")
+    if q.is_cuda and block_h != 8:
+        # BLOCK_H 16 passes the interpreter but hit an illegal memory access on the H200 (triton
+        # 3.6, commit e4005b0); until that is understood only 8 (group sizes 1..8) runs on a GPU.
+        raise ValueError(f"block_h: expected 8 on CUDA (query heads per KV head at most 8), "
+                         f"got {block_h} for {gqa} query heads per KV head")
     n_slots = num_splits + 1  # + the ring's split
 
     m = torch.empty(batch, h_q, n_slots, dtype=torch.float32, device=q.device)

@@ -379,7 +379,6 @@ VARIANTS: List[Tuple[str, dict]] = [
     ("fp32", dict(dequant="fp32")),
     ("half2", dict()),
     ("half2 no reg cap", dict(maxnreg=0)),
-    ("half2 BLOCK_H 16", dict(block_h=16, maxnreg=128)),
     ("half2 1 stage", dict(num_stages=1)),
 ]
 VARIANT_CASES = [ExperimentConfig(8, 16384, 2), ExperimentConfig(8, 16384, 4),
