@@ -57,6 +57,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.perf.report import _jsonable
 
 SCHEMA = "minikv_compile.perf.accuracy/1"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "accuracy"
@@ -1004,18 +1005,6 @@ def to_json(data) -> str:
     """Indented JSON with every list of numbers (token ids, intervals) on one line."""
     text = json.dumps(_jsonable(data), indent=1, allow_nan=False)
     return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
-
-
-def _jsonable(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)
 
 
 # -- agreement: the compiled GPU engine against the CPU engine ------------------------------------
