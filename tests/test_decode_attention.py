@@ -27,6 +27,12 @@ from minikv_compile.ops.decode_attention import (
 )
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def bits_and_paths(bits_list):
+    """(bits, dequant path) pairs: every path for 2/4 bit, the single path of 16 bit."""
+    return [(b, p) for b in bits_list for p in (DEQUANT_PATHS if b != 16 else DEQUANT_PATHS[:1])]
+
 # rtol for "reference == oracle rounded to the output dtype" (about one unit in the last place).
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
 
@@ -210,14 +216,11 @@ def test_reference_matches_fp64(batch, b_max, h_kv, gqa, d, capacity, ring, n_qu
     torch.testing.assert_close(out.double(), oracle, rtol=ULP[dtype], atol=1e-5)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-@pytest.mark.parametrize("bits", [2, 4, 16])
+@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,b_max,h_kv,gqa,d,capacity,ring,n_quant,n_ring", SHAPES)
 def test_triton_matches_reference(batch, b_max, h_kv, gqa, d, capacity, ring, n_quant, n_ring,
                                   bits, dtype, dequant):
-    if bits == 16 and dequant != DEQUANT_PATHS[0]:
-        pytest.skip("bits 16 has no quantized path to choose")
     case = make_case(batch, b_max, h_kv, d, capacity, ring, bits, 16, dtype, n_quant, n_ring)
     q = torch.randn(batch, h_kv * gqa, d).to(dtype)
     # 3 splits over 64 tokens in blocks of 16: some splits get one block, some none.
@@ -267,8 +270,7 @@ def test_triton_bf16_query_beyond_fp16_range(dequant):
     assert_within_2x(out, q, case, 2.0 ** -24)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-@pytest.mark.parametrize("bits", [2, 16])
+@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 16]))
 def test_triton_ring_only(bits, dequant):
     case = make_case(2, 2, 2, 64, 64, 32, bits, 16, torch.float16, [0, 0], [1, 32])
     q = torch.randn(2, 4, 64).half()
@@ -276,8 +278,7 @@ def test_triton_ring_only(bits, dequant):
     assert_within_2x(out, q, case, 0.125)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-@pytest.mark.parametrize("bits", [2, 4, 16])
+@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
 def test_unused_capacity_and_slots_are_never_read(bits, dequant):
     """NaN scales/ring entries and random codes past every length, and NaN everywhere in the slots
     >= B (with absurd lengths): kernel and reference give bit-identical results."""
@@ -412,12 +413,9 @@ def test_bits16_requires_empty_scales():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-@pytest.mark.parametrize("bits", [2, 4, 16])
+@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_llama_size(bits, dtype, dequant):
-    if bits == 16 and dequant != DEQUANT_PATHS[0]:
-        pytest.skip("bits 16 has no quantized path to choose")
     # Llama-3-8B attention: 32 query / 8 KV heads, D = 128; 16k quantized tokens + a 128 ring.
     batch, n_q = 8, 16384
     n_quant = [n_q, n_q - 1024, 0, 4096, n_q, 16, 8192, n_q]
@@ -434,12 +432,9 @@ def test_gpu_llama_size(bits, dtype, dequant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-@pytest.mark.parametrize("bits", [2, 4, 16])
+@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_smollm_gqa(bits, dtype, dequant):
-    if bits == 16 and dequant != DEQUANT_PATHS[0]:
-        pytest.skip("bits 16 has no quantized path to choose")
     # SmolLM2-135M attention: 9 query / 3 KV heads, D = 64; capacity 8k, partly filled.
     case = make_case(5, 6, 3, 64, 8192, 128, bits, 16, dtype,
                      [8192, 0, 4000 // 16 * 16, 16, 2048], [1, 128, 60, 128, 7], device="cuda")
@@ -496,11 +491,8 @@ def test_gpu_unused_capacity_and_slots_are_never_read(bits, dequant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-@pytest.mark.parametrize("bits", [2, 16])
+@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 16]))
 def test_gpu_deterministic(bits, dequant):
-    if bits == 16 and dequant != DEQUANT_PATHS[0]:
-        pytest.skip("bits 16 has no quantized path to choose")
     case = make_case(4, 4, 8, 128, 8192, 128, bits, 16, torch.bfloat16, [8192, 4096, 16, 0],
                      [128, 7, 1, 64], device="cuda")
     q = torch.randn(4, 32, 128, device="cuda").bfloat16()
