@@ -84,10 +84,6 @@ class StaticKVCache:
         for layer in self.layers:
             layer.lens[: num_slots or self.max_batch_size].zero_()
 
-    def tokens_held(self, slot: int) -> List[int]:
-        """Tokens held by ``slot`` in each layer (quantized + ring). Reads the device: a sync."""
-        return [int(layer.lens[slot].sum()) for layer in self.layers]
-
 
 @dataclass(frozen=True)
 class LayerBytes:

@@ -13,6 +13,7 @@ synchronization and no Python-side state changes between steps.
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -146,8 +147,6 @@ class DecodeRunner:
         self._call(key)
 
     def _call(self, key: Tuple[int, str]) -> None:
-        import time
-
         if self._compiled and key not in self.compile_seconds:
             start = time.perf_counter()
             # One compiled graph per (bucket, mode) is expected; raise the limit so buckets do
@@ -163,11 +162,10 @@ class DecodeRunner:
     def prepare(self, batch: int, mode: str) -> Optional[float]:
         """Compile (if on) and capture the graph for ``(batch, mode)``; returns seconds spent.
 
-        Warm-up steps write junk into slots [0, batch) of the cache; the caller resets the
-        cache afterwards (``DecodeRunner.prepare`` is called before any request is prefilled).
+        Warm-up steps write junk into slots [0, batch) of the cache and advance the runner's
+        buffers; both are emptied again before returning, so a capture between requests leaves
+        nothing behind.
         """
-        import time
-
         key = (batch, mode)
         if not self.use_graphs or key in self._graphs:
             return None
@@ -188,6 +186,8 @@ class DecodeRunner:
             self._step_fn(*key)
         torch.cuda.synchronize()
         self._graphs[key] = graph
+        self.cache.reset(batch)
+        self.reset()
         return time.perf_counter() - start
 
     def reset(self) -> None:

@@ -151,13 +151,6 @@ class MiniKVConfig:
         """
         return sum(self.kept_tokens(self.max_prompt_len, layer, num_layers))
 
-    @property
-    def keeps_everything(self) -> bool:
-        """True when no prompt token is ever evicted (full cache or KIVI)."""
-        return self.recent_budget >= 1.0 or (
-            self.budget_policy == "uniform" and self.recent_budget + self.heavy_budget >= 1.0
-        )
-
 
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -75,7 +75,6 @@ class MiniKVModel:
         if a.head_dim % config.group_size:
             raise ValueError(f"group_size: expected a divisor of head_dim={a.head_dim}, got {config.group_size}")
         n = a.num_layers
-        self._kept = [config.max_kept(layer, n) for layer in range(n)]
         self.cache = StaticKVCache(
             capacities=[capacity_for(config, layer, n) for layer in range(n)],
             max_batch_size=config.max_batch_size, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
@@ -257,8 +256,6 @@ class MiniKVModel:
         spent = self.runner.prepare(bucket, mode)
         if spent is not None:
             self.capture_seconds[(bucket, mode)] = spent
-            self.cache.reset()
-            self.runner.reset()
 
 
 def minikv_compile(model: nn.Module, config: Optional[MiniKVConfig] = None) -> MiniKVModel:
