@@ -199,6 +199,15 @@ def _code_pairs_to_half(x, s, z, BITS: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _opaque(x):
+    """Identity on fp16 (one register move per 2 values, which ptxas drops) that Triton's
+    dot-operand heuristics cannot see through. See the kWidth note in
+    ``_decode_attention_split_kernel``."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
 def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr,
                         INTERPRET: tl.constexpr):
     """Dequantize along the last axis to fp16, in *pair order*.
@@ -228,7 +237,10 @@ def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr,
             s = tl.interleave(s, s)
             z = tl.interleave(z, z)
     lo, hi = _code_pairs_to_half(x, s, z, BITS, INTERPRET)
-    return tl.reshape(tl.join(lo, hi), (R, C * P))
+    out = tl.reshape(tl.join(lo, hi), (R, C * P))
+    if not INTERPRET:
+        out = _opaque(out)
+    return out
 
 
 @triton.jit
@@ -237,6 +249,15 @@ def _pair_order(N: tl.constexpr, P: tl.constexpr):
     ``_pair_order(N, P)[i]`` of the natural axis."""
     i = tl.arange(0, N)
     return i // P * P + (i % 2) * (P // 2) + (i % P) // 2
+
+
+@triton.jit
+def _unpair_rows(x, P: tl.constexpr):
+    """(N, C) with rows in pair order (``_pair_order(N, P)``) -> rows in natural order."""
+    N: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, (N // P, P // 2, 2, C))
+    return tl.reshape(tl.permute(x, (0, 2, 1, 3)), (N, C))
 
 
 @triton.jit
@@ -429,11 +450,13 @@ def _decode_attention_split_kernel(
                 m_i, alpha, p = _softmax_step(s, valid, m_i)
                 l_rows = l_rows * alpha[None, :] + p
                 # Values after the softmax: their registers are not live across it.
-                v = _dequant_values(v_plane, vs_plane, vz_plane, tokens, valid,
+                v_tokens = start + tl.arange(0, BLOCK_N)
+                v = _dequant_values(v_plane, vs_plane, vz_plane, v_tokens, v_tokens < hi,
                                     D, BITS, G, True, INTERPRET)             # (BLOCK_N, D) fp16
                 if D // P >= 8:
                     v = _spread_words(v, D // P)
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+                p_nat = _unpair_rows(p.to(tl.float16), P)
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_nat)
             l_i = tl.sum(l_rows, axis=0)
         else:
             q_d = q_t.to(DOT_DTYPE)
