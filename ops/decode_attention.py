@@ -31,8 +31,10 @@ Two ways to dequantize the 2/4-bit region (``DEQUANT_PATHS``; the launcher's ``d
 * ``"half2"`` (default for fp16/bf16 models): packed fp16x2 integer tricks
   (``_dequant_last_half2``: lop3 + sub.f16x2 + fma.rn.f16x2 per 2 values) and fp16 dots, also for
   bf16 models. The tiles come out in a "pair order" that the other operand follows for free
-  (value rows are loaded in the keys' token order; acc rows are stored to the values' channels),
-  and relabelled so that storing them to shared memory for the dots is free of bank conflicts.
+  (the probabilities are permuted back to token order as they are stored for the second dot; acc
+  rows are stored to the values' channels), and relabelled so that storing them to shared memory
+  for the dots is free of bank conflicts. The dequantized tiles pass through ``_opaque`` so that
+  Triton gives the dots kWidth 2 (see the note in ``_decode_attention_split_kernel``).
   Not bit-exact with the reference (fp16 instead of model-dtype operands and probabilities; for
   bf16 models that is more precise): held, like every path, to twice the error of a
   same-precision PyTorch attention against fp64.
@@ -200,7 +202,7 @@ def _code_pairs_to_half(x, s, z, BITS: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _opaque(x):
-    """Identity on fp16 (one register move per 2 values, which ptxas drops) that Triton's
+    """Identity on fp16 (at most a register move per 2 values) that Triton's
     dot-operand heuristics cannot see through. See the kWidth note in
     ``_decode_attention_split_kernel``."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16,
@@ -217,7 +219,7 @@ def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr,
     ``_pair_order`` (i) of word c: codes j and j + P / 2 sit at bits 0 and 16 of ``word >> (j *
     BITS)``, so one packed fp16x2 register holds that pair, and keeping the pair adjacent is what
     lets it go to shared memory as is (natural order would cost a PRMT per 2 values). Callers
-    permute the other operand instead: keys' tokens -> the order value rows are loaded in;
+    permute the other operand instead: keys' tokens -> the order of the probabilities' rows;
     values' channels -> the rows the accumulator is stored to.
     """
     P: tl.constexpr = 32 // BITS
@@ -423,8 +425,16 @@ def _decode_attention_split_kernel(
                 q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(qf)))) - 15.0, 0.0)
                 qf = qf * tl.exp2(-q_exp)
                 qk_scale = qk_scale * tl.exp2(q_exp)
-            # Keys come out with their tokens in pair order: value rows are loaded in that
-            # order; values come out with their channels in pair order: acc rows are stored so.
+            # Keys come out with their tokens in pair order, and so do the rows of s and p; p
+            # is put back in token order for the second dot (value rows load in token order:
+            # in pair order their cp.async staging was 3.8x bank conflicted on the H200).
+            # Values come out with their channels in pair order: acc rows are stored so.
+            # kWidth note: Triton 3.6 sizes the mma.sync operands of a dot from the narrowest
+            # load in the operands' backward slice, halved when a join is on the way; the
+            # fp16 scale loads and the joins of the dequantizer made that 8 bits -> kWidth 4,
+            # which made every transposed ldmatrix of the tiles 2-way bank conflicted (ncu:
+            # half of all shared-memory wavefronts) and cost ~70 register moves per block.
+            # ``_opaque`` ends the slice at the dequantized fp16 tile: kWidth 2, 1.28x faster.
             # Bank note: on top, both tiles get a channel relabelling (q follows the keys', acc
             # rows the values') for their 16-byte stores to the swizzled shared-memory tiles of
             # the dots. Without it, a quarter-warp's 8 stores fell into 2 (keys: 4 channels per
