@@ -20,7 +20,8 @@ at memory bandwidth. Flash-decoding in two launches:
    program ``s == NUM_SPLITS`` covers the fp ring. K and V are dequantized in registers right
    before the two dot products; softmax is online, in fp32, with exp2. Each program writes a
    partial ``(m, l, acc)``; one with no tokens writes ``(-inf, 0, 0)``.
-2. ``_decode_attention_combine_kernel``, grid ``(B * H_q,)``, merges the partials into ``out``.
+2. ``_decode_attention_combine_kernel``, grid ``(B * H_q, D / 32)``, merges the partials into
+   ``out``.
 
 ``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
 fixed shapes, never syncs with the host, and can be captured in a CUDA graph. It is a run-time
@@ -513,10 +514,10 @@ def _decode_attention_split_kernel(
 def _decode_attention_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     H_Q, stride_ob, stride_oh, stride_od, S,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * H_q + query head
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     # -- pass 1: the global max over the splits' running maxima
     m_run = tl.full((BLOCK_S,), float("-inf"), tl.float32)
     for s0 in range(0, S, BLOCK_S):
@@ -528,7 +529,7 @@ def _decode_attention_combine_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     # -- pass 2: rescale to the global max and sum
     l_run = tl.zeros((BLOCK_S,), tl.float32)
-    acc_run = tl.zeros((BLOCK_S, D), tl.float32)
+    acc_run = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     for s0 in range(0, S, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         in_range = offs_s < S
@@ -686,9 +687,13 @@ def _decode_attention_triton(
         INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
-    _decode_attention_combine_kernel[(batch * h_q,)](
+    # One program per (row, 32 channels), all splits loaded at once: one round of memory
+    # latency per pass. (One program per row looping over 16 splits at a time took 4.8 us per
+    # layer at batch 1: 32 programs, 10 dependent loads each.)
+    block_d = min(d, 32)
+    _decode_attention_combine_kernel[(batch * h_q, d // block_d)](
         m, l, acc, out, h_q, *out.stride(), n_slots,
-        D=d, BLOCK_S=min(16, triton.next_power_of_2(n_slots)),
+        D=d, BLOCK_D=block_d, BLOCK_S=min(128, triton.next_power_of_2(n_slots)),
         BF16_BY_HAND=bf16_by_hand, num_warps=4,
     )
     return out
