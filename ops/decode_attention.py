@@ -589,22 +589,24 @@ def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtyp
     """The launch configuration when the caller gives none.
 
     Tiles of 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup; a block holds whole
-    key groups. bits 16 keeps 2 stages (its tiles are 8x larger: 69 KB). fp32 models use
-    4096-value tiles: fp32 dots run on the FMA units and spill at 8192. BLOCK_H >= 8 is the
+    key groups. bits 16 (no dequantization, so bound by memory) takes 4096-value tiles and 3
+    stages: 1.16x faster than 8192 x 2 stages at B 8, 16k on the H200 (``--tune``, 86% of copy
+    bandwidth). fp32 models use 4096-value tiles: fp32 dots run on the FMA units and spill at
+    8192. BLOCK_H >= 8 is the
     smallest tensor-core N (triton 3.9 emits wgmma for it, triton 3.6 mma.sync: 3.6 needs
     N >= 16 for wgmma). Compiled sm_90 main loop, bits 2, D 128, bf16, triton 3.6 (3.9):
     instructions per cached value, registers, shared memory per program:
       "fp32":  6.5 (5.9), 128 (96) registers, 53 (35) KB at 3 stages: 4 (5) programs per SM.
-      "half2": uncapped 4.2 (3.5) at 128 registers: 4 programs per SM. Capped at 96: 4.5 (3.7),
+      "half2": uncapped 3.6 (3.5) at 128 registers: 4 programs per SM. Capped at 96: 3.8 (3.7),
                no spill inside the loop, 37 KB: 5 programs per SM, so B 8 x 8 KV heads x 10
                splits fit in one wave of 132 SMs. bits 4 take 2 stages (33 KB; 46 KB at 3 would
                allow only 4 programs per SM). D < 64 stays uncapped (D 16 spills at 96).
                BLOCK_H 16 (wgmma on 3.6): 4.2 at 128 registers, 43 KB.
     """
-    tile = 4096 if dtype == torch.float32 else 8192
+    tile = 4096 if dtype == torch.float32 or bits == 16 else 8192
     block_n = max(16, tile // head_dim)
     if bits == 16:
-        return _Launch(block_n, 4, 2, None, 8)
+        return _Launch(block_n, 4, 3, None, 8)
     block_n = max(block_n, group_size)
     warps = 4 if block_n * head_dim <= 8192 else 8
     if dequant != "half2" or dtype == torch.float32:
