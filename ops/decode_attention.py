@@ -286,6 +286,40 @@ def _spread_words(x, W: tl.constexpr):
 
 
 @triton.jit
+def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                 D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The packed keys of tokens [start, start + BLOCK_N) (see ``_dequant_keys_t``): words
+    (D, BLOCK_N / P) int32, scale and zero (D, BLOCK_N / G) fp16; tokens >= hi read as 0."""
+    P: tl.constexpr = 32 // BITS
+    offs_d = tl.arange(0, D)
+    rows = start // P + tl.arange(0, BLOCK_N // P)
+    words = tl.load(k_plane + rows[None, :] * D + offs_d[:, None],
+                    mask=(rows * P < hi)[None, :], other=0)
+    groups = start // G + tl.arange(0, BLOCK_N // G)
+    sz_offs = groups[None, :] * D + offs_d[:, None]
+    sz_mask = (groups * G < hi)[None, :]
+    scale = tl.load(ks_plane + sz_offs, mask=sz_mask, other=0.0)
+    zero = tl.load(kz_plane + sz_offs, mask=sz_mask, other=0.0)
+    return words, scale, zero
+
+
+@triton.jit
+def _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
+                 D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """The packed values of ``tokens`` (see ``_dequant_values``): words (BLOCK_N, D / P) int32,
+    scale and zero (BLOCK_N, D / G) fp16; invalid rows read 0."""
+    P: tl.constexpr = 32 // BITS
+    cols = tl.arange(0, D // P)
+    words = tl.load(v_plane + tokens[:, None] * (D // P) + cols[None, :],
+                    mask=valid[:, None], other=0)
+    gcols = tl.arange(0, D // G)
+    sz_offs = tokens[:, None] * (D // G) + gcols[None, :]
+    scale = tl.load(vs_plane + sz_offs, mask=valid[:, None], other=0.0)
+    zero = tl.load(vz_plane + sz_offs, mask=valid[:, None], other=0.0)
+    return words, scale, zero
+
+
+@triton.jit
 def _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
                     D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                     BLOCK_N: tl.constexpr, HALF2: tl.constexpr, INTERPRET: tl.constexpr):
@@ -297,16 +331,8 @@ def _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
     (t % P) * BITS. ks_plane, kz_plane: its scales/zeros, (T_CAP / G, D) fp16 (one group = one
     channel over G tokens). Tokens >= hi read as 0 (nothing beyond the valid length is touched).
     """
-    P: tl.constexpr = 32 // BITS
-    offs_d = tl.arange(0, D)
-    rows = start // P + tl.arange(0, BLOCK_N // P)
-    words = tl.load(k_plane + rows[None, :] * D + offs_d[:, None],
-                    mask=(rows * P < hi)[None, :], other=0)               # (D, BLOCK_N / P)
-    groups = start // G + tl.arange(0, BLOCK_N // G)
-    sz_offs = groups[None, :] * D + offs_d[:, None]
-    sz_mask = (groups * G < hi)[None, :]
-    scale = tl.load(ks_plane + sz_offs, mask=sz_mask, other=0.0)        # (D, BLOCK_N / G)
-    zero = tl.load(kz_plane + sz_offs, mask=sz_mask, other=0.0)
+    words, scale, zero = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi, D, BITS, G,
+                                      BLOCK_N)
     if HALF2:
         return _dequant_last_half2(words, scale, zero, BITS, G, INTERPRET)
     else:
@@ -323,14 +349,7 @@ def _dequant_values(v_plane, vs_plane, vz_plane, tokens, valid,
     v_plane: the plane's codes, (T_CAP, D / P) int32, channel c in column c // P at bits
     (c % P) * BITS. vs_plane, vz_plane: (T_CAP, D / G) fp16 (one group = G channels of one token).
     """
-    P: tl.constexpr = 32 // BITS
-    cols = tl.arange(0, D // P)
-    words = tl.load(v_plane + tokens[:, None] * (D // P) + cols[None, :],
-                    mask=valid[:, None], other=0)                        # (BLOCK_N, D / P)
-    gcols = tl.arange(0, D // G)
-    sz_offs = tokens[:, None] * (D // G) + gcols[None, :]
-    scale = tl.load(vs_plane + sz_offs, mask=valid[:, None], other=0.0)  # (BLOCK_N, D / G)
-    zero = tl.load(vz_plane + sz_offs, mask=valid[:, None], other=0.0)
+    words, scale, zero = _load_values(v_plane, vs_plane, vz_plane, tokens, valid, D, BITS, G)
     if HALF2:
         return _dequant_last_half2(words, scale, zero, BITS, G, INTERPRET)
     else:
@@ -377,7 +396,7 @@ def _decode_attention_split_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -451,23 +470,48 @@ def _decode_attention_split_kernel(
             # Per-row partial sums of p (summed once at the end): no cross-warp reduction of l
             # per block.
             l_rows = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
-            for start in range(lo, hi, BLOCK_N):
-                tokens = start + order_n
-                valid = tokens < hi
-                k_t = _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
-                                      D, BITS, G, BLOCK_N, True, INTERPRET)  # (D, BLOCK_N) fp16
-                k_t = _interleave_rows(k_t, 4)
-                s = tl.dot(tl.trans(k_t), q_h) * qk_scale                 # (BLOCK_N, BLOCK_H)
-                m_i, alpha, p = _softmax_step(s, valid, m_i)
-                l_rows = l_rows * alpha[None, :] + p
-                # Values after the softmax: their registers are not live across it.
-                v_tokens = start + tl.arange(0, BLOCK_N)
-                v = _dequant_values(v_plane, vs_plane, vz_plane, v_tokens, v_tokens < hi,
-                                    D, BITS, G, True, INTERPRET)             # (BLOCK_N, D) fp16
-                if D // P >= 8:
-                    v = _spread_words(v, D // P)
-                p_nat = _unpair_rows(p.to(tl.float16), P)
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_nat)
+            if PREFETCH:
+                kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, lo, hi, D, BITS, G, BLOCK_N)
+                v_tokens = lo + tl.arange(0, BLOCK_N)
+                vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens, v_tokens < hi,
+                                          D, BITS, G)
+                for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
+                    nxt = start + BLOCK_N
+                    kw_n, ks_n, kz_n = _load_keys_t(k_plane, ks_plane, kz_plane, nxt, hi,
+                                                    D, BITS, G, BLOCK_N)
+                    v_tokens = nxt + tl.arange(0, BLOCK_N)
+                    vw_n, vs_n, vz_n = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
+                                                    v_tokens < hi, D, BITS, G)
+                    tokens = start + order_n
+                    valid = tokens < hi
+                    k_t = _dequant_last_half2(kw, ks, kz, BITS, G, INTERPRET)
+                    k_t = _interleave_rows(k_t, 4)
+                    s = tl.dot(tl.trans(k_t), q_h) * qk_scale
+                    m_i, alpha, p = _softmax_step(s, valid, m_i)
+                    l_rows = l_rows * alpha[None, :] + p
+                    v = _dequant_last_half2(vw, vs, vz, BITS, G, INTERPRET)
+                    if D // P >= 8:
+                        v = _spread_words(v, D // P)
+                    p_nat = _unpair_rows(p.to(tl.float16), P)
+                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_nat)
+                    kw, ks, kz, vw, vs, vz = kw_n, ks_n, kz_n, vw_n, vs_n, vz_n
+            else:
+                for start in range(lo, hi, BLOCK_N):
+                    tokens = start + order_n
+                    valid = tokens < hi
+                    k_t = _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                                          D, BITS, G, BLOCK_N, True, INTERPRET)
+                    k_t = _interleave_rows(k_t, 4)
+                    s = tl.dot(tl.trans(k_t), q_h) * qk_scale
+                    m_i, alpha, p = _softmax_step(s, valid, m_i)
+                    l_rows = l_rows * alpha[None, :] + p
+                    v_tokens = start + tl.arange(0, BLOCK_N)
+                    v = _dequant_values(v_plane, vs_plane, vz_plane, v_tokens, v_tokens < hi,
+                                        D, BITS, G, True, INTERPRET)
+                    if D // P >= 8:
+                        v = _spread_words(v, D // P)
+                    p_nat = _unpair_rows(p.to(tl.float16), P)
+                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_nat)
             l_i = tl.sum(l_rows, axis=0)
         else:
             q_d = q_t.to(DOT_DTYPE)
@@ -620,7 +664,7 @@ def _decode_attention_triton(
     scale: float, bits: int, group_size: int, *, dequant: str = "half2",
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-    maxnreg: Optional[int] = None, block_h: Optional[int] = None,
+    maxnreg: Optional[int] = None, block_h: Optional[int] = None, prefetch: bool = False,
 ) -> torch.Tensor:
     """Triton implementation of :func:`decode_attention` (inputs already validated).
 
@@ -686,7 +730,7 @@ def _decode_attention_triton(
         GQA=gqa, BLOCK_H=block_h, D=d,
         BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
         DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-        INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
+        INTERPRET=interpret, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     # One program per (row, 32 channels), all splits loaded at once: one round of memory

@@ -380,6 +380,8 @@ VARIANTS: List[Tuple[str, dict]] = [
     ("half2", dict()),
     ("half2 no reg cap", dict(maxnreg=0)),
     ("half2 1 stage", dict(num_stages=1)),
+    ("half2 prefetch", dict(prefetch=True, num_stages=1)),
+    ("half2 prefetch no cap", dict(prefetch=True, num_stages=1, maxnreg=0)),
 ]
 VARIANT_CASES = [ExperimentConfig(8, 16384, 2), ExperimentConfig(8, 16384, 4),
                  ExperimentConfig(8, 16384, 16), ExperimentConfig(1, 16384, 2),
