@@ -228,14 +228,14 @@ def _free_bytes() -> int:
 
 
 def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[int, ...]:
-    """(BLOCK_N, num_warps, num_stages, NUM_SPLITS, maxnreg, BLOCK_H) the op uses for ``cfg``, or
-    with launcher overrides (``dequant`` included); maxnreg 0 means no cap."""
+    """(BLOCK_N, num_warps, num_stages, NUM_SPLITS, maxnreg, BLOCK_H, prefetch) the op uses for
+    ``cfg``, or with launcher overrides (``dequant`` included); maxnreg 0 means no cap."""
     da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     dtype = getattr(torch, cfg.dtype)
     dequant = override.get("dequant", da.DEQUANT_PATHS[0])
-    bn, warps, stages, maxnreg, min_block_h = da._default_config(cfg.bits, cfg.group_size,
-                                                                 cfg.D, dtype, dequant)
+    bn, warps, stages, maxnreg, min_block_h, prefetch = da._default_config(
+        cfg.bits, cfg.group_size, cfg.D, dtype, dequant)
     bn = override.get("block_n") or bn
     if override.get("num_warps") not in (None, warps):
         warps, maxnreg = override["num_warps"], None  # the default cap is sized for its warps
@@ -246,11 +246,14 @@ def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[int, ...]:
         cfg.B, cfg.H_kv, cfg.n_quant, bn, da._sm_count(torch.cuda.current_device()))
     block_h = override.get("block_h") or max(min_block_h,
                                              1 << (cfg.H_q // cfg.H_kv - 1).bit_length())
-    return bn, warps, stages, splits, maxnreg or 0, block_h
+    if override.get("prefetch") is not None:
+        prefetch = override["prefetch"]
+    return bn, warps, stages, splits, maxnreg or 0, block_h, int(prefetch)
 
 
 def _describe(launch: Tuple[int, ...]) -> str:
-    return "BLOCK_N={} warps={} stages={} NUM_SPLITS={} maxnreg={} BLOCK_H={}".format(*launch)
+    return ("BLOCK_N={} warps={} stages={} NUM_SPLITS={} maxnreg={} BLOCK_H={} prefetch={}"
+            .format(*launch))
 
 
 def run_experiment(cfg: ExperimentConfig, copy_bps: float, check: bool = False
@@ -372,16 +375,15 @@ def tune(cfg: ExperimentConfig) -> None:
 # (name, keyword arguments of ops.decode_attention._decode_attention_triton). "fp32" is the first
 # version (fp32 FMA dequantization, model-dtype dots); "half2" the default (packed fp16x2
 # dequantization, fp16 dots); the others vary one launch choice of the default each, to show
-# which resource binds: registers (no cap: 4 instead of 5 programs per SM), the MMA kind (triton
-# 3.6 emits mma.sync for N = 8 and wgmma only from N = 16: BLOCK_H 16 pads 4 heads to 16),
-# shared-memory traffic (1 stage: codes loaded straight to registers, no cp.async staging).
+# which resource binds: registers (no cap: 4 instead of 5 programs per SM) and shared-memory
+# traffic (codes staged by cp.async, or loaded into registers one block ahead: the default for
+# bits 2).
 VARIANTS: List[Tuple[str, dict]] = [
     ("fp32", dict(dequant="fp32")),
     ("half2", dict()),
     ("half2 no reg cap", dict(maxnreg=0)),
-    ("half2 1 stage", dict(num_stages=1)),
-    ("half2 prefetch", dict(prefetch=True, num_stages=1)),
-    ("half2 prefetch no cap", dict(prefetch=True, num_stages=1, maxnreg=0)),
+    ("half2 cp.async staging", dict(prefetch=False, num_stages=3)),
+    ("half2 register prefetch", dict(prefetch=True, num_stages=1)),
 ]
 VARIANT_CASES = [ExperimentConfig(8, 16384, 2), ExperimentConfig(8, 16384, 4),
                  ExperimentConfig(8, 16384, 16), ExperimentConfig(1, 16384, 2),
