@@ -290,8 +290,14 @@ def _spread_words(x, W: tl.constexpr):
 @triton.jit
 def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
                  D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The packed keys of tokens [start, start + BLOCK_N) (see ``_dequant_keys_t``): words
-    (D, BLOCK_N / P) int32, scale and zero (D, BLOCK_N / G) fp16; tokens >= hi read as 0."""
+    """The packed keys of tokens [start, start + BLOCK_N) of one (slot, KV head) plane, with the
+    packed (token) axis last, where the dequantizers unpack: words (D, BLOCK_N / P) int32, scale
+    and zero (D, BLOCK_N / G) fp16.
+
+    k_plane: the plane's codes, (T_CAP / P, D) int32, token t in row t // P at bits
+    (t % P) * BITS. ks_plane, kz_plane: its scales/zeros, (T_CAP / G, D) fp16 (one group = one
+    channel over G tokens). Tokens >= hi read as 0 (nothing beyond the valid length is touched).
+    """
     P: tl.constexpr = 32 // BITS
     offs_d = tl.arange(0, D)
     rows = start // P + tl.arange(0, BLOCK_N // P)
@@ -308,8 +314,12 @@ def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
 @triton.jit
 def _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
                  D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
-    """The packed values of ``tokens`` (see ``_dequant_values``): words (BLOCK_N, D / P) int32,
-    scale and zero (BLOCK_N, D / G) fp16; invalid rows read 0."""
+    """The packed values of ``tokens`` (BLOCK_N,) of one plane: words (BLOCK_N, D / P) int32,
+    scale and zero (BLOCK_N, D / G) fp16; invalid rows read 0.
+
+    v_plane: the plane's codes, (T_CAP, D / P) int32, channel c in column c // P at bits
+    (c % P) * BITS. vs_plane, vz_plane: (T_CAP, D / G) fp16 (one group = G channels of one token).
+    """
     P: tl.constexpr = 32 // BITS
     cols = tl.arange(0, D // P)
     words = tl.load(v_plane + tokens[:, None] * (D // P) + cols[None, :],
@@ -322,43 +332,6 @@ def _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
 
 
 @triton.jit
-def _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
-                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HALF2: tl.constexpr, INTERPRET: tl.constexpr):
-    """Keys of tokens [start, start + BLOCK_N) of one (slot, KV head) plane, transposed to
-    (D, BLOCK_N) so that the packed (token) axis is last, where the dequantizers unpack.
-    HALF2: fp16 with the token axis in pair order; else fp32 in natural order.
-
-    k_plane: the plane's codes, (T_CAP / P, D) int32, token t in row t // P at bits
-    (t % P) * BITS. ks_plane, kz_plane: its scales/zeros, (T_CAP / G, D) fp16 (one group = one
-    channel over G tokens). Tokens >= hi read as 0 (nothing beyond the valid length is touched).
-    """
-    words, scale, zero = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi, D, BITS, G,
-                                      BLOCK_N)
-    if HALF2:
-        return _dequant_last_half2(words, scale, zero, BITS, G, INTERPRET)
-    else:
-        return _dequant_last(words, scale, zero, BITS, G)
-
-
-@triton.jit
-def _dequant_values(v_plane, vs_plane, vz_plane, tokens, valid,
-                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                    HALF2: tl.constexpr, INTERPRET: tl.constexpr):
-    """Values of ``tokens`` (BLOCK_N,) of one plane -> (BLOCK_N, D); invalid rows read 0.
-    HALF2: fp16 with the channel axis in pair order; else fp32 in natural order.
-
-    v_plane: the plane's codes, (T_CAP, D / P) int32, channel c in column c // P at bits
-    (c % P) * BITS. vs_plane, vz_plane: (T_CAP, D / G) fp16 (one group = G channels of one token).
-    """
-    words, scale, zero = _load_values(v_plane, vs_plane, vz_plane, tokens, valid, D, BITS, G)
-    if HALF2:
-        return _dequant_last_half2(words, scale, zero, BITS, G, INTERPRET)
-    else:
-        return _dequant_last(words, scale, zero, BITS, G)
-
-
-@triton.jit
 def _softmax_step(s, valid, m_i):
     """Online-softmax step. s: (BLOCK_N, BLOCK_H) fp32 scores in the log2 domain; valid:
     (BLOCK_N,); m_i: (BLOCK_H,) running max. Returns the new max, the factor alpha (BLOCK_H,)
@@ -367,6 +340,31 @@ def _softmax_step(s, valid, m_i):
     # Every block holds >= 1 valid token, so m_new is finite and exp2(-inf - m_new) == 0.
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     return m_new, tl.exp2(m_i - m_new), tl.exp2(s - m_new[None, :])
+
+
+@triton.jit
+def _keys_step_half2(kw, ks, kz, valid, q_h, qk_scale, m_i, l_rows,
+                     BITS: tl.constexpr, G: tl.constexpr, INTERPRET: tl.constexpr):
+    """First half of a "half2" block: dequantize the loaded keys (``_load_keys_t``), score them
+    against q_h (D, BLOCK_H) fp16 and take the online-softmax step. valid: (BLOCK_N,) in the
+    keys' pair order, like the rows of s and p. Returns (m_i, alpha, p, l_rows)."""
+    k_t = _interleave_rows(_dequant_last_half2(kw, ks, kz, BITS, G, INTERPRET), 4)
+    s = tl.dot(tl.trans(k_t), q_h) * qk_scale                             # (BLOCK_N, BLOCK_H)
+    m_i, alpha, p = _softmax_step(s, valid, m_i)
+    return m_i, alpha, p, l_rows * alpha[None, :] + p
+
+
+@triton.jit
+def _values_step_half2(vw, vs, vz, p, alpha, acc, D: tl.constexpr, BITS: tl.constexpr,
+                       G: tl.constexpr, INTERPRET: tl.constexpr):
+    """Second half: dequantize the loaded values (``_load_values``, rows in token order) and
+    accumulate p^T V into acc (D, BLOCK_H), its rows in the values' pair order."""
+    P: tl.constexpr = 32 // BITS
+    v = _dequant_last_half2(vw, vs, vz, BITS, G, INTERPRET)                # (BLOCK_N, D) fp16
+    if D // P >= 8:
+        v = _spread_words(v, D // P)
+    p_nat = _unpair_rows(p.to(tl.float16), P)
+    return acc * alpha[None, :] + tl.dot(tl.trans(v), p_nat)
 
 
 @triton.jit
@@ -473,6 +471,7 @@ def _decode_attention_split_kernel(
             # per block.
             l_rows = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
             if PREFETCH:
+                # The next block's codes are loaded while this one is dequantized and attended.
                 kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, lo, hi, D, BITS, G, BLOCK_N)
                 v_tokens = lo + tl.arange(0, BLOCK_N)
                 vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens, v_tokens < hi,
@@ -485,35 +484,23 @@ def _decode_attention_split_kernel(
                     vw_n, vs_n, vz_n = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
                                                     v_tokens < hi, D, BITS, G)
                     tokens = start + order_n
-                    valid = tokens < hi
-                    k_t = _dequant_last_half2(kw, ks, kz, BITS, G, INTERPRET)
-                    k_t = _interleave_rows(k_t, 4)
-                    s = tl.dot(tl.trans(k_t), q_h) * qk_scale
-                    m_i, alpha, p = _softmax_step(s, valid, m_i)
-                    l_rows = l_rows * alpha[None, :] + p
-                    v = _dequant_last_half2(vw, vs, vz, BITS, G, INTERPRET)
-                    if D // P >= 8:
-                        v = _spread_words(v, D // P)
-                    p_nat = _unpair_rows(p.to(tl.float16), P)
-                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_nat)
+                    m_i, alpha, p, l_rows = _keys_step_half2(
+                        kw, ks, kz, tokens < hi, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, G, INTERPRET)
                     kw, ks, kz, vw, vs, vz = kw_n, ks_n, kz_n, vw_n, vs_n, vz_n
             else:
+                # Codes staged through shared memory by Triton's software pipelining (cp.async).
                 for start in range(lo, hi, BLOCK_N):
+                    kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                                              D, BITS, G, BLOCK_N)
                     tokens = start + order_n
-                    valid = tokens < hi
-                    k_t = _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
-                                          D, BITS, G, BLOCK_N, True, INTERPRET)
-                    k_t = _interleave_rows(k_t, 4)
-                    s = tl.dot(tl.trans(k_t), q_h) * qk_scale
-                    m_i, alpha, p = _softmax_step(s, valid, m_i)
-                    l_rows = l_rows * alpha[None, :] + p
+                    m_i, alpha, p, l_rows = _keys_step_half2(
+                        kw, ks, kz, tokens < hi, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                    # Values after the softmax: their registers are not live across it.
                     v_tokens = start + tl.arange(0, BLOCK_N)
-                    v = _dequant_values(v_plane, vs_plane, vz_plane, v_tokens, v_tokens < hi,
-                                        D, BITS, G, True, INTERPRET)
-                    if D // P >= 8:
-                        v = _spread_words(v, D // P)
-                    p_nat = _unpair_rows(p.to(tl.float16), P)
-                    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p_nat)
+                    vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
+                                              v_tokens < hi, D, BITS, G)
+                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, G, INTERPRET)
             l_i = tl.sum(l_rows, axis=0)
         else:
             q_d = q_t.to(DOT_DTYPE)
@@ -526,10 +513,12 @@ def _decode_attention_split_kernel(
                     v = tl.load(v_plane + tokens[:, None] * D + offs_d[None, :],
                                 mask=valid[:, None], other=0.0)
                 else:
-                    k_t = _dequant_keys_t(k_plane, ks_plane, kz_plane, start, hi,
-                                          D, BITS, G, BLOCK_N, False, INTERPRET)
-                    v = _dequant_values(v_plane, vs_plane, vz_plane, tokens, valid,
-                                        D, BITS, G, False, INTERPRET)
+                    kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                                              D, BITS, G, BLOCK_N)
+                    vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
+                                              D, BITS, G)
+                    k_t = _dequant_last(kw, ks, kz, BITS, G)                # (D, BLOCK_N) fp32
+                    v = _dequant_last(vw, vs, vz, BITS, G)                  # (BLOCK_N, D) fp32
                     k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
                     v = _round_to(v, elem_ty, BF16_BY_HAND)
                 m_i, l_i, acc = _attend_block(q_d, k_t, v, valid, m_i, l_i, acc, qk_scale,
