@@ -611,8 +611,8 @@ def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: in
 class _Launch(NamedTuple):
     """Launch configuration of the split kernel. maxnreg None: no register cap; BLOCK_H is
     max(min_block_h, next power of two of H_q / H_kv); prefetch: the "half2" main loop loads the
-    next block's codes into registers itself instead of staging them with cp.async
-    (num_stages then only applies to nothing: that loop is not software-pipelined)."""
+    next block's codes into registers itself instead of staging them with cp.async (num_stages
+    then does not apply to it: that loop is not software-pipelined)."""
 
     block_n: int
     num_warps: int
@@ -628,11 +628,11 @@ def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtyp
 
     Tiles of 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup; a block holds whole
     key groups. bits 16 (no dequantization, so bound by memory) takes 4096-value tiles and 3
-    stages: 1.16x faster than 8192 x 2 stages at B 8, 16k on the H200 (``--tune``, 86% of copy
+    stages: 1.16x faster than 8192 x 2 stages at B 8, 16k on the H200 (``--tune``; 85% of copy
     bandwidth). fp32 models use 4096-value tiles: fp32 dots run on the FMA units and spill at
-    8192. BLOCK_H >= 8 is the smallest tensor-core N (triton 3.9 emits wgmma for it, triton 3.6 mma.sync: 3.6 needs
-    N >= 16 for wgmma). Compiled sm_90 main loop, bits 2, D 128, bf16, triton 3.6 (3.9):
-    instructions per cached value, registers, shared memory per program:
+    8192. BLOCK_H >= 8 is the smallest tensor-core N (triton 3.9 emits wgmma for it, triton 3.6
+    mma.sync: 3.6 needs N >= 16 for wgmma). Compiled sm_90 main loop, bits 2, D 128, bf16,
+    triton 3.6 (3.9): instructions per cached value, registers, shared memory per program:
       "fp32":  6.5 (5.9), 128 (96) registers, 53 (35) KB at 3 stages: 4 (5) programs per SM.
       "half2": uncapped 3.6 (3.5) at 128 registers: 4 programs per SM. Capped at 96: 3.8 (3.7),
                no spill inside the loop, 37 KB: 5 programs per SM, so B 8 x 8 KV heads x 10
