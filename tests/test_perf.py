@@ -421,3 +421,29 @@ def test_nvml_unavailable_is_a_reason_not_an_error(monkeypatch):
     assert not sampler.available and "NVML unavailable" in sampler.reason
     assert sampler.stop() == {"nvml": None, "nvml_reason": sampler.reason}
     assert H.nvml_info(torch.device("cuda", 0))["available"] is False
+
+
+def test_ncu_summary_counts_wavefronts_and_finds_the_conflicted_instruction(tmp_path, capsys):
+    """The ncu helper sums ncu's per-instruction source page by opcode and lists the
+    instructions whose shared-memory wavefronts exceed the conflict-free ideal."""
+    from minikv_compile.perf.ncu_decode_attention import summarize
+
+    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+            "L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal"]
+    rows = [["0x10", "LDSM.16.MT88.4 R32, [R5]", "30", "100", "800", "400"],
+            ["0x20", "LDSM.16.MT88.4 R28, [R5+0x800]", "10", "100", "400", "400"],
+            ["0x30", "@!P0 STS.128 [R9], R24", "20", "50", "200", "200"],
+            ["0x40", "HFMA2 R1, R2, R3, R4", "40", "300", "0", "0"]]
+    path = tmp_path / "source.csv"
+    path.write_text('"Kernel Name","k",\n' + "\n".join(
+        ",".join(f'"{c}"' for c in r) for r in [cols] + rows) + "\n")
+    summarize(str(path))
+    out = capsys.readouterr().out
+    assert "550 warp instructions, 1,400 shared-memory wavefronts (1,000 conflict-free)" in out
+    by_op = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+             if line.startswith(("LDSM", "STS", "HFMA2"))}
+    assert by_op["LDSM.16"] == ["40.0", "1,200", "800", "200"]
+    assert by_op["STS.128"] == ["20.0", "200", "200", "50"]  # predicate dropped
+    assert by_op["HFMA2"][0] == "40.0"
+    conflicted = out.split("instruction")[-1]
+    assert "[R5] " in conflicted and "0x800" not in conflicted and "STS" not in conflicted
