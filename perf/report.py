@@ -154,7 +154,7 @@ _DECODE_COLUMNS: List[Column] = [
     ("prefill s", lambda r: _num(r.get("prefill_s"), "{:.3f}")),
     ("first call s", lambda r: _num(r.get("warm_s"), "{:.1f}")),
     ("compile s", lambda r: _num(r.get("compile_s"), "{:.1f}")),
-    ("capture s", lambda r: _num(r.get("capture_s"), "{:.1f}")),
+    ("capture s", lambda r: _num(r.get("capture_s"), "{:.3f}")),
     ("KV allocated", lambda r: fmt_bytes(r.get("kv_bytes"))),
     ("peak (torch)", lambda r: fmt_bytes(r.get("peak_allocated_bytes"))),
     ("peak (NVML)", lambda r: fmt_bytes(_nvml_peak(r))),
@@ -250,7 +250,7 @@ _SETUP_COLUMNS: List[Column] = [
     ("model build s", lambda r: _num(r.get("seconds") if r.get("experiment") == "setup" else None, "{:.1f}")),
     ("engine build s", lambda r: _num(r.get("build_s") if r.get("compile_s") is not None else None, "{:.1f}")),
     ("compile s", lambda r: _num(r.get("compile_s"), "{:.1f}")),
-    ("capture s", lambda r: _num(r.get("capture_s"), "{:.1f}")),
+    ("capture s", lambda r: _num(r.get("capture_s"), "{:.3f}")),
     ("first call s", lambda r: _num(r.get("warm_s"), "{:.1f}")),
 ]
 
