@@ -396,7 +396,7 @@ def _decode_attention_split_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
+    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
