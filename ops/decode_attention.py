@@ -109,6 +109,30 @@ def _round_to(x, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 
 
 @triton.jit
+def _shift_tree(words, BITS: tl.constexpr):
+    """(R, C) int32 words of P = 32 / BITS codes -> (R, C * P / 2): element c * P / 2 + j is
+    ``words[r, c] >> (j * BITS)``, which holds code j at bit 0 and code j + P / 2 at bit 16.
+    Interleaving puts the new elements in the thread that loaded the word: no data crosses
+    threads."""
+    H: tl.constexpr = 32 // BITS // 2
+    x = words
+    for level in tl.static_range(3):
+        if (1 << level) < H:
+            x = tl.interleave(x, x >> ((H // 2 >> level) * BITS))
+    return x
+
+
+@triton.jit
+def _per_pair(x, G: tl.constexpr):
+    """(R, C * P / G) -> (R, C * P / 2): one scale or zero per element of ``_shift_tree``'s
+    output (a word never spans two groups: G >= 16 >= P)."""
+    for level in tl.static_range(7):
+        if (1 << level) < G // 2:
+            x = tl.interleave(x, x)
+    return x
+
+
+@triton.jit
 def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
     """Dequantize along the last axis.
 
@@ -127,12 +151,7 @@ def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
     H: tl.constexpr = P // 2
     R: tl.constexpr = words.shape[0]
     C: tl.constexpr = words.shape[1]
-    # -- shift tree: x[r, c * H + j] = words[r, c] >> (j * BITS), j < H. Interleaving puts the new
-    #    elements in the thread that loaded the word: no data crosses threads.
-    x = words
-    for level in tl.static_range(3):
-        if (1 << level) < H:
-            x = tl.interleave(x, x >> ((H // 2 >> level) * BITS))
+    x = _shift_tree(words, BITS)
     # -- codes j and j + H sit at bits 0 and 16 of x: one mask isolates both (and drops the sign
     #    bits the arithmetic >> dragged in). Read as fp16, each half is the subnormal code * 2^-24;
     #    widening it to fp32 is exact, one HADD2.F32 per value instead of a quarter-rate
@@ -143,12 +162,8 @@ def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
     lo = y.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (y >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     # -- scale/zero: one value per (word, j), like lo and hi
-    s = scale.to(tl.float32) * 16777216.0
-    z = zero.to(tl.float32)
-    for level in tl.static_range(7):
-        if (1 << level) < G // 2:
-            s = tl.interleave(s, s)
-            z = tl.interleave(z, z)
+    s = _per_pair(scale.to(tl.float32) * 16777216.0, G)
+    z = _per_pair(zero.to(tl.float32), G)
     lo = lo * s + z
     hi = hi * s + z
     # -- back to natural order: (R, C, H, 2) -> (R, C, 2, H), relabelling registers only
@@ -226,22 +241,10 @@ def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr,
     values' channels -> the rows the accumulator is stored to.
     """
     P: tl.constexpr = 32 // BITS
-    H: tl.constexpr = P // 2
     R: tl.constexpr = words.shape[0]
     C: tl.constexpr = words.shape[1]
-    # -- shift tree as in _dequant_last: x[r, c * H + j] = words[r, c] >> (j * BITS), j < H
-    x = words
-    for level in tl.static_range(3):
-        if (1 << level) < H:
-            x = tl.interleave(x, x >> ((H // 2 >> level) * BITS))
-    # -- one scale/zero per element of x (a word never spans two groups: G >= 16 >= P)
-    s = scale
-    z = zero
-    for level in tl.static_range(7):
-        if (1 << level) < G // 2:
-            s = tl.interleave(s, s)
-            z = tl.interleave(z, z)
-    lo, hi = _code_pairs_to_half(x, s, z, BITS, INTERPRET)
+    lo, hi = _code_pairs_to_half(_shift_tree(words, BITS), _per_pair(scale, G),
+                                 _per_pair(zero, G), BITS, INTERPRET)
     out = tl.reshape(tl.join(lo, hi), (R, C * P))
     if not INTERPRET:
         out = _opaque(out)
