@@ -133,6 +133,40 @@ def _dequantize_value_block(packed, scale_h, zero_h, BITS: tl.constexpr):
 
 
 @triton.jit
+def _key_offsets(pid_bh, g, w, p, d, T, D, P: tl.constexpr, W: tl.constexpr):
+    """Where a key tile [GROUPS, W, P, BLOCK_D] of plane ``pid_bh`` lives, in the contiguous
+    layouts: (tokens [G, W, P, 1] of the unpacked tile, its mask; code offsets [G, W, BLOCK_D]
+    into codes (B, H, T / P, D), their mask; scale/zero offsets [G, BLOCK_D] into
+    (B, H, T / G, D), their mask)."""
+    n_groups = T // (W * P)
+    t = (g[:, None, None, None] * W + w[None, :, None, None]) * P + p[None, None, :, None]
+    x_mask = (g[:, None, None, None] < n_groups) & (d[None, None, None, :] < D)
+    row = g[:, None, None] * W + w[None, :, None]
+    code_off = (pid_bh * (T // P) + row) * D + d[None, None, :]
+    code_mask = (g[:, None, None] < n_groups) & (d[None, None, :] < D)
+    sz_off = (pid_bh * n_groups + g[:, None]) * D + d[None, :]
+    sz_mask = (g[:, None] < n_groups) & (d[None, :] < D)
+    return t, x_mask, code_off, code_mask, sz_off, sz_mask
+
+
+@triton.jit
+def _value_offsets(pid_bh, t, g, w, p, T, D, P: tl.constexpr, W: tl.constexpr):
+    """Where a value tile [TOKENS, BLOCK_NG, W, P] of plane ``pid_bh`` lives: (channels
+    [1, NG, W, P] of the unpacked tile, its mask; code offsets [TOKENS, NG, W] into codes
+    (B, H, T, D / P), their mask; scale/zero offsets [TOKENS, NG] into (B, H, T, D / G), their
+    mask)."""
+    NG = D // (W * P)
+    c = (g[None, :, None, None] * W + w[None, None, :, None]) * P + p[None, None, None, :]
+    x_mask = (t[:, None, None, None] < T) & (g[None, :, None, None] < NG)
+    col = g[None, :, None] * W + w[None, None, :]
+    code_off = (pid_bh * T + t[:, None, None]) * (D // P) + col
+    code_mask = (t[:, None, None] < T) & (g[None, :, None] < NG)
+    sz_off = (pid_bh * T + t[:, None]) * NG + g[None, :]
+    sz_mask = (t[:, None] < T) & (g[None, :] < NG)
+    return c, x_mask, code_off, code_mask, sz_off, sz_mask
+
+
+@triton.jit
 def _quantize_keys_kernel(
     k_ptr, codes_ptr, scale_ptr, zero_ptr,
     H, T, D,
@@ -141,30 +175,16 @@ def _quantize_keys_kernel(
 ):
     # One program: GROUPS token groups x BLOCK_D channels of one (batch, head).
     pid_bh = tl.program_id(0).to(tl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = G // P
-    n_groups = T // G
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    w = tl.arange(0, W)
-    p = tl.arange(0, P)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-
-    # -- load [GROUPS, W, P, BLOCK_D]
-    t = (g[:, None, None, None] * W + w[None, :, None, None]) * P + p[None, None, :, None]
-    in_mask = (g[:, None, None, None] < n_groups) & (d[None, None, None, :] < D)
-    x = tl.load(k_ptr + b * stride_kb + h * stride_kh + t * stride_kt
-                + d[None, None, None, :] * stride_kd, mask=in_mask, other=0.0).to(tl.float32)
-
+    t, x_mask, code_off, code_mask, sz_off, sz_mask = _key_offsets(
+        pid_bh, g, tl.arange(0, W), tl.arange(0, P), d, T, D, P, W)
+    x = tl.load(k_ptr + (pid_bh // H) * stride_kb + (pid_bh % H) * stride_kh + t * stride_kt
+                + d[None, None, None, :] * stride_kd, mask=x_mask, other=0.0).to(tl.float32)
     packed, scale_h, zero_h = _quantize_key_block(x, BITS)
-
-    # -- store codes (B, H, T / P, D) and scale/zero (B, H, T / G, D), contiguous
-    row = g[:, None, None] * W + w[None, :, None]
-    code_mask = (g[:, None, None] < n_groups) & (d[None, None, :] < D)
-    tl.store(codes_ptr + (pid_bh * (T // P) + row) * D + d[None, None, :], packed, mask=code_mask)
-    sz_off = (pid_bh * n_groups + g[:, None]) * D + d[None, :]
-    sz_mask = (g[:, None] < n_groups) & (d[None, :] < D)
+    tl.store(codes_ptr + code_off, packed, mask=code_mask)
     tl.store(scale_ptr + sz_off, scale_h, mask=sz_mask)
     tl.store(zero_ptr + sz_off, zero_h, mask=sz_mask)
 
@@ -178,27 +198,16 @@ def _dequantize_keys_kernel(
     pid_bh = tl.program_id(0).to(tl.int64)
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = G // P
-    n_groups = T // G
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    w = tl.arange(0, W)
-    p = tl.arange(0, P)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-
-    row = g[:, None, None] * W + w[None, :, None]
-    code_mask = (g[:, None, None] < n_groups) & (d[None, None, :] < D)
-    packed = tl.load(codes_ptr + (pid_bh * (T // P) + row) * D + d[None, None, :],
-                     mask=code_mask, other=0)
-    sz_off = (pid_bh * n_groups + g[:, None]) * D + d[None, :]
-    sz_mask = (g[:, None] < n_groups) & (d[None, :] < D)
+    t, x_mask, code_off, code_mask, sz_off, sz_mask = _key_offsets(
+        pid_bh, g, tl.arange(0, W), tl.arange(0, P), d, T, D, P, W)
+    packed = tl.load(codes_ptr + code_off, mask=code_mask, other=0)
     scale_h = tl.load(scale_ptr + sz_off, mask=sz_mask, other=0.0)
     zero_h = tl.load(zero_ptr + sz_off, mask=sz_mask, other=0.0)
-
     x = _dequantize_key_block(packed, scale_h, zero_h, BITS)
-
-    t = (g[:, None, None, None] * W + w[None, :, None, None]) * P + p[None, None, :, None]
-    out_mask = (g[:, None, None, None] < n_groups) & (d[None, None, None, :] < D)
     tl.store(out_ptr + (pid_bh * T + t) * D + d[None, None, None, :],
-             x.to(out_ptr.dtype.element_ty), mask=out_mask)
+             x.to(out_ptr.dtype.element_ty), mask=x_mask)
 
 
 @triton.jit
@@ -210,30 +219,16 @@ def _quantize_values_kernel(
 ):
     # One program: TOKENS tokens x all D channels (BLOCK_NG >= D / G groups) of one (batch, head).
     pid_bh = tl.program_id(0).to(tl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = G // P
-    NG = D // G
     t = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
-    g = tl.arange(0, BLOCK_NG)
-    w = tl.arange(0, W)
-    p = tl.arange(0, P)
-
-    # -- load [TOKENS, BLOCK_NG, W, P]
-    c = (g[None, :, None, None] * W + w[None, None, :, None]) * P + p[None, None, None, :]
-    in_mask = (t[:, None, None, None] < T) & (g[None, :, None, None] < NG)
-    x = tl.load(v_ptr + b * stride_vb + h * stride_vh + t[:, None, None, None] * stride_vt
-                + c * stride_vd, mask=in_mask, other=0.0).to(tl.float32)
-
+    c, x_mask, code_off, code_mask, sz_off, sz_mask = _value_offsets(
+        pid_bh, t, tl.arange(0, BLOCK_NG), tl.arange(0, W), tl.arange(0, P), T, D, P, W)
+    x = tl.load(v_ptr + (pid_bh // H) * stride_vb + (pid_bh % H) * stride_vh
+                + t[:, None, None, None] * stride_vt + c * stride_vd,
+                mask=x_mask, other=0.0).to(tl.float32)
     packed, scale_h, zero_h = _quantize_value_block(x, BITS)
-
-    # -- store codes (B, H, T, D / P) and scale/zero (B, H, T, D / G), contiguous
-    col = g[None, :, None] * W + w[None, None, :]
-    code_mask = (t[:, None, None] < T) & (g[None, :, None] < NG)
-    tl.store(codes_ptr + (pid_bh * T + t[:, None, None]) * (D // P) + col, packed, mask=code_mask)
-    sz_off = (pid_bh * T + t[:, None]) * NG + g[None, :]
-    sz_mask = (t[:, None] < T) & (g[None, :] < NG)
+    tl.store(codes_ptr + code_off, packed, mask=code_mask)
     tl.store(scale_ptr + sz_off, scale_h, mask=sz_mask)
     tl.store(zero_ptr + sz_off, zero_h, mask=sz_mask)
 
@@ -247,27 +242,15 @@ def _dequantize_values_kernel(
     pid_bh = tl.program_id(0).to(tl.int64)
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = G // P
-    NG = D // G
     t = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
-    g = tl.arange(0, BLOCK_NG)
-    w = tl.arange(0, W)
-    p = tl.arange(0, P)
-
-    col = g[None, :, None] * W + w[None, None, :]
-    code_mask = (t[:, None, None] < T) & (g[None, :, None] < NG)
-    packed = tl.load(codes_ptr + (pid_bh * T + t[:, None, None]) * (D // P) + col,
-                     mask=code_mask, other=0)
-    sz_off = (pid_bh * T + t[:, None]) * NG + g[None, :]
-    sz_mask = (t[:, None] < T) & (g[None, :] < NG)
+    c, x_mask, code_off, code_mask, sz_off, sz_mask = _value_offsets(
+        pid_bh, t, tl.arange(0, BLOCK_NG), tl.arange(0, W), tl.arange(0, P), T, D, P, W)
+    packed = tl.load(codes_ptr + code_off, mask=code_mask, other=0)
     scale_h = tl.load(scale_ptr + sz_off, mask=sz_mask, other=0.0)
     zero_h = tl.load(zero_ptr + sz_off, mask=sz_mask, other=0.0)
-
     x = _dequantize_value_block(packed, scale_h, zero_h, BITS)
-
-    c = (g[None, :, None, None] * W + w[None, None, :, None]) * P + p[None, None, None, :]
-    out_mask = (t[:, None, None, None] < T) & (g[None, :, None, None] < NG)
     tl.store(out_ptr + (pid_bh * T + t[:, None, None, None]) * D + c,
-             x.to(out_ptr.dtype.element_ty), mask=out_mask)
+             x.to(out_ptr.dtype.element_ty), mask=x_mask)
 
 
 # ----------------------------------------------------------------------------------------------
