@@ -148,6 +148,18 @@ def _selective_attention_fwd_kernel(
     tl.store(Lse + pid_bh.to(tl.int64) * L + offs_m, m_i + tl.log2(l_i), mask=row_ok)
 
 
+@triton.jit
+def _logits_and_lse(q_group, lse_group, g, rows, k, offs_d, stride_qh, stride_qm, L):
+    """Raw logits q . k^T of query rows ``rows`` of head g of the group against the key block k,
+    and those rows' LSE. Rows past L get lse = +inf, so their probabilities are exp2(s - inf) =
+    0."""
+    row_ok = rows < L
+    q = tl.load(q_group + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_group + g * L + rows, mask=row_ok, other=float("inf"))
+    return tl.dot(q, tl.trans(k)), lse
+
+
 @triton.jit(do_not_specialize=["L"])
 def _selective_attention_scores_kernel(
     Q, K, Lse, Scores,
@@ -196,30 +208,17 @@ def _selective_attention_scores_kernel(
     # Each part is one flat loop over (head of the group, query block), so the software pipeline
     # (num_stages deep) streams the q tiles and LSE rows of all heads without restarting.
     for i in range(0, group_size * n_diag):
-        g = (i // n_diag).to(tl.int64)
         rows = m_lo + (i % n_diag) * BLOCK_M + offs_m
-        row_ok = rows < L
-        q = tl.load(
-            q_group + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-            mask=row_ok[:, None], other=0.0,
-        )
-        # Rows past L get lse = +inf, so their probabilities are exp2(s - inf) = 0.
-        lse = tl.load(lse_group + g * L + rows, mask=row_ok, other=float("inf"))
-        s = tl.dot(q, tl.trans(k))
+        s, lse = _logits_and_lse(q_group, lse_group, (i // n_diag).to(tl.int64), rows, k,
+                                 offs_d, stride_qh, stride_qm, L)
         # Mask before exp2: a future key's logit may exceed the row's LSE and overflow.
         s = tl.where(rows[:, None] >= cols[None, :], s * qk_scale - lse[:, None], float("-inf"))
         acc += tl.exp2(s)
 
     for i in range(0, group_size * n_full):
-        g = (i // n_full).to(tl.int64)
         rows = m_mid + (i % n_full) * BLOCK_M + offs_m
-        row_ok = rows < L
-        q = tl.load(
-            q_group + g * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-            mask=row_ok[:, None], other=0.0,
-        )
-        lse = tl.load(lse_group + g * L + rows, mask=row_ok, other=float("inf"))
-        s = tl.dot(q, tl.trans(k))
+        s, lse = _logits_and_lse(q_group, lse_group, (i // n_full).to(tl.int64), rows, k,
+                                 offs_d, stride_qh, stride_qm, L)
         # One FMA and one exp2 per logit.
         acc += tl.exp2(s * qk_scale - lse[:, None])
 
