@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from minikv_compile.perf.bench_selective_attention import _environment
+from minikv_compile.perf._bench import environment, median_ms, write_json
 
 H_Q, H_KV, D, RING, GROUP = 32, 8, 128, 128, 16
 BATCHES = (1, 8, 32, 64)
@@ -163,12 +162,6 @@ def sdpa_bytes(cfg: ExperimentConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _median_ms(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-
-
 def _graph_ms(calls: Sequence[Callable[[], object]]) -> float:
     """Median ms per call of a CUDA graph that runs ``calls`` once each (already warmed up)."""
     stream = torch.cuda.Stream()
@@ -181,7 +174,7 @@ def _graph_ms(calls: Sequence[Callable[[], object]]) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    ms = _median_ms(graph.replay) / len(calls)
+    ms = median_ms(graph.replay, warmup=10, rep=100) / len(calls)
     del graph
     return ms
 
@@ -196,7 +189,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (do_bench median)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
+    ms = median_ms(lambda: dst.copy_(src), warmup=10, rep=100)
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -282,7 +275,7 @@ def run_experiment(cfg: ExperimentConfig, copy_bps: float, check: bool = False
         diff = (calls[0]().float() - ref.float()).abs().max().item()
         del ref
     ms = _graph_ms(calls)
-    eager_ms = _median_ms(calls[0])
+    eager_ms = median_ms(calls[0], warmup=10, rep=100)
     del calls, caches
     torch.cuda.empty_cache()
 
@@ -522,7 +515,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_decode_attention: needs a CUDA GPU; none found, nothing measured.")
         return 1
 
-    env = _environment()
+    env = environment()
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  driver {env['driver']}")
     configs = get_configs(args.bits)
     if args.tune:
@@ -540,11 +533,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             variant_results += run_variants(cfg, copy_bps)
         print_variant_table(variant_results, copy_bps)
         if args.out:
-            rows = [{**env, "copy_tb_per_s": copy_bps / 1e12, **dataclasses.asdict(r)}
-                    for r in variant_results]
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=2)
-            print(f"wrote {args.out}")
+            write_json(args.out, [{**env, "copy_tb_per_s": copy_bps / 1e12,
+                                   **dataclasses.asdict(r)} for r in variant_results])
         return 0
     results = []
     for i, cfg in enumerate(configs):
@@ -555,11 +545,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  if r.max_abs_diff_vs_ref is not None else ""), flush=True)
     print_table(results, copy_bps)
     if args.out:
-        rows = [{**env, "copy_tb_per_s": copy_bps / 1e12, **dataclasses.asdict(r)}
-                for r in results]
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, [{**env, "copy_tb_per_s": copy_bps / 1e12, **dataclasses.asdict(r)}
+                              for r in results])
     return 0
 
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 
-from minikv_compile.perf.bench_selective_attention import _environment
+from minikv_compile.perf._bench import environment, median_ms, write_json
 
 RING = 128
 
@@ -80,9 +79,7 @@ def get_configs() -> List[ExperimentConfig]:
 
 
 def _median_us(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return 1e3 * median_ms(fn)
 
 
 def _graphed(fn: Callable[[], object]) -> Callable[[], None]:
@@ -245,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_quant: needs a CUDA GPU; none found, nothing measured.")
         return 1
 
-    env = _environment()
+    env = environment()
     peak = _peak_gbps()
     peak_note = f"  peak {peak:.0f} GB/s (NVML)" if peak else "  peak unknown (no NVML)"
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  driver {env['driver']}"
@@ -263,9 +260,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{summary['append_us_per_step']:.1f} us per step)")
     if args.out:
         rows = [{**env, "peak_gbps": peak, **dataclasses.asdict(r)} for r in results]
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "flush_summary": {**env, **summary}}, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, {"rows": rows, "flush_summary": {**env, **summary}})
     return 0
 
 

@@ -37,11 +37,8 @@ checked against the default config's results and timed; the search stops startin
 import argparse
 import dataclasses
 import importlib
-import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -50,6 +47,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+
+from minikv_compile.perf._bench import environment, median_ms, write_json
 
 
 @dataclass(frozen=True)
@@ -133,12 +132,6 @@ def _inputs(cfg: ExperimentConfig, device: str = "cuda"
     k = torch.randn(cfg.B, cfg.H_kv, cfg.L, cfg.D, dtype=dtype, device=device)
     v = torch.randn(cfg.B, cfg.H_kv, cfg.L, cfg.D, dtype=dtype, device=device)
     return q, k, v
-
-
-def _median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def _peak_extra_bytes(fn: Callable[[], torch.Tensor]) -> Tuple[int, int]:
@@ -236,13 +229,13 @@ def run_experiment(cfg: ExperimentConfig) -> ExperimentResult:
     torch.cuda.synchronize()
     first_call_s = time.perf_counter() - start
 
-    ms = _median_ms(lambda: selective_attention(q, k, v))
+    ms = median_ms(lambda: selective_attention(q, k, v))
     # Each launch alone: pass 1 through the launcher's fwd_only flag; pass 2 on pass 1's LSE.
     fwd_config, scores_config = sa._default_configs(cfg.D, q.device, cfg.L)
-    pass1_ms = _median_ms(lambda: sa._selective_attention_triton(q, k, v, scale, fwd_only=True))
+    pass1_ms = median_ms(lambda: sa._selective_attention_triton(q, k, v, scale, fwd_only=True))
     _, lse = sa._selective_attention_triton(q, k, v, scale, fwd_only=True)
     qk_scale = scale * sa._LOG2E
-    pass2_ms = _median_ms(lambda: sa._launch_scores(q, k, lse, qk_scale, scores_config))
+    pass2_ms = median_ms(lambda: sa._launch_scores(q, k, lse, qk_scale, scores_config))
     extra, extra_beyond_out = _peak_extra_bytes(lambda: selective_attention(q, k, v)[0])
 
     backends: Dict[str, Union[float, str]] = {}
@@ -255,7 +248,7 @@ def run_experiment(cfg: ExperimentConfig) -> ExperimentResult:
             continue
         call, was_expanded = entry
         diffs[name] = (out.float() - call().float()).abs().max().item()
-        backends[name] = _median_ms(call)
+        backends[name] = median_ms(call)
         timed[name] = (call, was_expanded)
         if was_expanded:
             expanded_names.append(name)
@@ -436,7 +429,7 @@ def _tune_pass(which: str, D: int, lengths: Sequence[int], grid, deadline: float
             if not ok:
                 print(f"  {which} {entry}: skip, results differ from the default config's")
                 break
-            row[L] = _median_ms(lambda: _run_pass(which, q, k, v, lse, scale, config),
+            row[L] = median_ms(lambda: _run_pass(which, q, k, v, lse, scale, config),
                                 warmup=5, rep=30)
         else:
             times[entry] = row
@@ -519,42 +512,6 @@ def tune(dims: Sequence[int], lengths: Sequence[int], budget_s: float, jobs: int
 # Reporting
 # ---------------------------------------------------------------------------------------------
 
-def _git_sha() -> str:
-    """``MINIKV_GIT_SHA`` (set where the tree has no usable .git), else ``git rev-parse``."""
-    sha = os.environ.get("MINIKV_GIT_SHA", "").strip()
-    if sha:
-        return sha
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip() or "unknown"
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _environment() -> dict:
-    import triton
-
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        driver = driver.decode() if isinstance(driver, bytes) else driver
-    except Exception:  # NVML missing or not permitted: the report still stands without it
-        driver = "unknown"
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "driver": driver,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "git_sha": _git_sha(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 def print_table(results: List[ExperimentResult]) -> None:
     header = (
         f"{'shape':<30} {'ms':>8} {'pass1':>7} {'pass2':>7} {'sdpa ms':>8} {'baseline':>9} "
@@ -613,15 +570,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_selective_attention: needs a CUDA GPU; none found, nothing measured.")
         return 1
 
-    env = _environment()
+    env = environment()
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  driver {env['driver']}"
           f"  git {env['git_sha']}")
     if args.tune:
         summaries = tune(args.tune_dims, args.tune_lengths, args.tune_budget_s, args.tune_jobs)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({**env, "tune": summaries}, f, indent=2)
-            print(f"wrote {args.out}")
+            write_json(args.out, {**env, "tune": summaries})
         return 0
 
     results = []
@@ -630,10 +585,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.cuda.empty_cache()
     print_table(results)
     if args.out:
-        rows = [{**env, **dataclasses.asdict(r)} for r in results]
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, [{**env, **dataclasses.asdict(r)} for r in results])
     return 0
 
 
