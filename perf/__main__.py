@@ -152,11 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated, from: {', '.join(methods)}")
         p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
+    def decode_tokens(p):
+        p.add_argument("--warm-tokens", type=_positive_int, default=None)
+        p.add_argument("--timed-tokens", type=_positive_int, default=None)
+
     p = sub.add_parser("engine-vs-hf", help="MiniKV vs HF StaticCache decode, against the floor")
     common(p)
     p.add_argument("--shapes", type=_shape_list, default=None, help="BATCHxPROMPT list, e.g. 1x32768,8x4096")
-    p.add_argument("--warm-tokens", type=_positive_int, default=None)
-    p.add_argument("--timed-tokens", type=_positive_int, default=None)
+    decode_tokens(p)
 
     p = sub.add_parser("latency", help="TTFT and ms/token over context and batch size")
     common(p)
@@ -164,16 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=_int_list_or_empty, default=None,
                    help="batch sizes at --batch-prompt ('' for none)")
     p.add_argument("--batch-prompt", type=_positive_int, default=None)
-    p.add_argument("--warm-tokens", type=_positive_int, default=None)
-    p.add_argument("--timed-tokens", type=_positive_int, default=None)
+    decode_tokens(p)
 
     p = sub.add_parser("throughput", help="decode tokens/s up to the largest batch that fits")
     common(p)
     p.add_argument("--prompts", type=_int_list, default=None, help="prompt lengths")
     p.add_argument("--gen-tokens", type=_positive_int, default=None,
                    help="generated tokens the caches are sized for (the definition: 1024)")
-    p.add_argument("--warm-tokens", type=_positive_int, default=None)
-    p.add_argument("--timed-tokens", type=_positive_int, default=None)
+    decode_tokens(p)
     p.add_argument("--max-batch", type=_positive_int, default=None, help="cap on the batch-size search")
     p.add_argument("--batches", type=_int_list_or_empty, default=None,
                    help="extra batch sizes below each method's limit, for the curve ('' for none)")
