@@ -143,6 +143,13 @@ def _label(method: str) -> str:
 
 Column = Tuple[str, Callable[[Dict[str, object]], str]]
 
+# Memory of a decode run, the last columns of the decode, latency and throughput tables.
+_FOOTPRINT: List[Column] = [
+    ("KV allocated", lambda r: fmt_bytes(r.get("kv_bytes"))),
+    ("peak (torch)", lambda r: fmt_bytes(r.get("peak_allocated_bytes"))),
+    ("peak (NVML)", lambda r: fmt_bytes(_nvml_peak(r))),
+]
+
 _DECODE_COLUMNS: List[Column] = [
     ("batch x prompt", lambda r: f"{r.get('batch')} x {r.get('prompt_len')}"),
     ("method", lambda r: r.get("method", "")),
@@ -155,9 +162,7 @@ _DECODE_COLUMNS: List[Column] = [
     ("first call s", lambda r: _num(r.get("warm_s"), "{:.1f}")),
     ("compile s", lambda r: _num(r.get("compile_s"), "{:.1f}")),
     ("capture s", lambda r: _num(r.get("capture_s"), "{:.3f}")),
-    ("KV allocated", lambda r: fmt_bytes(r.get("kv_bytes"))),
-    ("peak (torch)", lambda r: fmt_bytes(r.get("peak_allocated_bytes"))),
-    ("peak (NVML)", lambda r: fmt_bytes(_nvml_peak(r))),
+    *_FOOTPRINT,
 ]
 
 _LATENCY_COLUMNS: List[Column] = [
@@ -170,9 +175,7 @@ _LATENCY_COLUMNS: List[Column] = [
     ("max", lambda r: _num((r.get("ms_per_token_stats") or {}).get("max"))),
     ("tokens / s", lambda r: fmt_rate(r.get("decode_tokens_per_s"))),
     ("x floor", lambda r: _num(r.get("x_floor"))),
-    ("KV allocated", lambda r: fmt_bytes(r.get("kv_bytes"))),
-    ("peak (torch)", lambda r: fmt_bytes(r.get("peak_allocated_bytes"))),
-    ("peak (NVML)", lambda r: fmt_bytes(_nvml_peak(r))),
+    *_FOOTPRINT,
 ]
 
 _THROUGHPUT_COLUMNS: List[Column] = [
@@ -187,9 +190,7 @@ _THROUGHPUT_COLUMNS: List[Column] = [
     ("end-to-end tokens / s", lambda r: fmt_rate(r.get("e2e_tokens_per_s"))),
     ("first call s", lambda r: _num(r.get("warm_s"), "{:.1f}")),
     ("compile s", lambda r: _num(r.get("compile_s"), "{:.1f}")),
-    ("KV allocated", lambda r: fmt_bytes(r.get("kv_bytes"))),
-    ("peak (torch)", lambda r: fmt_bytes(r.get("peak_allocated_bytes"))),
-    ("peak (NVML)", lambda r: fmt_bytes(_nvml_peak(r))),
+    *_FOOTPRINT,
 ]
 
 _LIMIT_COLUMNS: List[Column] = [
