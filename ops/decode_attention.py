@@ -176,26 +176,21 @@ def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
 # exponent of 1024.0 (0x6400: fp16 1024 + code, exact), sub.f16x2 removes the 1024, fma.rn.f16x2
 # applies scale and zero to both halves: 3 instructions per 2 values (the fp32 path needs ~7).
 # $3/$4 are the same fp16 scale/zero for both halves; ptxas reads them as .H0_H0 operands.
-_HALF2_ASM_2BIT = tl.constexpr("""{
+def _half2_asm(mask: int) -> tl.constexpr:
+    return tl.constexpr(f"""{{
     .reg .b32 t, m, s2, z2;
-    lop3.b32 t, $2, 0x00030003, 0x64006400, 0xea;
+    lop3.b32 t, $2, {mask:#010x}, 0x64006400, 0xea;
     mov.b32 m, 0x64006400;
     sub.f16x2 t, t, m;
-    mov.b32 s2, {$3, $3};
-    mov.b32 z2, {$4, $4};
+    mov.b32 s2, {{$3, $3}};
+    mov.b32 z2, {{$4, $4}};
     fma.rn.f16x2 t, t, s2, z2;
-    mov.b32 {$0, $1}, t;
-}""")
-_HALF2_ASM_4BIT = tl.constexpr("""{
-    .reg .b32 t, m, s2, z2;
-    lop3.b32 t, $2, 0x000f000f, 0x64006400, 0xea;
-    mov.b32 m, 0x64006400;
-    sub.f16x2 t, t, m;
-    mov.b32 s2, {$3, $3};
-    mov.b32 z2, {$4, $4};
-    fma.rn.f16x2 t, t, s2, z2;
-    mov.b32 {$0, $1}, t;
-}""")
+    mov.b32 {{$0, $1}}, t;
+}}""")
+
+
+_HALF2_ASM_2BIT = _half2_asm(0x00030003)
+_HALF2_ASM_4BIT = _half2_asm(0x000F000F)
 
 
 @triton.jit

@@ -167,6 +167,21 @@ def _value_offsets(pid_bh, t, g, w, p, T, D, P: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _store_quantized(codes_ptr, scale_ptr, zero_ptr, code_off, code_mask, sz_off, sz_mask,
+                     packed, scale_h, zero_h):
+    tl.store(codes_ptr + code_off, packed, mask=code_mask)
+    tl.store(scale_ptr + sz_off, scale_h, mask=sz_mask)
+    tl.store(zero_ptr + sz_off, zero_h, mask=sz_mask)
+
+
+@triton.jit
+def _load_quantized(codes_ptr, scale_ptr, zero_ptr, code_off, code_mask, sz_off, sz_mask):
+    return (tl.load(codes_ptr + code_off, mask=code_mask, other=0),
+            tl.load(scale_ptr + sz_off, mask=sz_mask, other=0.0),
+            tl.load(zero_ptr + sz_off, mask=sz_mask, other=0.0))
+
+
+@triton.jit
 def _quantize_keys_kernel(
     k_ptr, codes_ptr, scale_ptr, zero_ptr,
     H, T, D,
@@ -184,9 +199,8 @@ def _quantize_keys_kernel(
     x = tl.load(k_ptr + (pid_bh // H) * stride_kb + (pid_bh % H) * stride_kh + t * stride_kt
                 + d[None, None, None, :] * stride_kd, mask=x_mask, other=0.0).to(tl.float32)
     packed, scale_h, zero_h = _quantize_key_block(x, BITS)
-    tl.store(codes_ptr + code_off, packed, mask=code_mask)
-    tl.store(scale_ptr + sz_off, scale_h, mask=sz_mask)
-    tl.store(zero_ptr + sz_off, zero_h, mask=sz_mask)
+    _store_quantized(codes_ptr, scale_ptr, zero_ptr, code_off, code_mask, sz_off, sz_mask,
+                     packed, scale_h, zero_h)
 
 
 @triton.jit
@@ -202,9 +216,8 @@ def _dequantize_keys_kernel(
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     t, x_mask, code_off, code_mask, sz_off, sz_mask = _key_offsets(
         pid_bh, g, tl.arange(0, W), tl.arange(0, P), d, T, D, P, W)
-    packed = tl.load(codes_ptr + code_off, mask=code_mask, other=0)
-    scale_h = tl.load(scale_ptr + sz_off, mask=sz_mask, other=0.0)
-    zero_h = tl.load(zero_ptr + sz_off, mask=sz_mask, other=0.0)
+    packed, scale_h, zero_h = _load_quantized(codes_ptr, scale_ptr, zero_ptr, code_off, code_mask,
+                                              sz_off, sz_mask)
     x = _dequantize_key_block(packed, scale_h, zero_h, BITS)
     tl.store(out_ptr + (pid_bh * T + t) * D + d[None, None, None, :],
              x.to(out_ptr.dtype.element_ty), mask=x_mask)
@@ -228,9 +241,8 @@ def _quantize_values_kernel(
                 + t[:, None, None, None] * stride_vt + c * stride_vd,
                 mask=x_mask, other=0.0).to(tl.float32)
     packed, scale_h, zero_h = _quantize_value_block(x, BITS)
-    tl.store(codes_ptr + code_off, packed, mask=code_mask)
-    tl.store(scale_ptr + sz_off, scale_h, mask=sz_mask)
-    tl.store(zero_ptr + sz_off, zero_h, mask=sz_mask)
+    _store_quantized(codes_ptr, scale_ptr, zero_ptr, code_off, code_mask, sz_off, sz_mask,
+                     packed, scale_h, zero_h)
 
 
 @triton.jit
@@ -245,9 +257,8 @@ def _dequantize_values_kernel(
     t = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
     c, x_mask, code_off, code_mask, sz_off, sz_mask = _value_offsets(
         pid_bh, t, tl.arange(0, BLOCK_NG), tl.arange(0, W), tl.arange(0, P), T, D, P, W)
-    packed = tl.load(codes_ptr + code_off, mask=code_mask, other=0)
-    scale_h = tl.load(scale_ptr + sz_off, mask=sz_mask, other=0.0)
-    zero_h = tl.load(zero_ptr + sz_off, mask=sz_mask, other=0.0)
+    packed, scale_h, zero_h = _load_quantized(codes_ptr, scale_ptr, zero_ptr, code_off, code_mask,
+                                              sz_off, sz_mask)
     x = _dequantize_value_block(packed, scale_h, zero_h, BITS)
     tl.store(out_ptr + (pid_bh * T + t[:, None, None, None]) * D + c,
              x.to(out_ptr.dtype.element_ty), mask=x_mask)
