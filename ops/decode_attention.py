@@ -75,16 +75,22 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_choice, check_quant_params, check_tensor, codes_per_word
+from . import decode_attention_gluon as dag
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
 _LOG2E = 1.4426950408889634
 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
-# Ways to turn 2/4-bit codes into dot operands (the launcher's ``dequant`` argument):
-#   "half2": packed fp16x2 integer tricks, fp16 dots (default; fp16 and bf16 models);
+# Ways to turn 2/4-bit codes into dot operands in the Triton kernel (the launcher's ``dequant``):
+#   "half2": packed fp16x2 integer tricks, fp16 dots (fp16 and bf16 models);
 #   "fp32":  fp32 FMA per value, dots in the model dtype (the first version; fp32 models always).
 DEQUANT_PATHS = ("half2", "fp32")
+# The Gluon kernel of ``decode_attention_gluon`` (codes unpacked straight into mma fragments, no
+# shared memory): on request, where ``_fragments_supported`` holds. Not the default: on the H200
+# it is 1.08x faster than "half2" at batch 64 but 0.92x at batch 8 and 0.6-0.9x at batch 1
+# (perf/NOTES.md).
+FRAGMENTS = "fragments"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,11 +400,11 @@ def _decode_attention_split_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, SPLIT0=0,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    split = tl.program_id(2)
+    split = SPLIT0 + tl.program_id(2)  # SPLIT0 = NUM_SPLITS: the ring's program alone
     # int64: Bmax * H_kv * T_cap * D exceeds 2^31 for large caches; offsets inside one plane fit.
     plane = b.to(tl.int64) * H_KV + h
     # Clamping keeps a corrupt length from reading outside the buffers.
@@ -593,17 +599,37 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int) -> int:
+def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int,
+                programs_per_sm: int = 4, min_blocks: int = 4) -> int:
     """Splits of the quantized region per (slot, KV head): a launch-time constant.
 
-    Aims at ~4 programs per SM (about as many as fit at once at 4 warps and ~128 registers per
-    thread), so one wave covers the GPU even for a single long sequence; never cuts a full-capacity
-    region into pieces shorter than 4 blocks (each program also pays a fixed cost for its q load and
-    partial store); at most 64 so the combine stays cheap. Depends only on shapes, never on lens.
+    Aims at ``programs_per_sm`` programs per SM (about as many as fit at once: 4 for the Triton
+    kernel's 4 warps at ~128 registers per thread), so one wave covers the GPU even for a single
+    long sequence; never cuts a full-capacity region into pieces shorter than ``min_blocks`` blocks
+    (each program also pays a fixed cost for its q load and partial store); at most 64 so the
+    combine stays cheap. Depends only on shapes, never on lens.
     """
-    want = triton.cdiv(4 * sm_count, batch * h_kv)
-    useful = max(1, capacity // (4 * block_n))
+    want = triton.cdiv(programs_per_sm * sm_count, batch * h_kv)
+    useful = max(1, capacity // (min_blocks * block_n))
     return max(1, min(want, useful, 64))
+
+
+def _fragments_supported(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
+                         head_dim: int, gqa: int) -> bool:
+    """Whether the Gluon kernel (``decode_attention_gluon``) covers a call: CUDA (sm_80+, not the
+    interpreter), bits 2, group 16, head dim 128, <= 8 query heads per KV head, fp16/bf16."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 8
+            and bits == 2 and group_size == 16 and head_dim == 128 and gqa <= 8
+            and dtype in (torch.float16, torch.bfloat16))
+
+
+def _splits(fragments: bool, batch: int, h_kv: int, capacity: int, block_n: int,
+            sm_count: int) -> int:
+    """NUM_SPLITS of a launch: the Gluon kernel's one-warp programs aim at ~16 per SM."""
+    if fragments:
+        return _num_splits(batch, h_kv, capacity, dag.BLOCK_TOKENS, sm_count, 16, 2)
+    return _num_splits(batch, h_kv, capacity, block_n, sm_count)
 
 
 class _Launch(NamedTuple):
@@ -665,19 +691,27 @@ def _decode_attention_triton(
 ) -> torch.Tensor:
     """Triton implementation of :func:`decode_attention` (inputs already validated).
 
-    ``dequant`` picks the quantized-region path (see :data:`DEQUANT_PATHS`); the other keyword
+    ``dequant`` picks the quantized-region path: one of :data:`DEQUANT_PATHS` or
+    :data:`FRAGMENTS` (the Gluon kernel; only where ``_fragments_supported``); the other keyword
     arguments override the launch configuration (tests, tuning); ``block_n`` must be a power of
     two, >= 16 and a multiple of ``group_size`` when ``bits < 16``; ``maxnreg`` caps registers per
     thread (0: no cap); ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the
     query heads of a KV group padded; ``prefetch`` (the "half2" path only) loads the next
     block's codes into registers instead of staging them with cp.async.
     """
-    check_choice("dequant", dequant, DEQUANT_PATHS)
+    check_choice("dequant", dequant, DEQUANT_PATHS + (FRAGMENTS,))
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
+    if dequant == FRAGMENTS and not _fragments_supported(q.device, q.dtype, bits, group_size, d,
+                                                         h_q // h_kv):
+        raise ValueError(f"dequant={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
+                         f"group_size=16, head_dim 128, <= 8 query heads per KV head and fp16/"
+                         f"bf16; got {q.device.type}, bits={bits}, group_size={group_size}, "
+                         f"head_dim {d}, {h_q // h_kv} heads per KV head, {q.dtype}")
+    fragments = dequant == FRAGMENTS
     ring_cap = k_ring.shape[2]
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    cfg = _default_config(bits, group_size, d, q.dtype, dequant)
+    cfg = _default_config(bits, group_size, d, q.dtype, "half2" if fragments else dequant)
     block_n = block_n or cfg.block_n
     num_warps = num_warps or cfg.num_warps
     num_stages = num_stages or cfg.num_stages
@@ -690,7 +724,7 @@ def _decode_attention_triton(
                          f"{group_size}, got {block_n}")
     if num_splits is None:
         sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 1
-        num_splits = _num_splits(batch, h_kv, capacity, block_n, sm_count)
+        num_splits = _splits(fragments, batch, h_kv, capacity, block_n, sm_count)
     gqa = h_q // h_kv
     block_h = block_h or max(cfg.min_block_h, triton.next_power_of_2(gqa))
     if block_h < max(8, gqa) or block_h & (block_h - 1):
@@ -720,7 +754,16 @@ def _decode_attention_triton(
     else:
         dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
 
-    _decode_attention_split_kernel[(batch, h_kv, n_slots)](
+    if fragments:
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        dag._decode_attention_fragments_kernel[(batch, h_kv, num_splits)](
+            q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, lens, m, l, acc,
+            scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, num_splits,
+            GQA=gqa, num_warps=1,
+        )
+    # fragments: the Triton kernel runs the ring's program only (split NUM_SPLITS)
+    _decode_attention_split_kernel[(batch, h_kv, 1 if fragments else n_slots)](
         q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
         m, l, acc,
         scale * _LOG2E,
@@ -729,7 +772,8 @@ def _decode_attention_triton(
         GQA=gqa, BLOCK_H=block_h, D=d,
         BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
         DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-        INTERPRET=interpret, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        INTERPRET=interpret, PREFETCH=prefetch, SPLIT0=num_splits if fragments else 0,
+        num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     # One program per (row, 32 channels), all splits loaded at once: one round of memory

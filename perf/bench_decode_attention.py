@@ -220,32 +220,34 @@ def _free_bytes() -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[int, ...]:
-    """(BLOCK_N, num_warps, num_stages, NUM_SPLITS, maxnreg, BLOCK_H, prefetch) the op uses for
-    ``cfg``, or with launcher overrides (``dequant`` included); maxnreg 0 means no cap."""
+def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[object, ...]:
+    """(path, BLOCK_N, num_warps, num_stages, NUM_SPLITS, maxnreg, BLOCK_H, prefetch) the op uses
+    for ``cfg``, or with launcher overrides (``dequant`` included); maxnreg 0 means no cap. With
+    the "fragments" path the launch fields are those of the ring's Triton program."""
     da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     dtype = getattr(torch, cfg.dtype)
     dequant = override.get("dequant", da.DEQUANT_PATHS[0])
+    fragments = dequant == da.FRAGMENTS
     bn, warps, stages, maxnreg, min_block_h, prefetch = da._default_config(
-        cfg.bits, cfg.group_size, cfg.D, dtype, dequant)
+        cfg.bits, cfg.group_size, cfg.D, dtype, da.DEQUANT_PATHS[0] if fragments else dequant)
     bn = override.get("block_n") or bn
     if override.get("num_warps") not in (None, warps):
         warps, maxnreg = override["num_warps"], None  # the default cap is sized for its warps
     stages = override.get("num_stages") or stages
     if override.get("maxnreg") is not None:
         maxnreg = override["maxnreg"]
-    splits = override.get("num_splits") or da._num_splits(
-        cfg.B, cfg.H_kv, cfg.n_quant, bn, da._sm_count(torch.cuda.current_device()))
+    splits = override.get("num_splits") or da._splits(
+        fragments, cfg.B, cfg.H_kv, cfg.n_quant, bn, da._sm_count(torch.cuda.current_device()))
     block_h = override.get("block_h") or max(min_block_h,
                                              1 << (cfg.H_q // cfg.H_kv - 1).bit_length())
     if override.get("prefetch") is not None:
         prefetch = override["prefetch"]
-    return bn, warps, stages, splits, maxnreg or 0, block_h, int(prefetch)
+    return dequant, bn, warps, stages, splits, maxnreg or 0, block_h, int(prefetch)
 
 
-def _describe(launch: Tuple[int, ...]) -> str:
-    return ("BLOCK_N={} warps={} stages={} NUM_SPLITS={} maxnreg={} BLOCK_H={} prefetch={}"
+def _describe(launch: Tuple[object, ...]) -> str:
+    return ("{} BLOCK_N={} warps={} stages={} NUM_SPLITS={} maxnreg={} BLOCK_H={} prefetch={}"
             .format(*launch))
 
 
@@ -351,7 +353,7 @@ def tune(cfg: ExperimentConfig) -> None:
             timings.append((ms, kw))
             print(f"  {kw}: {ms:.4f} ms")
     best_ms, best = min(timings, key=lambda t: t[0])
-    splits = _launch_config(cfg, **best)[3]
+    splits = _launch_config(cfg, **best)[4]
     for n in sorted({max(1, splits // 2), splits * 2}):
         ms = time_config(**best, num_splits=n)
         if ms is not None:
@@ -373,6 +375,7 @@ def tune(cfg: ExperimentConfig) -> None:
 # bits 2).
 VARIANTS: List[Tuple[str, dict]] = [
     ("fp32", dict(dequant="fp32")),
+    ("fragments (Gluon)", dict(dequant="fragments")),
     ("half2", dict()),
     ("half2 no reg cap", dict(maxnreg=0)),
     ("half2 cp.async staging", dict(prefetch=False, num_stages=3)),

@@ -22,6 +22,7 @@ import torch
 from minikv_compile.ops import decode_attention
 from minikv_compile.ops.decode_attention import (
     DEQUANT_PATHS,
+    FRAGMENTS,
     _decode_attention_triton,
     decode_attention_ref,
 )
@@ -400,6 +401,21 @@ def test_bad_inputs_raise(name, index, make_bad, message):
         decode_attention(*args)
 
 
+@pytest.mark.parametrize("bits,group_size,d,gqa,dtype", [
+    (4, 16, 128, 4, torch.float16),
+    (2, 32, 128, 4, torch.float16),
+    (2, 16, 64, 4, torch.float16),
+    (2, 16, 128, 9, torch.float16),
+    (2, 16, 128, 4, torch.float32),
+])
+def test_fragments_refuses_what_it_does_not_cover(bits, group_size, d, gqa, dtype):
+    # (and every CPU call: the Gluon kernel needs a GPU)
+    case = make_case(1, 1, 1, d, 128, 32, bits, group_size, dtype, [128], [1])
+    q = torch.randn(1, gqa, d).to(dtype)
+    with pytest.raises(ValueError, match="dequant='fragments': expected a CUDA"):
+        run_triton(q, case, 0.125, dequant=FRAGMENTS)
+
+
 def test_bits16_requires_empty_scales():
     args = _valid_args(bits=16)
     args[2] = torch.zeros(1, dtype=torch.float16)
@@ -499,6 +515,69 @@ def test_gpu_deterministic(bits, dequant):
     first = run_triton(q, case, 128 ** -0.5, dequant=dequant)
     for _ in range(3):
         assert torch.equal(first, run_triton(q, case, 128 ** -0.5, dequant=dequant))
+
+
+# -- the Gluon kernel (codes unpacked into mma fragments): bits 2, G 16, D 128, GQA <= 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_fragments_llama_size(dtype):
+    batch, n_q = 8, 16384
+    n_quant = [n_q, n_q - 1024, 0, 4096, n_q, 16, 8192 + 48, n_q - 128 - 16]
+    n_ring = [128, 1, 64, 128, 17, 128, 100, 5]
+    case = make_case(batch, batch, 8, 128, n_q, 128, 2, 16, dtype, n_quant, n_ring,
+                     outliers=True, device="cuda")
+    q = torch.randn(batch, 32, 128, device="cuda").to(dtype)
+    out = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS)
+    assert_within_2x(out, q, case, 128 ** -0.5)
+    ref = decode_attention_ref(q, *case.bufs, 128 ** -0.5, 2, 16)
+    torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", [1, 2, 3, 4, 5, 8])
+def test_gpu_fragments_group_sizes_and_splits(gqa):
+    # lengths: one group, one block, block + group, odd multiples of 16; 1..many splits
+    n_quant = [16, 128, 144, 2000 // 16 * 16, 4096, 4096 - 16]
+    n_ring = [1, 128, 0, 33, 64, 2]
+    case = make_case(6, 7, 4, 128, 4096, 128, 2, 16, torch.bfloat16, n_quant, n_ring,
+                     outliers=True, device="cuda")
+    q = torch.randn(6, 4 * gqa, 128, device="cuda").bfloat16()
+    for num_splits in (None, 1, 3, 64):
+        out = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS, num_splits=num_splits)
+        assert_within_2x(out, q, case, 128 ** -0.5)
+
+
+@pytest.mark.gpu
+def test_gpu_fragments_bf16_query_beyond_fp16_range():
+    case = make_case(2, 2, 8, 128, 4096, 128, 2, 16, torch.bfloat16, [4096, 1024], [128, 3],
+                     device="cuda")
+    q = (torch.randn(2, 32, 128, device="cuda") * 2.0 ** 17).bfloat16()
+    out = run_triton(q, case, 2.0 ** -24, dequant=FRAGMENTS)
+    assert torch.isfinite(out).all()
+    assert_within_2x(out, q, case, 2.0 ** -24)
+
+
+@pytest.mark.gpu
+def test_gpu_fragments_unused_capacity_and_slots_are_never_read():
+    case = make_case(3, 5, 8, 128, 4096, 128, 2, 16, torch.float16, [1024, 4096, 0],
+                     [3, 128, 1], device="cuda")
+    q = torch.randn(3, 32, 128, device="cuda").half()
+    clean = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS)
+    assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, bufs=poisoned(case, 3),
+                                         dequant=FRAGMENTS))
+    for _ in range(3):  # deterministic
+        assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS))
+
+
+@pytest.mark.gpu
+def test_gpu_fragments_strided_query():
+    case = make_case(2, 2, 8, 128, 1024, 128, 2, 16, torch.bfloat16, [1024, 512], [1, 9],
+                     device="cuda")
+    q = torch.randn(2, 128, 32, device="cuda").bfloat16().transpose(1, 2)  # stride(2) != 1
+    out = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS)
+    assert_within_2x(out, q, case, 128 ** -0.5)
 
 
 @pytest.mark.gpu
