@@ -88,8 +88,7 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 DEQUANT_PATHS = ("half2", "fp32")
 # The Gluon kernel of ``decode_attention_gluon`` (codes unpacked straight into mma fragments, no
 # shared memory): on request, where ``_fragments_supported`` holds. Not the default: on the H200
-# it is 1.08x faster than "half2" at batch 64 but 0.92x at batch 8 and 0.6-0.9x at batch 1
-# (perf/NOTES.md).
+# it is 1.01x "half2"'s speed at batch 64, 0.93x at batch 8, 0.6-0.75x at batch 1 (perf/NOTES.md).
 FRAGMENTS = "fragments"
 
 

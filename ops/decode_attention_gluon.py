@@ -39,8 +39,8 @@ step.
 
 Where it stands (H200, triton 3.6; ``perf/NOTES.md``): compiled sm_90 loop of 3.1 instructions per
 cached value (the Triton kernel: 3.7), no shared memory, 224 registers (9 warps per SM). It is
-latency bound: 1.08x faster than the Triton kernel at batch 64 x 16k, 0.92x at batch 8 and
-0.6-0.9x at batch 1, so it runs only on request (``dequant="fragments"``). Loading the values a
+latency bound: 1.01x the Triton kernel's speed at batch 64 x 16k (1.08x with 2 or 10 splits),
+0.93x at batch 8 and 0.6-0.75x at batch 1, so it runs only on request (``dequant="fragments"``). Loading the values a
 block ahead too took 255 registers and was slower. Gluon kernels do not run under
 ``TRITON_INTERPRET``: the GPU tests hold this one to the fp64 oracle.
 """
