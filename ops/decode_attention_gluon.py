@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 BLOCK_TOKENS = 128  # tokens per step: one key group per row of lanes (8 groups of 16)
 BLOCK = gl.constexpr(BLOCK_TOKENS)
@@ -209,17 +209,59 @@ def _scores(kw, ks2, kz2, q0, q1, q2, q3, q4, q5, q6, q7, MMA: gl.constexpr,
 
 
 @gluon.jit
-def _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, K: gl.constexpr, p_k,
-                 acc, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr):
-    """acc^T += V^T p^T over the 16 tokens of K-step K of the block at ``start``."""
-    tok = start + 32 * t + 8 * p + 16 * e + K
-    ok = tok < hi_tok
-    offs = tok * (HEAD_DIM // 16) + g
-    wa, wb = _lane_pairs(gl.load(v_plane + offs, mask=ok, other=0))
-    sa, sb = _lane_pairs(gl.load(vs_plane + offs, mask=ok, other=0.0))
-    za, zb = _lane_pairs(gl.load(vz_plane + offs, mask=ok, other=0.0))
+def _stage_values(vw_s, vs_s, vz_s, base, v_plane, vs_plane, vz_plane, start, hi_tok,
+                  COPY: gl.constexpr):
+    """Start copying the values of the block at ``start`` into buffers ``base + k`` (k < 8) of
+    the staging memory: buffer k holds tokens 8 q + k, (16, 8) (row, word or group) each, q = 4
+    (row % 4) + row // 4, so that the four lanes t that read one row index together hit four
+    different 32-byte bank groups."""
+    row = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY))[:, None]
+    grp = gl.arange(0, 8, layout=gl.SliceLayout(0, COPY))[None, :]
+    q = 4 * (row % 4) + row // 4
+    for k in gl.static_range(8):
+        tok = start + 8 * q + k
+        offs = tok * (HEAD_DIM // 16) + grp
+        ok = tok < hi_tok
+        async_copy.async_copy_global_to_shared(vw_s.index(base + k), v_plane + offs, mask=ok)
+        async_copy.async_copy_global_to_shared(vs_s.index(base + k), vs_plane + offs, mask=ok)
+        async_copy.async_copy_global_to_shared(vz_s.index(base + k), vz_plane + offs, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _staged_pairs(smem, index, LANES: gl.constexpr):
+    """Staged value buffer ``index`` (K-step k of a block) -> its e = 0 and e = 1 halves,
+    (8, 4, 2) (g, t, p): lane (g, t) gets token 32 t + 16 e + 8 p + k (row 8 e + 4 p + t), word
+    or group g."""
+    x = smem.index(index).load(LANES)                                      # (row, g)
+    return gl.split(gl.permute(gl.reshape(x, (2, 2, 4, 8)), (3, 2, 1, 0)))
+
+
+@gluon.jit
+def _value_step(vw_s, vs_s, vz_s, index, p_k, acc, LANES: gl.constexpr,
+                A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """acc^T += V^T p^T over one K-step (16 tokens) of the staged values (buffer ``index``)."""
+    wa, wb = _staged_pairs(vw_s, index, LANES)
+    sa, sb = _staged_pairs(vs_s, index, LANES)
+    za, zb = _staged_pairs(vz_s, index, LANES)
     a = _operand_tile(wa, wb, _pack_half2(sa, sb), _pack_half2(za, zb), A_LAYOUT)
     return mma_v2(a, gl.convert_layout(p_k, B_LAYOUT), acc)
+
+
+@gluon.jit
+def _attend_values(vw_s, vs_s, vz_s, base, probs, acc, LANES: gl.constexpr,
+                   A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """acc^T += V^T p^T over the block staged at buffers ``base + [0, 8)``; probs (128 x 8)."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = _row_steps(probs)
+    acc = _value_step(vw_s, vs_s, vz_s, base, p0, acc, LANES, A_LAYOUT, B_LAYOUT)
+    acc = _value_step(vw_s, vs_s, vz_s, base + 1, p1, acc, LANES, A_LAYOUT, B_LAYOUT)
+    acc = _value_step(vw_s, vs_s, vz_s, base + 2, p2, acc, LANES, A_LAYOUT, B_LAYOUT)
+    acc = _value_step(vw_s, vs_s, vz_s, base + 3, p3, acc, LANES, A_LAYOUT, B_LAYOUT)
+    acc = _value_step(vw_s, vs_s, vz_s, base + 4, p4, acc, LANES, A_LAYOUT, B_LAYOUT)
+    acc = _value_step(vw_s, vs_s, vz_s, base + 5, p5, acc, LANES, A_LAYOUT, B_LAYOUT)
+    acc = _value_step(vw_s, vs_s, vz_s, base + 6, p6, acc, LANES, A_LAYOUT, B_LAYOUT)
+    acc = _value_step(vw_s, vs_s, vz_s, base + 7, p7, acc, LANES, A_LAYOUT, B_LAYOUT)
+    return acc
 
 
 @gluon.jit
@@ -237,8 +279,13 @@ def _decode_attention_fragments_kernel(
                                            warps_per_cta=[1, 1], order=[1, 0])
     PAIRS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[32, 1],
                                            warps_per_cta=[1, 1], order=[1, 0])
-    WORDS4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1],
+    # values: copied to shared memory 16 bytes at a time, read back one word per lane
+    STAGED: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    COPY_V: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[16, 2],
                                             warps_per_cta=[1, 1], order=[1, 0])
+    LANES: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [4, 0]], lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[], block_bases=[], shape=[16, 8])
     Q_LAYOUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
                                               warps_per_cta=[1, 1], order=[1, 0])
     D: gl.constexpr = HEAD_DIM
@@ -258,13 +305,6 @@ def _decode_attention_fragments_kernel(
     v_plane = v_ptr + plane * (T_CAP * (D // 16))
     vs_plane = vs_ptr + plane * (T_CAP * (D // GROUP))
     vz_plane = vz_ptr + plane * (T_CAP * (D // GROUP))
-
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(1, WORDS4))
-    reg = gl.arange(0, 4, layout=gl.SliceLayout(0, WORDS4))
-    g = (lane // 4)[:, None]
-    t = (lane % 4)[:, None]
-    p = (reg // 2)[None, :]
-    e = (reg % 2)[None, :]
 
     # -- q: bf16 converts to fp16 exactly unless |q| >= 2^16; a power-of-two prescale, undone
     #    in the softmax scale, keeps max |q| below 2^15 (as in the Triton kernel).
@@ -299,9 +339,17 @@ def _decode_attention_fragments_kernel(
     l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
 
-    # The keys of the next block load while this one is attended (registers, one block ahead).
+    # Keys: the next block's load into registers while this one is attended. Values: two stages
+    # of shared memory (cp.async), the next block's copying while this one is attended.
+    vw_s = gl.allocate_shared_memory(gl.int32, [16, 16, 8], STAGED)    # 2 stages x 8 K-steps
+    vs_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
+    vz_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
     kw, ks2, kz2 = _load_keys(k_plane, ks_plane, kz_plane, lo_tok, hi_tok, WORDS, PAIRS)
+    _stage_values(vw_s, vs_s, vz_s, 0, v_plane, vs_plane, vz_plane, lo_tok, hi_tok, COPY_V)
+    stage = 0
     for start in range(lo_tok, hi_tok, BLOCK):
+        _stage_values(vw_s, vs_s, vz_s, 8 - 8 * stage, v_plane, vs_plane, vz_plane,
+                      start + BLOCK, hi_tok, COPY_V)
         kw_n, ks2_n, kz2_n = _load_keys(k_plane, ks_plane, kz_plane, start + BLOCK, hi_tok,
                                         WORDS, PAIRS)
         # -- scores^T = K q^T, then the online softmax (log2 domain) over the valid tokens
@@ -314,24 +362,14 @@ def _decode_attention_fragments_kernel(
         acc = acc * alpha[None, :]
         m_i = m_new
         # -- acc^T += V^T p^T, one K-step (16 tokens) at a time
-        p0, p1, p2, p3, p4, p5, p6, p7 = _row_steps(probs.to(gl.float16))
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 0, p0, acc,
-                           A_LAYOUT, B_LAYOUT)
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 1, p1, acc,
-                           A_LAYOUT, B_LAYOUT)
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 2, p2, acc,
-                           A_LAYOUT, B_LAYOUT)
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 3, p3, acc,
-                           A_LAYOUT, B_LAYOUT)
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 4, p4, acc,
-                           A_LAYOUT, B_LAYOUT)
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 5, p5, acc,
-                           A_LAYOUT, B_LAYOUT)
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 6, p6, acc,
-                           A_LAYOUT, B_LAYOUT)
-        acc = _values_step(v_plane, vs_plane, vz_plane, start, hi_tok, g, t, p, e, 7, p7, acc,
-                           A_LAYOUT, B_LAYOUT)
+        async_copy.wait_group(1)  # this block's values (the next block's may still be copying)
+        gl.thread_barrier()
+        acc = _attend_values(vw_s, vs_s, vz_s, 8 * stage, probs.to(gl.float16), acc, LANES,
+                             A_LAYOUT, B_LAYOUT)
+        gl.thread_barrier()  # every lane is done with this stage before it is refilled
         kw, ks2, kz2 = kw_n, ks2_n, kz2_n
+        stage = 1 - stage
+    async_copy.wait_group(0)  # the last (empty) copy
 
     # -- partials, in the Triton kernel's (B, H_q, NUM_SPLITS + 1[, D]) buffers
     out_rows = (b * (H_KV * GQA) + h * GQA + heads) * (NUM_SPLITS + 1) + split

@@ -1,6 +1,7 @@
 """Where the decode-attention split kernel spends its shared-memory pipe, from Nsight Compute.
 
     python -m minikv_compile.perf.ncu_decode_attention run [--bits 2] [--batch 8] [--tokens 16384]
+                                                            [--dequant half2|fp32|fragments]
     python -m minikv_compile.perf.ncu_decode_attention summarize SOURCE.csv[.gz]
 
 ``run`` launches the op four times on one random cache (``bench_decode_attention``'s shapes) so
@@ -21,7 +22,7 @@ import sys
 from typing import Dict, List, Optional
 
 
-def run(bits: int, batch: int, tokens: int) -> None:
+def run(bits: int, batch: int, tokens: int, dequant: str = "half2") -> None:
     import torch
 
     from minikv_compile.perf.bench_decode_attention import ExperimentConfig, _cache
@@ -31,7 +32,8 @@ def run(bits: int, batch: int, tokens: int) -> None:
     q = torch.randn(batch, cfg.H_q, cfg.D, dtype=getattr(torch, cfg.dtype), device="cuda")
     cache = _cache(cfg)
     for _ in range(4):
-        da._decode_attention_triton(q, *cache, cfg.D ** -0.5, bits, cfg.group_size)
+        da._decode_attention_triton(q, *cache, cfg.D ** -0.5, bits, cfg.group_size,
+                                    dequant=dequant)
     torch.cuda.synchronize()
 
 
@@ -83,12 +85,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--bits", type=int, default=2, choices=(2, 4, 16))
     r.add_argument("--batch", type=int, default=8)
     r.add_argument("--tokens", type=int, default=16384, help="quantized tokens per sequence")
+    r.add_argument("--dequant", default="half2", choices=("half2", "fp32", "fragments"),
+                   help="the quantized-region path (fragments: the Gluon kernel)")
     s = sub.add_parser("summarize", help="summarize ncu's per-instruction source page")
     s.add_argument("source_csv")
     s.add_argument("--top", type=int, default=12)
     args = parser.parse_args(argv)
     if args.cmd == "run":
-        run(args.bits, args.batch, args.tokens)
+        run(args.bits, args.batch, args.tokens, args.dequant)
     else:
         summarize(args.source_csv, args.top)
     return 0

@@ -1,10 +1,9 @@
-"""Device experiment: the "fragments" decode-attention kernel over register caps x NUM_SPLITS,
-each beside the default "half2" Triton kernel on the same caches (bf16, bits 2).
+"""Device experiment: the "fragments" decode-attention kernel at NUM_SPLITS halved, default and
+doubled, each beside the default "half2" Triton kernel on the same caches (bf16, bits 2).
 
     cd /tmp/run && python /path/to/perf/gpu/fragments_sweep.py   # after perf/gpu/check.sh
 
-Wraps the Gluon kernel's launch to add ``maxnreg``; prints one line per (cap, splits). Results:
-``perf/results/h200/fragments_sweep_maxnreg_splits.txt``.
+Prints one line per (case, splits); results under ``perf/results/h200/fragments_sweep_*.txt``.
 """
 import importlib
 
@@ -14,26 +13,15 @@ from minikv_compile.perf.bench_decode_attention import (
     ExperimentConfig, _cache, _graph_ms, _replicas, bytes_read)
 
 da = importlib.import_module("minikv_compile.ops.decode_attention")
-dag = da.dag
-kernel = dag._decode_attention_fragments_kernel
 
-
-class Capped:
-    """Stands in for the kernel: ``[grid](...)`` launches it with ``maxnreg`` added."""
-
-    def __init__(self, maxnreg):
-        self.maxnreg = maxnreg
-
-    def __getitem__(self, grid):
-        launch = kernel[grid]
-        return lambda *a, **k: launch(*a, **({**k, "maxnreg": self.maxnreg}
-                                             if self.maxnreg else k))
+CASES = [ExperimentConfig(8, 16384, 2), ExperimentConfig(1, 16384, 2),
+         ExperimentConfig(1, 131072, 2), ExperimentConfig(8, 4096, 2),
+         ExperimentConfig(32, 16384, 2), ExperimentConfig(64, 16384, 2)]
 
 
 def main():
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in [ExperimentConfig(8, 16384, 2), ExperimentConfig(1, 16384, 2),
-                ExperimentConfig(1, 131072, 2), ExperimentConfig(64, 16384, 2)]:
+    for cfg in CASES:
         nbytes = bytes_read(cfg)
         caches = [_cache(cfg) for _ in range(_replicas(nbytes))]
         q = torch.randn(cfg.B, cfg.H_q, cfg.D, dtype=torch.bfloat16, device="cuda")
@@ -49,18 +37,15 @@ def main():
         base = time(dequant="half2")
         ref = da._decode_attention_triton(q, *caches[0], scale, 2, 16).float()
         splits = da._splits(True, cfg.B, cfg.H_kv, cfg.n_quant, 64, sm)
-        print(f"{cfg.name}: half2 {base * 1e3:.1f} us, default fragments splits {splits}",
+        print(f"{cfg.name}: half2 {base * 1e3:.1f} us; fragments, default splits {splits}:",
               flush=True)
-        for cap in (None, 168, 128):
-            dag._decode_attention_fragments_kernel = Capped(cap)
-            for n in sorted({max(1, splits // 2), splits, splits * 2, min(128, splits * 4)}):
-                ms = time(dequant="fragments", num_splits=n)
-                out = da._decode_attention_triton(q, *caches[0], scale, 2, 16,
-                                                  dequant="fragments", num_splits=n).float()
-                print(f"   maxnreg {cap} splits {n:3d}: {ms * 1e3:7.1f} us  {base / ms:.2f}x "
-                      f"half2  {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s  "
-                      f"diff {(out - ref).abs().max().item():.1e}", flush=True)
-            dag._decode_attention_fragments_kernel = kernel
+        for n in sorted({max(1, splits // 2), splits, min(128, splits * 2)}):
+            ms = time(dequant="fragments", num_splits=n)
+            out = da._decode_attention_triton(q, *caches[0], scale, 2, 16,
+                                              dequant="fragments", num_splits=n).float()
+            print(f"   splits {n:3d}: {ms * 1e3:7.1f} us  {base / ms:.2f}x half2  "
+                  f"{nbytes / (ms * 1e-3) / 1e12:.2f} TB/s  "
+                  f"max |out - half2| {(out - ref).abs().max().item():.1e}", flush=True)
         del caches
         torch.cuda.empty_cache()
 

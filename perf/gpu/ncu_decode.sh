@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Profile one warm launch of the decode-attention split kernel with Nsight Compute (GPU machine,
 # after perf/gpu/check.sh installed the project). Usage:
-#   perf/gpu/ncu_decode.sh OUTDIR TAG [--bits 2 --batch 8 --tokens 16384]
+#   [KERNEL=regex] perf/gpu/ncu_decode.sh OUTDIR TAG [--bits 2 --batch 8 --tokens 16384 --dequant ..]
+# KERNEL picks the kernel by name (default the Triton split kernel; "fragments_kernel" for the
+# Gluon kernel of --dequant fragments).
 # Writes OUTDIR/ncu_TAG.txt: the headline metrics and `ncu_decode_attention summarize` of the
 # per-instruction page. Clocks are left alone (--clock-control none).
 set -uo pipefail
 OUT=${1:?usage: ncu_decode.sh OUTDIR TAG [run options]}; TAG=${2:?}; shift 2
 REP=/tmp/ncu_$TAG
-(cd /tmp/run && timeout 300 ncu --clock-control none --kernel-name regex:_decode_attention_split \
+(cd /tmp/run && timeout 300 ncu --clock-control none --kernel-name "regex:${KERNEL:-_decode_attention_split}" \
     --launch-skip 3 --launch-count 1 --set full --import-source no -f -o "$REP" \
     python -m minikv_compile.perf.ncu_decode_attention run "$@") > "$REP.log" 2>&1 || tail -5 "$REP.log"
 {
