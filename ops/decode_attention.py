@@ -761,7 +761,7 @@ def _decode_attention_triton(
         dag._decode_attention_fragments_kernel[(batch, h_kv, num_splits)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, lens, m, l, acc,
             scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, num_splits,
-            GQA=gqa, num_warps=1,
+            GQA=gqa, num_warps=1, **({"maxnreg": dag.MAXNREG} if dag.MAXNREG else {}),
         )
     # fragments: the Triton kernel runs the ring's program only (split NUM_SPLITS)
     _decode_attention_split_kernel[(batch, h_kv, 1 if fragments else n_slots)](

@@ -19,7 +19,7 @@ Fragment order. An mma operand register holds two values adjacent on the K (redu
 but a 2-bit word holds one channel over 16 tokens (keys) or 16 channels of one token (values).
 ``prmt`` pairs two words: ``lo = (low half of a, low half of b)``, so ``(lo >> 2 i) & 0x30003``
 holds code i of both and becomes one fp16x2 register (lop3, sub, fma: 3 instructions per
-2 values, plus a shift). The K axis order this gives is not the natural one; each operand's
+2 values; the exponent trick reads codes in place, so a word is shifted once per 4 codes). The K axis order this gives is not the natural one; each operand's
 partner follows it for free:
 
 * keys, for K-step ``s``: lane ``(g, t)`` (lane = 4 g + t) reads channels
@@ -55,6 +55,7 @@ BLOCK = gl.constexpr(BLOCK_TOKENS)
 HEAD_DIM = gl.constexpr(128)
 GROUP = gl.constexpr(16)
 MAX_GQA = gl.constexpr(8)
+MAXNREG = 200  # register cap of the launch: 10 programs per SM, no spill (uncapped: 218, 9)
 
 
 @gluon.constexpr_function
@@ -63,14 +64,16 @@ def _prmt_asm(selector):
 
 
 @gluon.constexpr_function
-def _dequant_asm(shift):
-    # Code i sits at bits 2 i of both halves after the shift: lop3 masks it and ORs in the
-    # exponent of 1024.0 (fp16 1024 + code, exact), sub.f16x2 removes 1024, fma applies the
-    # two halves' scales and zeros ($3, $4: fp16x2), each value rounded once.
+def _dequant_asm(bit):
+    # Code i sits at bits [bit, bit + 2) of both halves (bit <= 6). lop3 keeps it and ORs in the
+    # exponent of 2^(10 - bit), which makes each half the fp16 number 2^(10 - bit) + code
+    # (exact); sub.f16x2 removes 2^(10 - bit), fma applies the two halves' scales and zeros ($3,
+    # $4: fp16x2), each value rounded once. No shift: the words are shifted once per 4 codes.
+    mask = (3 << bit) * 0x10001
+    exp = ((25 - bit) << 10) * 0x10001
     return ("{ .reg .b32 t, m;\n"
-            f" shr.u32 t, $2, {shift};\n"
-            " lop3.b32 t, t, 0x00030003, 0x64006400, 0xea;\n"
-            " mov.b32 m, 0x64006400;\n"
+            f" lop3.b32 t, $2, {mask:#010x}, {exp:#010x}, 0xea;\n"
+            f" mov.b32 m, {exp:#010x};\n"
             " sub.f16x2 t, t, m;\n"
             " fma.rn.f16x2 t, t, $3, $4;\n"
             " mov.b32 {$0, $1}, t; }")
@@ -90,27 +93,28 @@ def _pack_half2(a, b):
 
 
 @gluon.jit
-def _dequant(x, s2, z2, SHIFT: gl.constexpr):
-    """x, s2, z2: int32 (fp16x2 for s2, z2). Returns (..., 2) fp16: code SHIFT / 2 of each half
-    of x times s2 plus z2."""
-    a, b = gl.inline_asm_elementwise(_dequant_asm(SHIFT), "=h,=h,r,r,r", [x, s2, z2],
+def _dequant(x, s2, z2, BIT: gl.constexpr):
+    """x, s2, z2: int32 (fp16x2 for s2, z2). Returns (..., 2) fp16: the code at bit BIT of each
+    half of x times s2 plus z2."""
+    a, b = gl.inline_asm_elementwise(_dequant_asm(BIT), "=h,=h,r,r,r", [x, s2, z2],
                                      dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
     return gl.join(a, b)
 
 
 @gluon.jit
-def _dequant_h(lo, hi, s2, z2, SHIFT: gl.constexpr):
-    return gl.join(_dequant(lo, s2, z2, SHIFT), _dequant(hi, s2, z2, SHIFT))
+def _dequant_h(lo, hi, s2, z2, BIT: gl.constexpr):
+    return gl.join(_dequant(lo, s2, z2, BIT), _dequant(hi, s2, z2, BIT))
 
 
 @gluon.jit
-def _dequant_i2(lo, hi, s2, z2, SHIFT: gl.constexpr):
-    return gl.join(_dequant_h(lo, hi, s2, z2, SHIFT), _dequant_h(lo, hi, s2, z2, SHIFT + 2))
+def _dequant_i2(lo, hi, s2, z2, BIT: gl.constexpr):
+    return gl.join(_dequant_h(lo, hi, s2, z2, BIT), _dequant_h(lo, hi, s2, z2, BIT + 2))
 
 
 @gluon.jit
-def _dequant_i4(lo, hi, s2, z2, SHIFT: gl.constexpr):
-    return gl.join(_dequant_i2(lo, hi, s2, z2, SHIFT), _dequant_i2(lo, hi, s2, z2, SHIFT + 4))
+def _dequant_i4(lo, hi, s2, z2):
+    """Codes 0..3 (bits 0..7) of each half of lo and hi."""
+    return gl.join(_dequant_i2(lo, hi, s2, z2, 0), _dequant_i2(lo, hi, s2, z2, 4))
 
 
 @gluon.jit
@@ -123,7 +127,7 @@ def _operand_tile(a, b, s2, z2, A_LAYOUT: gl.constexpr):
     """
     lo = _prmt(a, b, "0x5410")
     hi = _prmt(a, b, "0x7632")
-    x = gl.join(_dequant_i4(lo, hi, s2, z2, 0), _dequant_i4(lo, hi, s2, z2, 8))
+    x = gl.join(_dequant_i4(lo, hi, s2, z2), _dequant_i4(lo >> 8, hi >> 8, s2, z2))
     # (g, t, p, e, h, i0, i1, i2) -> (i2, i1, i0, h, g | p, t, e)
     x = gl.reshape(gl.permute(x, (7, 6, 5, 4, 0, 2, 1, 3)), (BLOCK, 16))
     return gl.convert_layout(x, A_LAYOUT, assert_trivial=True)
