@@ -86,9 +86,9 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 #   "half2": packed fp16x2 integer tricks, fp16 dots (fp16 and bf16 models);
 #   "fp32":  fp32 FMA per value, dots in the model dtype (the first version; fp32 models always).
 DEQUANT_PATHS = ("half2", "fp32")
-# The Gluon kernel of ``decode_attention_gluon`` (codes unpacked straight into mma fragments, no
-# shared memory): on request, where ``_fragments_supported`` holds. Not the default: on the H200
-# it is 1.01x "half2"'s speed at batch 64, 0.93x at batch 8, 0.6-0.75x at batch 1 (perf/NOTES.md).
+# The Gluon kernel of ``decode_attention_gluon`` (codes unpacked straight into mma fragments): where
+# ``_fragments_supported`` holds. "auto" (the default) picks it where it is the faster one, on
+# large launches (``_fragments_pay_off``), and "half2" elsewhere.
 FRAGMENTS = "fragments"
 
 
@@ -623,13 +623,26 @@ def _fragments_supported(device: torch.device, dtype: torch.dtype, bits: int, gr
             and dtype in (torch.float16, torch.bfloat16))
 
 
+def _fragments_pay_off(batch: int, h_kv: int, capacity: int, sm_count: int) -> bool:
+    """Whether the Gluon kernel beats the Triton one: on the H200 it does from 32 blocks of 128
+    tokens per SM (batch 8 x 16k: 1.12x; batch 1 x 128k: 1.09x; batch 32/64 x 16k: 1.3-1.4x) and
+    loses below (batch 8 x 4k: 0.77x; batch 1 x 16k: 0.64x): its programs are one warp each and
+    pay a fixed prologue and pipeline fill."""
+    return batch * h_kv * (capacity // dag.BLOCK_TOKENS) >= 32 * sm_count
+
+
 def _splits(fragments: bool, batch: int, h_kv: int, capacity: int, block_n: int,
             sm_count: int) -> int:
-    """NUM_SPLITS of a launch. The Gluon kernel's one-warp programs: ~8 per SM (9 fit at 221
-    registers; 8 measured best at batch 8 x 16k), splits as short as 2 blocks, up to 128 (batch 1
-    x 128k: 1.36x faster than at 64)."""
+    """NUM_SPLITS of a launch. The Gluon kernel's one-warp programs (9 fit per SM): at least one
+    wave of ~8 per SM; where there is more work, up to ~24 per SM as long as each program keeps
+    >= 8 blocks; never below 2 blocks per program; at most 128. On the H200 this picks the best
+    of the measured splits at batch 1 x 16k / 128k, 8 x 4k / 16k, 32 and 64 x 16k within 4%."""
     if fragments:
-        return _num_splits(batch, h_kv, capacity, dag.BLOCK_TOKENS, sm_count, 8, 2, 128)
+        blocks = max(1, capacity // dag.BLOCK_TOKENS)
+        planes = batch * h_kv
+        fill = triton.cdiv(8 * sm_count, planes)
+        deep = min(blocks // 8, triton.cdiv(24 * sm_count, planes))
+        return max(1, min(max(fill, deep), max(1, blocks // 2), 128))
     return _num_splits(batch, h_kv, capacity, block_n, sm_count)
 
 
@@ -684,7 +697,7 @@ def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtyp
 
 def _decode_attention_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    scale: float, bits: int, group_size: int, *, dequant: str = "half2",
+    scale: float, bits: int, group_size: int, *, dequant: str = "auto",
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
     maxnreg: Optional[int] = None, block_h: Optional[int] = None,
@@ -692,26 +705,30 @@ def _decode_attention_triton(
 ) -> torch.Tensor:
     """Triton implementation of :func:`decode_attention` (inputs already validated).
 
-    ``dequant`` picks the quantized-region path: one of :data:`DEQUANT_PATHS` or
-    :data:`FRAGMENTS` (the Gluon kernel; only where ``_fragments_supported``); the other keyword
+    ``dequant`` picks the quantized-region path: one of :data:`DEQUANT_PATHS`, :data:`FRAGMENTS`
+    (the Gluon kernel; only where ``_fragments_supported``), or "auto": :data:`FRAGMENTS` where it
+    is supported and pays off (``_fragments_pay_off``), else "half2"; the other keyword
     arguments override the launch configuration (tests, tuning); ``block_n`` must be a power of
     two, >= 16 and a multiple of ``group_size`` when ``bits < 16``; ``maxnreg`` caps registers per
     thread (0: no cap); ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the
     query heads of a KV group padded; ``prefetch`` (the "half2" path only) loads the next
     block's codes into registers instead of staging them with cp.async.
     """
-    check_choice("dequant", dequant, DEQUANT_PATHS + (FRAGMENTS,))
+    check_choice("dequant", dequant, ("auto", FRAGMENTS) + DEQUANT_PATHS)
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
-    if dequant == FRAGMENTS and not _fragments_supported(q.device, q.dtype, bits, group_size, d,
-                                                         h_q // h_kv):
+    capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
+    supported = _fragments_supported(q.device, q.dtype, bits, group_size, d, h_q // h_kv)
+    if dequant == "auto":
+        fast = supported and _fragments_pay_off(batch, h_kv, capacity, _sm_count(q.device.index or 0))
+        dequant = FRAGMENTS if fast else "half2"
+    elif dequant == FRAGMENTS and not supported:
         raise ValueError(f"dequant={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
                          f"group_size=16, head_dim 128, <= 8 query heads per KV head and fp16/"
                          f"bf16; got {q.device.type}, bits={bits}, group_size={group_size}, "
                          f"head_dim {d}, {h_q // h_kv} heads per KV head, {q.dtype}")
     fragments = dequant == FRAGMENTS
     ring_cap = k_ring.shape[2]
-    capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
     cfg = _default_config(bits, group_size, d, q.dtype, "half2" if fragments else dequant)
     block_n = block_n or cfg.block_n
     num_warps = num_warps or cfg.num_warps

@@ -227,7 +227,13 @@ def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[object, ...]:
     da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     dtype = getattr(torch, cfg.dtype)
-    dequant = override.get("dequant", da.DEQUANT_PATHS[0])
+    dequant = override.get("dequant", "auto")
+    sm_count = da._sm_count(torch.cuda.current_device())
+    if dequant == "auto":
+        fast = (da._fragments_supported(torch.device("cuda"), dtype, cfg.bits, cfg.group_size,
+                                        cfg.D, cfg.H_q // cfg.H_kv)
+                and da._fragments_pay_off(cfg.B, cfg.H_kv, cfg.n_quant, sm_count))
+        dequant = da.FRAGMENTS if fast else da.DEQUANT_PATHS[0]
     fragments = dequant == da.FRAGMENTS
     bn, warps, stages, maxnreg, min_block_h, prefetch = da._default_config(
         cfg.bits, cfg.group_size, cfg.D, dtype, da.DEQUANT_PATHS[0] if fragments else dequant)
@@ -238,7 +244,7 @@ def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[object, ...]:
     if override.get("maxnreg") is not None:
         maxnreg = override["maxnreg"]
     splits = override.get("num_splits") or da._splits(
-        fragments, cfg.B, cfg.H_kv, cfg.n_quant, bn, da._sm_count(torch.cuda.current_device()))
+        fragments, cfg.B, cfg.H_kv, cfg.n_quant, bn, sm_count)
     block_h = override.get("block_h") or max(min_block_h,
                                              1 << (cfg.H_q // cfg.H_kv - 1).bit_length())
     if override.get("prefetch") is not None:
@@ -331,6 +337,7 @@ def tune(cfg: ExperimentConfig) -> None:
     expected = da._decode_attention_triton(q, *caches[0], scale, cfg.bits, cfg.group_size)
 
     def time_config(**kw) -> Optional[float]:
+        kw = {"dequant": "half2", **kw}  # the Triton kernel's launch choices
         try:
             out = da._decode_attention_triton(q, *caches[0], scale, cfg.bits, cfg.group_size, **kw)
         except Exception as err:  # invalid for this shape (block vs group) or out of resources
@@ -353,7 +360,7 @@ def tune(cfg: ExperimentConfig) -> None:
             timings.append((ms, kw))
             print(f"  {kw}: {ms:.4f} ms")
     best_ms, best = min(timings, key=lambda t: t[0])
-    splits = _launch_config(cfg, **best)[4]
+    splits = _launch_config(cfg, dequant="half2", **best)[4]
     for n in sorted({max(1, splits // 2), splits * 2}):
         ms = time_config(**best, num_splits=n)
         if ms is not None:
@@ -376,10 +383,10 @@ def tune(cfg: ExperimentConfig) -> None:
 VARIANTS: List[Tuple[str, dict]] = [
     ("fp32", dict(dequant="fp32")),
     ("fragments (Gluon)", dict(dequant="fragments")),
-    ("half2", dict()),
-    ("half2 no reg cap", dict(maxnreg=0)),
-    ("half2 cp.async staging", dict(prefetch=False, num_stages=3)),
-    ("half2 register prefetch", dict(prefetch=True, num_stages=1)),
+    ("half2", dict(dequant="half2")),
+    ("half2 no reg cap", dict(dequant="half2", maxnreg=0)),
+    ("half2 cp.async staging", dict(dequant="half2", prefetch=False, num_stages=3)),
+    ("half2 register prefetch", dict(dequant="half2", prefetch=True, num_stages=1)),
 ]
 VARIANT_CASES = [ExperimentConfig(8, 16384, 2), ExperimentConfig(8, 16384, 4),
                  ExperimentConfig(8, 16384, 16), ExperimentConfig(1, 16384, 2),

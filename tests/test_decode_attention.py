@@ -14,6 +14,7 @@ to bit-exactness.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import List, Optional, Sequence
 
 import pytest
@@ -27,6 +28,7 @@ from minikv_compile.ops.decode_attention import (
     decode_attention_ref,
 )
 
+da_module = importlib.import_module("minikv_compile.ops.decode_attention")  # not the op
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -416,6 +418,16 @@ def test_fragments_refuses_what_it_does_not_cover(bits, group_size, d, gqa, dtyp
         run_triton(q, case, 0.125, dequant=FRAGMENTS)
 
 
+@pytest.mark.parametrize("batch,capacity,pays_off,splits", [
+    # the cases measured on the H200 (132 SMs; perf/NOTES.md), 8 KV heads
+    (1, 16384, False, 64), (8, 4096, False, 16), (8, 16384, True, 17), (1, 131072, True, 128),
+    (32, 16384, True, 13), (64, 16384, True, 7),
+])
+def test_fragments_launch_heuristics(batch, capacity, pays_off, splits):
+    assert da_module._fragments_pay_off(batch, 8, capacity, 132) == pays_off
+    assert da_module._splits(True, batch, 8, capacity, 64, 132) == splits
+
+
 def test_bits16_requires_empty_scales():
     args = _valid_args(bits=16)
     args[2] = torch.zeros(1, dtype=torch.float16)
@@ -443,8 +455,9 @@ def test_gpu_llama_size(bits, dtype, dequant):
     assert_within_2x(out, q, case, 128 ** -0.5)
     ref = decode_attention_ref(q, *case.bufs, 128 ** -0.5, bits, 16)
     torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
-    if dequant == DEQUANT_PATHS[0]:  # the public op runs the default path
-        assert torch.equal(out, decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16))
+    # the public op runs the launcher's default ("auto")
+    assert torch.equal(decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16),
+                       run_triton(q, case, 128 ** -0.5))
 
 
 @pytest.mark.gpu
@@ -533,6 +546,8 @@ def test_gpu_fragments_llama_size(dtype):
     assert_within_2x(out, q, case, 128 ** -0.5)
     ref = decode_attention_ref(q, *case.bufs, 128 ** -0.5, 2, 16)
     torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+    # a large launch (8 x 8 planes x 128 blocks): "auto" picks this kernel on an H100/H200
+    assert torch.equal(out, run_triton(q, case, 128 ** -0.5))
 
 
 @pytest.mark.gpu
