@@ -399,11 +399,11 @@ def _decode_attention_split_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, SPLIT0=0,
+    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    split = SPLIT0 + tl.program_id(2)  # SPLIT0 = NUM_SPLITS: the ring's program alone
+    split = tl.program_id(2)
     # int64: Bmax * H_kv * T_cap * D exceeds 2^31 for large caches; offsets inside one plane fit.
     plane = b.to(tl.int64) * H_KV + h
     # Clamping keeps a corrupt length from reading outside the buffers.
@@ -720,7 +720,8 @@ def _decode_attention_triton(
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
     supported = _fragments_supported(q.device, q.dtype, bits, group_size, d, h_q // h_kv)
     if dequant == "auto":
-        fast = supported and _fragments_pay_off(batch, h_kv, capacity, _sm_count(q.device.index or 0))
+        fast = supported and _fragments_pay_off(batch, h_kv, capacity,
+                                                _sm_count(q.device.index or 0))
         dequant = FRAGMENTS if fast else "half2"
     elif dequant == FRAGMENTS and not supported:
         raise ValueError(f"dequant={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
@@ -775,25 +776,24 @@ def _decode_attention_triton(
     if fragments:
         if q.stride(2) != 1:
             q = q.contiguous()
-        dag._decode_attention_fragments_kernel[(batch, h_kv, num_splits)](
-            q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, lens, m, l, acc,
-            scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, num_splits,
+        dag._decode_attention_fragments_kernel[(batch, h_kv, n_slots)](
+            q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, m, l, acc,
+            scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, ring_cap, num_splits,
             GQA=gqa, num_warps=1, **({"maxnreg": dag.MAXNREG} if dag.MAXNREG else {}),
         )
-    # fragments: the Triton kernel runs the ring's program only (split NUM_SPLITS)
-    _decode_attention_split_kernel[(batch, h_kv, 1 if fragments else n_slots)](
-        q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-        m, l, acc,
-        scale * _LOG2E,
-        *q.stride(),
-        h_kv, capacity, ring_cap, num_splits,
-        GQA=gqa, BLOCK_H=block_h, D=d,
-        BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
-        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-        INTERPRET=interpret, PREFETCH=prefetch, SPLIT0=num_splits if fragments else 0,
-        num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
-    )
+    else:
+        _decode_attention_split_kernel[(batch, h_kv, n_slots)](
+            q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+            m, l, acc,
+            scale * _LOG2E,
+            *q.stride(),
+            h_kv, capacity, ring_cap, num_splits,
+            GQA=gqa, BLOCK_H=block_h, D=d,
+            BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
+            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
+            INTERPRET=interpret, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+        )
     # One program per (row, 32 channels), all splits loaded at once: one round of memory
     # latency per pass. (One program per row looping over 16 splits at a time took 4.8 us per
     # layer at batch 1: 32 programs, 10 dependent loads each.)

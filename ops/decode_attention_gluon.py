@@ -1,26 +1,30 @@
-"""Decode attention's quantized region with the 2-bit codes dequantized straight into mma operands.
+"""Decode attention with the 2-bit codes dequantized straight into tensor-core operands.
 
 A Gluon kernel (Triton's layer with explicit layouts) for the configuration that runs in
 production: 2-bit codes, group size 16, head dim 128, 1..8 query heads per KV head, fp16/bf16.
-It computes the same partials ``(m, l, acc)`` as the quantized splits of
-``_decode_attention_split_kernel`` in :mod:`.decode_attention`, which handles the ring and merges.
+It writes the same partials ``(m, l, acc)`` as ``_decode_attention_split_kernel`` in
+:mod:`.decode_attention`, whose combine kernel merges them; the launcher runs it for large launches
+("auto": ``_fragments_pay_off``) and the Triton kernel elsewhere.
 
 Why a second kernel. In the Triton kernel each dequantized tile goes to shared memory and comes
 back with ``ldmatrix`` before the dot: Nsight Compute on the H200 put 80% of its shared-memory
-wavefronts on that round trip and the pipe 71% busy. Here every thread unpacks exactly the codes
-of its own ``mma.m16n8k16`` fragments, so the main loop touches no shared memory at all.
+wavefronts on that round trip. Here every lane unpacks exactly the codes of its own
+``mma.m16n8k16`` fragments.
 
-One warp per program; program ``(b, h, s)`` covers a 128-token-aligned share of slot ``b``'s
-quantized tokens for KV head ``h`` (the split rule of the Triton kernel), 128 tokens per step.
-Tokens sit on the mma's M axis and the group's query heads (padded to 8) on N:
-``scores^T (128 x 8) = K (128 x 128) q^T`` and ``acc^T (128 x 8) += V^T (128 x 128) p^T``.
+One warp per program. Program ``(b, h, s)``, ``s < NUM_SPLITS``, covers a 128-token-aligned share
+of slot ``b``'s quantized tokens for KV head ``h`` (the Triton kernel's split rule), 128 tokens per
+step; program ``s == NUM_SPLITS`` covers the fp ring. Tokens sit on the mma's M axis and the
+group's query heads (padded to 8) on N: ``scores^T (128 x 8) = K (128 x 128) q^T`` and
+``acc^T (128 x 8) += V^T (128 x 128) p^T``. The next block's keys load into registers while the
+current block is attended; its values copy into the other of two shared-memory stages (cp.async).
 
-Fragment order. An mma operand register holds two values adjacent on the K (reduction) axis,
-but a 2-bit word holds one channel over 16 tokens (keys) or 16 channels of one token (values).
-``prmt`` pairs two words: ``lo = (low half of a, low half of b)``, so ``(lo >> 2 i) & 0x30003``
-holds code i of both and becomes one fp16x2 register (lop3, sub, fma: 3 instructions per
-2 values; the exponent trick reads codes in place, so a word is shifted once per 4 codes). The K axis order this gives is not the natural one; each operand's
-partner follows it for free:
+Fragment order. An mma operand register holds two values adjacent on the K (reduction) axis, but
+a 2-bit word holds one channel over 16 tokens (keys) or 16 channels of one token (values).
+``prmt`` pairs two words: ``lo = (low half of a, low half of b)``; code i of both halves then
+sits at bit ``2 i`` (i < 4; ``lo >> 8`` for the rest), and lop3 (keep it, OR in the exponent of
+``2^(10 - 2 i)``: the fp16 number ``2^(10 - 2 i) + code``), sub and fma turn the pair into one
+fp16x2 register: 3 instructions per 2 values. The K axis order this gives is not the natural
+one; each operand's partner follows it for free:
 
 * keys, for K-step ``s``: lane ``(g, t)`` (lane = 4 g + t) reads channels
   ``32 t + 4 s + [0, 4)`` of key group ``g`` (16 tokens); the K index ``8 p + 2 t + e`` is channel
@@ -34,15 +38,12 @@ partner follows it for free:
 Every relabelling (joins, permutes, reshapes of the unpacked values) is checked at compile time to
 move no data (``convert_layout(..., assert_trivial=True)``). The probabilities go from the
 accumulator layout to the B operand layout (a 16 x 8 transpose within the warp) once per step.
-The next block's keys load into registers while the current block is attended; values load per
-step.
 
-Where it stands (H200, triton 3.6; ``perf/NOTES.md``): compiled sm_90 loop of 3.1 instructions per
-cached value (the Triton kernel: 3.7), no shared memory, 224 registers (9 warps per SM). It is
-latency bound: 1.01x the Triton kernel's speed at batch 64 x 16k (1.08x with 2 or 10 splits),
-0.93x at batch 8 and 0.6-0.75x at batch 1, so it runs only on request (``dequant="fragments"``). Loading the values a
-block ahead too took 255 registers and was slower. Gluon kernels do not run under
-``TRITON_INTERPRET``: the GPU tests hold this one to the fp64 oracle.
+Where it stands (H200, triton 3.6; ``perf/NOTES.md``): 2.4 instructions per cached value in the
+compiled sm_90 loop (the Triton kernel: 3.7), 218 registers (9 programs per SM), latency bound
+at ~45% of issue slots. Faster than the Triton kernel from about 32 blocks per SM (batch 8 x 16k:
+1.12x; batch 64 x 16k: 1.4x), slower on short launches (batch 1 x 16k: 0.64x). Gluon kernels do
+not run under ``TRITON_INTERPRET``: the GPU tests hold this one to the fp64 oracle.
 """
 from __future__ import annotations
 
@@ -269,9 +270,45 @@ def _attend_values(vw_s, vs_s, vz_s, base, probs, acc, LANES: gl.constexpr,
 
 
 @gluon.jit
+def _attend_ring(q_row, stride_qh, h, kr_plane, vr_plane, n_ring, qk_scale, GQA: gl.constexpr,
+                 MMA: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr,
+                 ROWS: gl.constexpr):
+    """(m, l, acc^T) of the ring's n_ring tokens, 16 at a time (a few registers: this branch
+    shares the kernel's register budget): mma in the model dtype, natural channel order."""
+    elem = q_row.dtype.element_ty
+    kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, B_LAYOUT))
+    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_LAYOUT))
+    q_t = gl.load(q_row + (h * GQA + nn)[None, :] * stride_qh + kk[:, None],
+                  mask=(nn < GQA)[None, :], other=0.0)                    # (D, 8)
+    ch = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS))
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
+    for start in range(0, n_ring, 16):
+        tok = start + gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS))
+        ok = (tok < n_ring)[:, None]
+        k = gl.load(kr_plane + tok[:, None] * HEAD_DIM + ch[None, :], mask=ok, other=0.0)
+        s_acc = mma_v2(gl.convert_layout(k, A_LAYOUT), q_t,
+                       gl.zeros([16, 8], gl.float32, layout=MMA))
+        s_acc = gl.where((start + rows < n_ring)[:, None], s_acc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s_acc, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        probs = gl.exp2(s_acc - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(probs, axis=0)
+        m_i = m_new
+        v = gl.load(vr_plane + tok[:, None] * HEAD_DIM + ch[None, :], mask=ok, other=0.0)
+        # p is rounded to the model dtype, as in any fp16/bf16 flash attention
+        acc = mma_v2(gl.convert_layout(gl.permute(v, (1, 0)), A_LAYOUT),
+                     gl.convert_layout(probs.to(elem), B_LAYOUT), acc * alpha[None, :])
+    return m_i, l_i, acc
+
+
+@gluon.jit
 def _decode_attention_fragments_kernel(
-    q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
-    qk_scale, stride_qb, stride_qh, H_KV, T_CAP, NUM_SPLITS,
+    q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
+    m_ptr, l_ptr, acc_ptr,
+    qk_scale, stride_qb, stride_qh, H_KV, T_CAP, R, NUM_SPLITS,
     GQA: gl.constexpr,
 ):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
@@ -292,6 +329,8 @@ def _decode_attention_fragments_kernel(
         warp_bases=[], block_bases=[], shape=[16, 8])
     Q_LAYOUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
                                               warps_per_cta=[1, 1], order=[1, 0])
+    RING_ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
+                                               warps_per_cta=[1, 1], order=[1, 0])
     D: gl.constexpr = HEAD_DIM
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -310,74 +349,84 @@ def _decode_attention_fragments_kernel(
     vs_plane = vs_ptr + plane * (T_CAP * (D // GROUP))
     vz_plane = vz_ptr + plane * (T_CAP * (D // GROUP))
 
-    # -- q: bf16 converts to fp16 exactly unless |q| >= 2^16; a power-of-two prescale, undone
-    #    in the softmax scale, keeps max |q| below 2^15 (as in the Triton kernel).
-    qh = gl.arange(0, MAX_GQA, layout=gl.SliceLayout(1, Q_LAYOUT))
-    qd = gl.arange(0, D, layout=gl.SliceLayout(0, Q_LAYOUT))
-    q_all = gl.load(q_ptr + b * stride_qb + (h * GQA + qh)[:, None] * stride_qh + qd[None, :],
-                    mask=(qh < GQA)[:, None], other=0.0).to(gl.float32)
-    q_exp = gl.maximum(gl.ceil(gl.log2(gl.max(gl.max(gl.abs(q_all), axis=1), axis=0))) - 15.0, 0.0)
-    qk_scale = qk_scale * gl.exp2(q_exp)
-    # q^T as the B operand of all eight K-steps: K index k is channel
-    # 32 ((k % 8) // 2) + 4 (k // 16) + 2 ((k % 16) // 8) + k % 2 (the keys' lane order)
-    kk = gl.arange(0, D, layout=gl.SliceLayout(1, B_LAYOUT))
-    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_LAYOUT))
-    q_chan = 32 * ((kk % 8) // 2) + 4 * (kk // 16) + 2 * ((kk % 16) // 8) + kk % 2
-    q_t = gl.load(q_ptr + b * stride_qb + (h * GQA + nn)[None, :] * stride_qh + q_chan[:, None],
-                  mask=(nn < GQA)[None, :], other=0.0)
-    q0, q1, q2, q3, q4, q5, q6, q7 = _row_steps((q_t.to(gl.float32) * gl.exp2(-q_exp))
-                                                .to(gl.float16))
-    q0 = gl.convert_layout(q0, B_LAYOUT, assert_trivial=True)
-    q1 = gl.convert_layout(q1, B_LAYOUT, assert_trivial=True)
-    q2 = gl.convert_layout(q2, B_LAYOUT, assert_trivial=True)
-    q3 = gl.convert_layout(q3, B_LAYOUT, assert_trivial=True)
-    q4 = gl.convert_layout(q4, B_LAYOUT, assert_trivial=True)
-    q5 = gl.convert_layout(q5, B_LAYOUT, assert_trivial=True)
-    q6 = gl.convert_layout(q6, B_LAYOUT, assert_trivial=True)
-    q7 = gl.convert_layout(q7, B_LAYOUT, assert_trivial=True)
-
     rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     row_token = 16 * (rows % 8) + 8 * ((rows // 8) % 2) + rows // 16  # also acc row -> channel
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
+    if split < NUM_SPLITS:
+        # -- q: bf16 converts to fp16 exactly unless |q| >= 2^16; a power-of-two prescale, undone
+        #    in the softmax scale, keeps max |q| below 2^15 (as in the Triton kernel).
+        qh = gl.arange(0, MAX_GQA, layout=gl.SliceLayout(1, Q_LAYOUT))
+        qd = gl.arange(0, D, layout=gl.SliceLayout(0, Q_LAYOUT))
+        q_all = gl.load(q_ptr + b * stride_qb + (h * GQA + qh)[:, None] * stride_qh + qd[None, :],
+                        mask=(qh < GQA)[:, None], other=0.0).to(gl.float32)
+        q_max = gl.max(gl.max(gl.abs(q_all), axis=1), axis=0)
+        q_exp = gl.maximum(gl.ceil(gl.log2(q_max)) - 15.0, 0.0)
+        qk_scale = qk_scale * gl.exp2(q_exp)
+        # q^T as the B operand of all eight K-steps: K index k is channel
+        # 32 ((k % 8) // 2) + 4 (k // 16) + 2 ((k % 16) // 8) + k % 2 (the keys' lane order)
+        kk = gl.arange(0, D, layout=gl.SliceLayout(1, B_LAYOUT))
+        nn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_LAYOUT))
+        q_chan = 32 * ((kk % 8) // 2) + 4 * (kk // 16) + 2 * ((kk % 16) // 8) + kk % 2
+        q_t = gl.load(q_ptr + b * stride_qb + (h * GQA + nn)[None, :] * stride_qh + q_chan[:, None],
+                      mask=(nn < GQA)[None, :], other=0.0)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _row_steps((q_t.to(gl.float32) * gl.exp2(-q_exp))
+                                                    .to(gl.float16))
+        q0 = gl.convert_layout(q0, B_LAYOUT, assert_trivial=True)
+        q1 = gl.convert_layout(q1, B_LAYOUT, assert_trivial=True)
+        q2 = gl.convert_layout(q2, B_LAYOUT, assert_trivial=True)
+        q3 = gl.convert_layout(q3, B_LAYOUT, assert_trivial=True)
+        q4 = gl.convert_layout(q4, B_LAYOUT, assert_trivial=True)
+        q5 = gl.convert_layout(q5, B_LAYOUT, assert_trivial=True)
+        q6 = gl.convert_layout(q6, B_LAYOUT, assert_trivial=True)
+        q7 = gl.convert_layout(q7, B_LAYOUT, assert_trivial=True)
 
-    # Keys: the next block's load into registers while this one is attended. Values: two stages
-    # of shared memory (cp.async), the next block's copying while this one is attended.
-    vw_s = gl.allocate_shared_memory(gl.int32, [16, 16, 8], STAGED)    # 2 stages x 8 K-steps
-    vs_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
-    vz_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
-    kw, ks2, kz2 = _load_keys(k_plane, ks_plane, kz_plane, lo_tok, hi_tok, WORDS, PAIRS)
-    _stage_values(vw_s, vs_s, vz_s, 0, v_plane, vs_plane, vz_plane, lo_tok, hi_tok, COPY_V)
-    stage = 0
-    for start in range(lo_tok, hi_tok, BLOCK):
-        _stage_values(vw_s, vs_s, vz_s, 8 - 8 * stage, v_plane, vs_plane, vz_plane,
-                      start + BLOCK, hi_tok, COPY_V)
-        kw_n, ks2_n, kz2_n = _load_keys(k_plane, ks_plane, kz_plane, start + BLOCK, hi_tok,
-                                        WORDS, PAIRS)
-        # -- scores^T = K q^T, then the online softmax (log2 domain) over the valid tokens
-        s_acc = _scores(kw, ks2, kz2, q0, q1, q2, q3, q4, q5, q6, q7, MMA, A_LAYOUT)
-        s_acc = gl.where((start + row_token < hi_tok)[:, None], s_acc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_acc, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        probs = gl.exp2(s_acc - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(probs, axis=0)
-        acc = acc * alpha[None, :]
-        m_i = m_new
-        # -- acc^T += V^T p^T, one K-step (16 tokens) at a time
-        async_copy.wait_group(1)  # this block's values (the next block's may still be copying)
-        gl.thread_barrier()
-        acc = _attend_values(vw_s, vs_s, vz_s, 8 * stage, probs.to(gl.float16), acc, LANES,
-                             A_LAYOUT, B_LAYOUT)
-        gl.thread_barrier()  # every lane is done with this stage before it is refilled
-        kw, ks2, kz2 = kw_n, ks2_n, kz2_n
-        stage = 1 - stage
-    async_copy.wait_group(0)  # the last (empty) copy
+        m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+        acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
 
-    # -- partials, in the Triton kernel's (B, H_q, NUM_SPLITS + 1[, D]) buffers
+        # Keys: the next block's load into registers while this one is attended. Values: two stages
+        # of shared memory (cp.async), the next block's copying while this one is attended.
+        vw_s = gl.allocate_shared_memory(gl.int32, [16, 16, 8], STAGED)    # 2 stages x 8 K-steps
+        vs_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
+        vz_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
+        kw, ks2, kz2 = _load_keys(k_plane, ks_plane, kz_plane, lo_tok, hi_tok, WORDS, PAIRS)
+        _stage_values(vw_s, vs_s, vz_s, 0, v_plane, vs_plane, vz_plane, lo_tok, hi_tok, COPY_V)
+        stage = 0
+        for start in range(lo_tok, hi_tok, BLOCK):
+            _stage_values(vw_s, vs_s, vz_s, 8 - 8 * stage, v_plane, vs_plane, vz_plane,
+                          start + BLOCK, hi_tok, COPY_V)
+            kw_n, ks2_n, kz2_n = _load_keys(k_plane, ks_plane, kz_plane, start + BLOCK, hi_tok,
+                                            WORDS, PAIRS)
+            # -- scores^T = K q^T, then the online softmax (log2 domain) over the valid tokens
+            s_acc = _scores(kw, ks2, kz2, q0, q1, q2, q3, q4, q5, q6, q7, MMA, A_LAYOUT)
+            s_acc = gl.where((start + row_token < hi_tok)[:, None], s_acc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s_acc, axis=0))
+            alpha = gl.exp2(m_i - m_new)
+            probs = gl.exp2(s_acc - m_new[None, :])
+            l_i = l_i * alpha + gl.sum(probs, axis=0)
+            acc = acc * alpha[None, :]
+            m_i = m_new
+            # -- acc^T += V^T p^T, one K-step (16 tokens) at a time
+            async_copy.wait_group(1)  # this block's values (the next block's may still be copying)
+            gl.thread_barrier()
+            acc = _attend_values(vw_s, vs_s, vz_s, 8 * stage, probs.to(gl.float16), acc, LANES,
+                                 A_LAYOUT, B_LAYOUT)
+            gl.thread_barrier()  # every lane is done with this stage before it is refilled
+            kw, ks2, kz2 = kw_n, ks2_n, kz2_n
+            stage = 1 - stage
+        async_copy.wait_group(0)  # the last (empty) copy
+        acc_rows = row_token
+    else:
+        # -- the residual ring: [0, n_ring) in the model dtype
+        n_ring = gl.minimum(gl.load(lens_ptr + 2 * b + 1), R)
+        m_i, l_i, acc = _attend_ring(q_ptr + b * stride_qb, stride_qh, h, kr_ptr + plane * R * D,
+                                     vr_ptr + plane * R * D, n_ring, qk_scale, GQA, MMA,
+                                     A_LAYOUT, B_LAYOUT, RING_ROWS)
+        acc_rows = rows
+
+    # -- partials (B, H_q, NUM_SPLITS + 1[, D]), merged by the Triton combine kernel
     out_rows = (b * (H_KV * GQA) + h * GQA + heads) * (NUM_SPLITS + 1) + split
     head_ok = heads < GQA
     gl.store(m_ptr + out_rows, m_i, mask=head_ok)
     gl.store(l_ptr + out_rows, l_i, mask=head_ok)
-    gl.store(acc_ptr + out_rows[None, :] * D + row_token[:, None], acc, mask=head_ok[None, :])
+    gl.store(acc_ptr + out_rows[None, :] * D + acc_rows[:, None], acc, mask=head_ok[None, :])
