@@ -353,6 +353,14 @@ def _decode_attention_fragments_kernel(
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     row_token = 16 * (rows % 8) + 8 * ((rows // 8) % 2) + rows // 16  # also acc row -> channel
     if split < NUM_SPLITS:
+        # Keys: the next block's load into registers while this one is attended. Values: two stages
+        # of shared memory (cp.async), the next block's copying while this one is attended. The
+        # first block's loads go out before q's, so that their latencies overlap.
+        vw_s = gl.allocate_shared_memory(gl.int32, [16, 16, 8], STAGED)    # 2 stages x 8 K-steps
+        vs_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
+        vz_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
+        kw, ks2, kz2 = _load_keys(k_plane, ks_plane, kz_plane, lo_tok, hi_tok, WORDS, PAIRS)
+        _stage_values(vw_s, vs_s, vz_s, 0, v_plane, vs_plane, vz_plane, lo_tok, hi_tok, COPY_V)
         # -- q: bf16 converts to fp16 exactly unless |q| >= 2^16; a power-of-two prescale, undone
         #    in the softmax scale, keeps max |q| below 2^15 (as in the Triton kernel).
         qh = gl.arange(0, MAX_GQA, layout=gl.SliceLayout(1, Q_LAYOUT))
@@ -384,13 +392,6 @@ def _decode_attention_fragments_kernel(
         l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
         acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
 
-        # Keys: the next block's load into registers while this one is attended. Values: two stages
-        # of shared memory (cp.async), the next block's copying while this one is attended.
-        vw_s = gl.allocate_shared_memory(gl.int32, [16, 16, 8], STAGED)    # 2 stages x 8 K-steps
-        vs_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
-        vz_s = gl.allocate_shared_memory(gl.float16, [16, 16, 8], STAGED)
-        kw, ks2, kz2 = _load_keys(k_plane, ks_plane, kz_plane, lo_tok, hi_tok, WORDS, PAIRS)
-        _stage_values(vw_s, vs_s, vz_s, 0, v_plane, vs_plane, vz_plane, lo_tok, hi_tok, COPY_V)
         stage = 0
         for start in range(lo_tok, hi_tok, BLOCK):
             _stage_values(vw_s, vs_s, vz_s, 8 - 8 * stage, v_plane, vs_plane, vz_plane,
