@@ -23,6 +23,11 @@ at memory bandwidth. Flash-decoding in two launches:
 2. ``_decode_attention_combine_kernel``, grid ``(B * H_q, D / 32)``, merges the partials into
    ``out``.
 
+Large launches with 2-bit codes (group 16, D 128, fp16/bf16) run the Gluon kernel of
+:mod:`.decode_attention_gluon` in place of launch 1 (same grid and partials; the launcher's
+``dequant="auto"`` decides, ``_fragments_pay_off``): it unpacks the codes straight into the
+tensor-core fragments instead of staging dequantized tiles through shared memory.
+
 ``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
 fixed shapes, never syncs with the host, and can be captured in a CUDA graph. It is a run-time
 argument, so batch sizes share one compiled kernel.
