@@ -327,10 +327,9 @@ def _decode_attention_fragments_kernel(
     LANES: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[8, 0], [4, 0]], lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]],
         warp_bases=[], block_bases=[], shape=[16, 8])
-    Q_LAYOUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
-                                              warps_per_cta=[1, 1], order=[1, 0])
-    RING_ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
-                                               warps_per_cta=[1, 1], order=[1, 0])
+    # rows of D channels (q, ring tokens): 4 consecutive channels per lane
+    ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
+                                          warps_per_cta=[1, 1], order=[1, 0])
     D: gl.constexpr = HEAD_DIM
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -363,8 +362,8 @@ def _decode_attention_fragments_kernel(
         _stage_values(vw_s, vs_s, vz_s, 0, v_plane, vs_plane, vz_plane, lo_tok, hi_tok, COPY_V)
         # -- q: bf16 converts to fp16 exactly unless |q| >= 2^16; a power-of-two prescale, undone
         #    in the softmax scale, keeps max |q| below 2^15 (as in the Triton kernel).
-        qh = gl.arange(0, MAX_GQA, layout=gl.SliceLayout(1, Q_LAYOUT))
-        qd = gl.arange(0, D, layout=gl.SliceLayout(0, Q_LAYOUT))
+        qh = gl.arange(0, MAX_GQA, layout=gl.SliceLayout(1, ROWS))
+        qd = gl.arange(0, D, layout=gl.SliceLayout(0, ROWS))
         q_all = gl.load(q_ptr + b * stride_qb + (h * GQA + qh)[:, None] * stride_qh + qd[None, :],
                         mask=(qh < GQA)[:, None], other=0.0).to(gl.float32)
         q_max = gl.max(gl.max(gl.abs(q_all), axis=1), axis=0)
@@ -422,7 +421,7 @@ def _decode_attention_fragments_kernel(
         n_ring = gl.minimum(gl.load(lens_ptr + 2 * b + 1), R)
         m_i, l_i, acc = _attend_ring(q_ptr + b * stride_qb, stride_qh, h, kr_ptr + plane * R * D,
                                      vr_ptr + plane * R * D, n_ring, qk_scale, GQA, MMA,
-                                     A_LAYOUT, B_LAYOUT, RING_ROWS)
+                                     A_LAYOUT, B_LAYOUT, ROWS)
         acc_rows = rows
 
     # -- partials (B, H_q, NUM_SPLITS + 1[, D]), merged by the Triton combine kernel
