@@ -596,8 +596,8 @@ def test_gpu_opcheck(bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 16])
-def test_gpu_cuda_graph_replay_follows_lens(bits):
+@pytest.mark.parametrize("bits,dequant", [(2, "auto"), (16, "auto"), (2, FRAGMENTS)])
+def test_gpu_cuda_graph_replay_follows_lens(bits, dequant):
     """Capture once; change lens on the device (in place) and q; replay matches the reference."""
     capacity, ring = 4096, 128
     case = make_case(4, 6, 8, 128, capacity, ring, bits, 16, torch.bfloat16,
@@ -607,7 +607,9 @@ def test_gpu_cuda_graph_replay_follows_lens(bits):
     scale = 128 ** -0.5
 
     def step():
-        return decode_attention(q, *case.bufs, scale, bits, 16)
+        if dequant == "auto":
+            return decode_attention(q, *case.bufs, scale, bits, 16)
+        return _decode_attention_triton(q, *case.bufs, scale, bits, 16, dequant=dequant)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -626,5 +628,4 @@ def test_gpu_cuda_graph_replay_follows_lens(bits):
         expected = decode_attention_ref(q, *case.bufs, scale, bits, 16)
         torch.testing.assert_close(out, expected, rtol=4 * ULP[torch.bfloat16],
                                    atol=4 * ULP[torch.bfloat16])
-        eager = decode_attention(q, *case.bufs, scale, bits, 16)
-        assert torch.equal(out, eager)
+        assert torch.equal(out, step())
