@@ -603,19 +603,17 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int,
-                programs_per_sm: int = 4, min_blocks: int = 4, max_splits: int = 64) -> int:
+def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int) -> int:
     """Splits of the quantized region per (slot, KV head): a launch-time constant.
 
-    Aims at ``programs_per_sm`` programs per SM (about as many as fit at once: 4 for the Triton
-    kernel's 4 warps at ~128 registers per thread), so one wave covers the GPU even for a single
-    long sequence; never cuts a full-capacity region into pieces shorter than ``min_blocks`` blocks
-    (each program also pays a fixed cost for its q load and partial store); at most
-    ``max_splits`` so the combine stays cheap. Depends only on shapes, never on lens.
+    Aims at ~4 programs per SM (about as many as fit at once at 4 warps and ~128 registers per
+    thread), so one wave covers the GPU even for a single long sequence; never cuts a full-capacity
+    region into pieces shorter than 4 blocks (each program also pays a fixed cost for its q load and
+    partial store); at most 64 so the combine stays cheap. Depends only on shapes, never on lens.
     """
-    want = triton.cdiv(programs_per_sm * sm_count, batch * h_kv)
-    useful = max(1, capacity // (min_blocks * block_n))
-    return max(1, min(want, useful, max_splits))
+    want = triton.cdiv(4 * sm_count, batch * h_kv)
+    useful = max(1, capacity // (4 * block_n))
+    return max(1, min(want, useful, 64))
 
 
 def _fragments_supported(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
@@ -634,6 +632,28 @@ def _fragments_pay_off(batch: int, h_kv: int, capacity: int, sm_count: int) -> b
     loses below (batch 8 x 4k: 0.77x; batch 1 x 16k: 0.64x): its programs are one warp each and
     pay a fixed prologue and pipeline fill."""
     return batch * h_kv * (capacity // dag.BLOCK_TOKENS) >= 32 * sm_count
+
+
+def _resolve_dequant(dequant: str, device: torch.device, dtype: torch.dtype, bits: int,
+                     group_size: int, head_dim: int, batch: int, h_q: int, h_kv: int,
+                     capacity: int, sm_count: int) -> str:
+    """The quantized-region path a launch runs: ``dequant`` itself, or for "auto"
+    :data:`FRAGMENTS` where it is supported and pays off, else "half2". ValueError when
+    :data:`FRAGMENTS` is asked for a call it does not cover."""
+    check_choice("dequant", dequant, ("auto", FRAGMENTS) + DEQUANT_PATHS)
+    if dequant not in ("auto", FRAGMENTS):
+        return dequant
+    gqa = h_q // h_kv
+    supported = _fragments_supported(device, dtype, bits, group_size, head_dim, gqa)
+    if dequant == "auto":
+        fast = supported and _fragments_pay_off(batch, h_kv, capacity, sm_count)
+        return FRAGMENTS if fast else "half2"
+    if not supported:
+        raise ValueError(f"dequant={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
+                         f"group_size=16, head_dim 128, <= 8 query heads per KV head and fp16/"
+                         f"bf16; got {device.type}, bits={bits}, group_size={group_size}, "
+                         f"head_dim {head_dim}, {gqa} heads per KV head, {dtype}")
+    return dequant
 
 
 def _splits(fragments: bool, batch: int, h_kv: int, capacity: int, block_n: int,
@@ -715,26 +735,20 @@ def _decode_attention_triton(
     is supported and pays off (``_fragments_pay_off``), else "half2"; the other keyword
     arguments override the launch configuration (tests, tuning); ``block_n`` must be a power of
     two, >= 16 and a multiple of ``group_size`` when ``bits < 16``; ``maxnreg`` caps registers per
-    thread (0: no cap); ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the
-    query heads of a KV group padded; ``prefetch`` (the "half2" path only) loads the next
+    thread (0: no cap; for :data:`FRAGMENTS` it caps the Gluon kernel, uncapped by default);
+    ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the query heads of a KV
+    group padded; ``prefetch`` (the "half2" path only) loads the next
     block's codes into registers instead of staging them with cp.async.
     """
-    check_choice("dequant", dequant, ("auto", FRAGMENTS) + DEQUANT_PATHS)
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
-    capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    supported = _fragments_supported(q.device, q.dtype, bits, group_size, d, h_q // h_kv)
-    if dequant == "auto":
-        fast = supported and _fragments_pay_off(batch, h_kv, capacity,
-                                                _sm_count(q.device.index or 0))
-        dequant = FRAGMENTS if fast else "half2"
-    elif dequant == FRAGMENTS and not supported:
-        raise ValueError(f"dequant={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
-                         f"group_size=16, head_dim 128, <= 8 query heads per KV head and fp16/"
-                         f"bf16; got {q.device.type}, bits={bits}, group_size={group_size}, "
-                         f"head_dim {d}, {h_q // h_kv} heads per KV head, {q.dtype}")
-    fragments = dequant == FRAGMENTS
     ring_cap = k_ring.shape[2]
+    capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
+    sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 1
+    dequant = _resolve_dequant(dequant, q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv,
+                               capacity, sm_count)
+    fragments = dequant == FRAGMENTS
+    gluon_maxnreg = maxnreg  # as given: the Gluon kernel has no default cap
     cfg = _default_config(bits, group_size, d, q.dtype, "half2" if fragments else dequant)
     block_n = block_n or cfg.block_n
     num_warps = num_warps or cfg.num_warps
@@ -747,7 +761,6 @@ def _decode_attention_triton(
         raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of group_size="
                          f"{group_size}, got {block_n}")
     if num_splits is None:
-        sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 1
         num_splits = _splits(fragments, batch, h_kv, capacity, block_n, sm_count)
     gqa = h_q // h_kv
     block_h = block_h or max(cfg.min_block_h, triton.next_power_of_2(gqa))
@@ -784,7 +797,8 @@ def _decode_attention_triton(
         dag._decode_attention_fragments_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, m, l, acc,
             scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, ring_cap, num_splits,
-            GQA=gqa, num_warps=1, **({"maxnreg": dag.MAXNREG} if dag.MAXNREG else {}),
+            GQA=gqa, num_warps=1,
+            **({"maxnreg": gluon_maxnreg} if gluon_maxnreg else {}),
         )
     else:
         _decode_attention_split_kernel[(batch, h_kv, n_slots)](

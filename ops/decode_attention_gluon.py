@@ -56,7 +56,6 @@ BLOCK = gl.constexpr(BLOCK_TOKENS)
 HEAD_DIM = gl.constexpr(128)
 GROUP = gl.constexpr(16)
 MAX_GQA = gl.constexpr(8)
-MAXNREG = None  # register cap of the launch (200: 10 programs per SM, no spill, measured no faster)
 
 
 @gluon.constexpr_function
@@ -270,10 +269,22 @@ def _attend_values(vw_s, vs_s, vz_s, base, probs, acc, LANES: gl.constexpr,
 
 
 @gluon.jit
-def _attend_ring(q_row, stride_qh, h, kr_plane, vr_plane, n_ring, qk_scale, GQA: gl.constexpr,
-                 MMA: gl.constexpr, A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr,
-                 ROWS: gl.constexpr):
-    """(m, l, acc^T) of the ring's n_ring tokens, 16 at a time (a few registers: this branch
+def _softmax_step(s_acc, valid, qk_scale, m_i, l_i):
+    """Online softmax (log2 domain) over the valid rows of scores^T s_acc (rows x 8): returns
+    the new running max, the factor alpha that rescales what was accumulated so far, the
+    probabilities (0 on invalid rows) and the updated denominator."""
+    s_acc = gl.where(valid[:, None], s_acc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s_acc, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    probs = gl.exp2(s_acc - m_new[None, :])
+    return m_new, alpha, probs, l_i * alpha + gl.sum(probs, axis=0)
+
+
+@gluon.jit
+def _attend_ring(q_row, stride_qh, h, kr_plane, vr_plane, n_ring, qk_scale, m_i, l_i, acc,
+                 GQA: gl.constexpr, MMA: gl.constexpr, A_LAYOUT: gl.constexpr,
+                 B_LAYOUT: gl.constexpr, ROWS: gl.constexpr):
+    """(m, l, acc^T) after the ring's n_ring tokens, 16 at a time (a few registers: this branch
     shares the kernel's register budget): mma in the model dtype, natural channel order."""
     elem = q_row.dtype.element_ty
     kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, B_LAYOUT))
@@ -282,21 +293,13 @@ def _attend_ring(q_row, stride_qh, h, kr_plane, vr_plane, n_ring, qk_scale, GQA:
                   mask=(nn < GQA)[None, :], other=0.0)                    # (D, 8)
     ch = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS))
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
     for start in range(0, n_ring, 16):
         tok = start + gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS))
         ok = (tok < n_ring)[:, None]
         k = gl.load(kr_plane + tok[:, None] * HEAD_DIM + ch[None, :], mask=ok, other=0.0)
         s_acc = mma_v2(gl.convert_layout(k, A_LAYOUT), q_t,
                        gl.zeros([16, 8], gl.float32, layout=MMA))
-        s_acc = gl.where((start + rows < n_ring)[:, None], s_acc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_acc, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        probs = gl.exp2(s_acc - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(probs, axis=0)
-        m_i = m_new
+        m_i, alpha, probs, l_i = _softmax_step(s_acc, start + rows < n_ring, qk_scale, m_i, l_i)
         v = gl.load(vr_plane + tok[:, None] * HEAD_DIM + ch[None, :], mask=ok, other=0.0)
         # p is rounded to the model dtype, as in any fp16/bf16 flash attention
         acc = mma_v2(gl.convert_layout(gl.permute(v, (1, 0)), A_LAYOUT),
@@ -351,6 +354,9 @@ def _decode_attention_fragments_kernel(
     rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     row_token = 16 * (rows % 8) + 8 * ((rows // 8) % 2) + rows // 16  # also acc row -> channel
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
     if split < NUM_SPLITS:
         # Keys: the next block's load into registers while this one is attended. Values: two stages
         # of shared memory (cp.async), the next block's copying while this one is attended. The
@@ -387,10 +393,6 @@ def _decode_attention_fragments_kernel(
         q6 = gl.convert_layout(q6, B_LAYOUT, assert_trivial=True)
         q7 = gl.convert_layout(q7, B_LAYOUT, assert_trivial=True)
 
-        m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-        acc = gl.zeros([BLOCK, 8], gl.float32, layout=MMA)
-
         stage = 0
         for start in range(lo_tok, hi_tok, BLOCK):
             _stage_values(vw_s, vs_s, vz_s, 8 - 8 * stage, v_plane, vs_plane, vz_plane,
@@ -399,13 +401,9 @@ def _decode_attention_fragments_kernel(
                                             WORDS, PAIRS)
             # -- scores^T = K q^T, then the online softmax (log2 domain) over the valid tokens
             s_acc = _scores(kw, ks2, kz2, q0, q1, q2, q3, q4, q5, q6, q7, MMA, A_LAYOUT)
-            s_acc = gl.where((start + row_token < hi_tok)[:, None], s_acc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s_acc, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            probs = gl.exp2(s_acc - m_new[None, :])
-            l_i = l_i * alpha + gl.sum(probs, axis=0)
+            m_i, alpha, probs, l_i = _softmax_step(s_acc, start + row_token < hi_tok, qk_scale,
+                                                   m_i, l_i)
             acc = acc * alpha[None, :]
-            m_i = m_new
             # -- acc^T += V^T p^T, one K-step (16 tokens) at a time
             async_copy.wait_group(1)  # this block's values (the next block's may still be copying)
             gl.thread_barrier()
@@ -420,8 +418,8 @@ def _decode_attention_fragments_kernel(
         # -- the residual ring: [0, n_ring) in the model dtype
         n_ring = gl.minimum(gl.load(lens_ptr + 2 * b + 1), R)
         m_i, l_i, acc = _attend_ring(q_ptr + b * stride_qb, stride_qh, h, kr_ptr + plane * R * D,
-                                     vr_ptr + plane * R * D, n_ring, qk_scale, GQA, MMA,
-                                     A_LAYOUT, B_LAYOUT, ROWS)
+                                     vr_ptr + plane * R * D, n_ring, qk_scale, m_i, l_i, acc,
+                                     GQA, MMA, A_LAYOUT, B_LAYOUT, ROWS)
         acc_rows = rows
 
     # -- partials (B, H_q, NUM_SPLITS + 1[, D]), merged by the Triton combine kernel

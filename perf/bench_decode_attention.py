@@ -227,13 +227,10 @@ def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[object, ...]:
     da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     dtype = getattr(torch, cfg.dtype)
-    dequant = override.get("dequant", "auto")
     sm_count = da._sm_count(torch.cuda.current_device())
-    if dequant == "auto":
-        fast = (da._fragments_supported(torch.device("cuda"), dtype, cfg.bits, cfg.group_size,
-                                        cfg.D, cfg.H_q // cfg.H_kv)
-                and da._fragments_pay_off(cfg.B, cfg.H_kv, cfg.n_quant, sm_count))
-        dequant = da.FRAGMENTS if fast else da.DEQUANT_PATHS[0]
+    dequant = da._resolve_dequant(override.get("dequant", "auto"), torch.device("cuda"), dtype,
+                                  cfg.bits, cfg.group_size, cfg.D, cfg.B, cfg.H_q, cfg.H_kv,
+                                  cfg.n_quant, sm_count)
     fragments = dequant == da.FRAGMENTS
     bn, warps, stages, maxnreg, min_block_h, prefetch = da._default_config(
         cfg.bits, cfg.group_size, cfg.D, dtype, da.DEQUANT_PATHS[0] if fragments else dequant)
@@ -442,11 +439,12 @@ def run_variants(cfg: ExperimentConfig, copy_bps: float) -> List[VariantResult]:
     results: List[VariantResult] = []
     first_ms = None
     for name, kw in ([("(no quantized path)", {})] if cfg.bits == 16 else VARIANTS):
-        launch = _describe(_launch_config(cfg, **kw))
+        launch = ""
         calls = [lambda c=c, kw=kw: da._decode_attention_triton(q, *c, scale, cfg.bits,
                                                                 cfg.group_size, **kw)
                  for c in caches]
         try:
+            launch = _describe(_launch_config(cfg, **kw))  # refuses what the path cannot run
             out = calls[0]()  # compile outside any timing
             torch.cuda.synchronize()
         except Exception as err:  # e.g. out of shared memory for this shape: report, go on

@@ -40,17 +40,14 @@ def main():
         splits = da._splits(True, cfg.B, cfg.H_kv, cfg.n_quant, 64, sm)
         print(f"{cfg.name}: half2 {base * 1e3:.1f} us; fragments, default splits {splits}:",
               flush=True)
-        default_cap = da.dag.MAXNREG
         for cap in (None, 200, 168):
-            da.dag.MAXNREG = cap
             for n in sorted({max(1, splits // 2), splits, min(128, splits * 2)}):
-                ms = time(dequant="fragments", num_splits=n)
-                out = da._decode_attention_triton(q, *caches[0], scale, 2, 16,
-                                                  dequant="fragments", num_splits=n).float()
+                ms = time(dequant="fragments", num_splits=n, maxnreg=cap)
+                out = da._decode_attention_triton(q, *caches[0], scale, 2, 16, dequant="fragments",
+                                                  num_splits=n, maxnreg=cap).float()
                 print(f"   maxnreg {cap} splits {n:3d}: {ms * 1e3:7.1f} us  {base / ms:.2f}x "
                       f"half2  {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s  "
                       f"max |out - half2| {(out - ref).abs().max().item():.1e}", flush=True)
-        da.dag.MAXNREG = default_cap
         del caches
         torch.cuda.empty_cache()
 
