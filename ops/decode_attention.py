@@ -95,6 +95,8 @@ DEQUANT_PATHS = ("half2", "fp32")
 # ``_fragments_supported`` holds. "auto" (the default) picks it where it is the faster one, on
 # large launches (``_fragments_pay_off``), and "half2" elsewhere.
 FRAGMENTS = "fragments"
+# Splits of the quantized region per (slot, KV head) at most: the combine loads all of them at once.
+MAX_SPLITS = 128
 
 
 # ----------------------------------------------------------------------------------------------
@@ -559,32 +561,22 @@ def _decode_attention_combine_kernel(
     H_Q, stride_ob, stride_oh, stride_od, S,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
+    # One pass: every split's m, l and acc slice load together (BLOCK_S >= S), so the program
+    # waits for memory once.
     row = tl.program_id(0)  # b * H_q + query head
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    # -- pass 1: the global max over the splits' running maxima
-    m_run = tl.full((BLOCK_S,), float("-inf"), tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        m = tl.load(m_ptr + row * S + offs_s, mask=offs_s < S, other=float("-inf"))
-        m_run = tl.maximum(m_run, m)
-    m_max = tl.max(m_run, axis=0)
+    offs_s = tl.arange(0, BLOCK_S)
+    in_range = offs_s < S
+    m = tl.load(m_ptr + row * S + offs_s, mask=in_range, other=float("-inf"))
+    l = tl.load(l_ptr + row * S + offs_s, mask=in_range, other=0.0)
+    a = tl.load(acc_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
     # All splits empty only happens on an empty slot (outside the contract): give 0, not NaN.
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    # -- pass 2: rescale to the global max and sum
-    l_run = tl.zeros((BLOCK_S,), tl.float32)
-    acc_run = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        in_range = offs_s < S
-        m = tl.load(m_ptr + row * S + offs_s, mask=in_range, other=float("-inf"))
-        l = tl.load(l_ptr + row * S + offs_s, mask=in_range, other=0.0)
-        a = tl.load(acc_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
-        w = tl.exp2(m - m_max)
-        l_run += w * l
-        acc_run += w[:, None] * a
-    l_sum = tl.sum(l_run, axis=0)
-    acc = tl.sum(acc_run, axis=0)
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l, axis=0)
+    acc = tl.sum(w[:, None] * a, axis=0)
     out = tl.where(l_sum > 0.0, acc / l_sum, 0.0)
     b = row // H_Q
     hq = row % H_Q
@@ -667,7 +659,7 @@ def _splits(fragments: bool, batch: int, h_kv: int, capacity: int, block_n: int,
         planes = batch * h_kv
         fill = triton.cdiv(8 * sm_count, planes)
         deep = min(blocks // 8, triton.cdiv(24 * sm_count, planes))
-        return max(1, min(max(fill, deep), max(1, blocks // 2), 128))
+        return max(1, min(max(fill, deep), max(1, blocks // 2), MAX_SPLITS))
     return _num_splits(batch, h_kv, capacity, block_n, sm_count)
 
 
@@ -735,7 +727,7 @@ def _decode_attention_triton(
     is supported and pays off (``_fragments_pay_off``), else "half2"; the other keyword
     arguments override the launch configuration (tests, tuning); ``block_n`` must be a power of
     two, >= 16 and a multiple of ``group_size`` when ``bits < 16``; ``maxnreg`` caps registers per
-    thread (0: no cap; for :data:`FRAGMENTS` it caps the Gluon kernel, uncapped by default);
+    thread (0: no cap; for :data:`FRAGMENTS` it caps the Gluon kernel, ``MAXNREG`` by default);
     ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the query heads of a KV
     group padded; ``prefetch`` (the "half2" path only) loads the next
     block's codes into registers instead of staging them with cp.async.
@@ -748,7 +740,7 @@ def _decode_attention_triton(
     dequant = _resolve_dequant(dequant, q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv,
                                capacity, sm_count)
     fragments = dequant == FRAGMENTS
-    gluon_maxnreg = maxnreg  # as given: the Gluon kernel has no default cap
+    gluon_maxnreg = dag.MAXNREG if maxnreg is None else maxnreg
     cfg = _default_config(bits, group_size, d, q.dtype, "half2" if fragments else dequant)
     block_n = block_n or cfg.block_n
     num_warps = num_warps or cfg.num_warps
@@ -762,6 +754,8 @@ def _decode_attention_triton(
                          f"{group_size}, got {block_n}")
     if num_splits is None:
         num_splits = _splits(fragments, batch, h_kv, capacity, block_n, sm_count)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 1..{MAX_SPLITS}, got {num_splits}")
     gqa = h_q // h_kv
     block_h = block_h or max(cfg.min_block_h, triton.next_power_of_2(gqa))
     if block_h < max(8, gqa) or block_h & (block_h - 1):
@@ -814,12 +808,12 @@ def _decode_attention_triton(
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     # One program per (row, 32 channels), all splits loaded at once: one round of memory
-    # latency per pass. (One program per row looping over 16 splits at a time took 4.8 us per
-    # layer at batch 1: 32 programs, 10 dependent loads each.)
+    # latency. (One program per row looping over 16 splits at a time took 4.8 us per layer at
+    # batch 1: 32 programs, 10 dependent loads each.) At most 256 x 32 fp32 values per program.
     block_d = min(d, 32)
     _decode_attention_combine_kernel[(batch * h_q, d // block_d)](
         m, l, acc, out, h_q, *out.stride(), n_slots,
-        D=d, BLOCK_D=block_d, BLOCK_S=min(128, triton.next_power_of_2(n_slots)),
+        D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
         BF16_BY_HAND=bf16_by_hand, num_warps=4,
     )
     return out

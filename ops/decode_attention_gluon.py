@@ -56,6 +56,9 @@ BLOCK = gl.constexpr(BLOCK_TOKENS)
 HEAD_DIM = gl.constexpr(128)
 GROUP = gl.constexpr(16)
 MAX_GQA = gl.constexpr(8)
+# Registers per thread the launcher caps the kernel at: 9 one-warp programs per SM. The main loop
+# needs 218 (sm_90, triton 3.6); the ring's prefetch would take the kernel to 226 (8 per SM).
+MAXNREG = 224
 
 
 @gluon.constexpr_function
@@ -281,29 +284,39 @@ def _softmax_step(s_acc, valid, qk_scale, m_i, l_i):
 
 
 @gluon.jit
+def _load_ring_step(kr_plane, vr_plane, start, n_ring, ROWS: gl.constexpr):
+    """Ring tokens [start, start + 16) of K and V, (16, D) each, zero past n_ring."""
+    ch = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS))
+    tok = start + gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS))
+    offs = tok[:, None] * HEAD_DIM + ch[None, :]
+    ok = (tok < n_ring)[:, None]
+    return (gl.load(kr_plane + offs, mask=ok, other=0.0),
+            gl.load(vr_plane + offs, mask=ok, other=0.0))
+
+
+@gluon.jit
 def _attend_ring(q_row, stride_qh, h, kr_plane, vr_plane, n_ring, qk_scale, m_i, l_i, acc,
                  GQA: gl.constexpr, MMA: gl.constexpr, A_LAYOUT: gl.constexpr,
                  B_LAYOUT: gl.constexpr, ROWS: gl.constexpr):
-    """(m, l, acc^T) after the ring's n_ring tokens, 16 at a time (a few registers: this branch
-    shares the kernel's register budget): mma in the model dtype, natural channel order."""
+    """(m, l, acc^T) after the ring's n_ring tokens, 16 at a time, the next 16 loading while
+    these are attended (in registers: this branch shares the kernel's register budget): mma in
+    the model dtype, natural channel order."""
     elem = q_row.dtype.element_ty
     kk = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, B_LAYOUT))
     nn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_LAYOUT))
+    k, v = _load_ring_step(kr_plane, vr_plane, 0, n_ring, ROWS)
     q_t = gl.load(q_row + (h * GQA + nn)[None, :] * stride_qh + kk[:, None],
                   mask=(nn < GQA)[None, :], other=0.0)                    # (D, 8)
-    ch = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ROWS))
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     for start in range(0, n_ring, 16):
-        tok = start + gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS))
-        ok = (tok < n_ring)[:, None]
-        k = gl.load(kr_plane + tok[:, None] * HEAD_DIM + ch[None, :], mask=ok, other=0.0)
+        k_n, v_n = _load_ring_step(kr_plane, vr_plane, start + 16, n_ring, ROWS)
         s_acc = mma_v2(gl.convert_layout(k, A_LAYOUT), q_t,
                        gl.zeros([16, 8], gl.float32, layout=MMA))
         m_i, alpha, probs, l_i = _softmax_step(s_acc, start + rows < n_ring, qk_scale, m_i, l_i)
-        v = gl.load(vr_plane + tok[:, None] * HEAD_DIM + ch[None, :], mask=ok, other=0.0)
         # p is rounded to the model dtype, as in any fp16/bf16 flash attention
         acc = mma_v2(gl.convert_layout(gl.permute(v, (1, 0)), A_LAYOUT),
                      gl.convert_layout(probs.to(elem), B_LAYOUT), acc * alpha[None, :])
+        k, v = k_n, v_n
     return m_i, l_i, acc
 
 

@@ -24,6 +24,7 @@ from minikv_compile.ops import decode_attention
 from minikv_compile.ops.decode_attention import (
     DEQUANT_PATHS,
     FRAGMENTS,
+    MAX_SPLITS,
     _decode_attention_triton,
     decode_attention_ref,
 )
@@ -314,6 +315,14 @@ def test_triton_block_h_override(bits):
     assert_within_2x(out, q, case, 0.125)
     with pytest.raises(ValueError, match="block_h"):
         run_triton(q, case, 0.125, block_h=12)
+
+
+def test_split_count_out_of_range_raises():
+    case = make_case(1, 1, 1, 16, 16, 16, 2, 16, torch.float16, [16], [1])
+    q = torch.randn(1, 1, 16).half()
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match=f"num_splits: expected 1..{MAX_SPLITS}, got {bad}"):
+            run_triton(q, case, 0.25, num_splits=bad)
 
 
 def test_unknown_dequant_path_raises():
