@@ -11,6 +11,7 @@ calls) for half2 and fragments at the default splits. Results under ``perf/resul
 """
 import argparse
 import importlib
+import json
 
 import torch
 
@@ -49,7 +50,9 @@ def main():
     p.add_argument("--splits", default="half,auto,double")
     p.add_argument("--caps", default="0,200,168")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--kw", default="{}", help="JSON: more keyword arguments of the fragments calls")
     args = p.parse_args()
+    extra = json.loads(args.kw)
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     for case in args.cases.split(","):
         batch, tokens = (int(x) for x in case.split("x"))
@@ -71,12 +74,13 @@ def main():
         base = time(dequant="half2")
         ref = run(caches[0], dequant="half2").float()
         auto = da._splits(True, cfg.B, cfg.H_kv, cfg.n_quant, 64, sm)
-        print(f"{cfg.name}: half2 {base * 1e3:.1f} us; fragments, default splits {auto}:",
+        print(f"{cfg.name}: half2 {base * 1e3:.1f} us; fragments {extra}, default splits {auto}:",
               flush=True)
         for cap in (int(c) for c in args.caps.split(",")):
             for n in _split_values(args.splits, auto):
-                ms = time(dequant="fragments", num_splits=n, maxnreg=cap)
-                out = run(caches[0], dequant="fragments", num_splits=n, maxnreg=cap).float()
+                ms = time(dequant="fragments", num_splits=n, maxnreg=cap, **extra)
+                out = run(caches[0], dequant="fragments", num_splits=n, maxnreg=cap,
+                          **extra).float()
                 print(f"   maxnreg {cap or None} splits {n:3d}: {ms * 1e3:7.1f} us  {base / ms:.2f}x "
                       f"half2  {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s  "
                       f"max |out - half2| {(out - ref).abs().max().item():.1e}", flush=True)
