@@ -620,9 +620,9 @@ def _fragments_supported(device: torch.device, dtype: torch.dtype, bits: int, gr
 
 def _fragments_pay_off(batch: int, h_kv: int, capacity: int, sm_count: int) -> bool:
     """Whether the Gluon kernel beats the Triton one: on the H200 it does from 32 blocks of 128
-    tokens per SM (batch 8 x 16k: 1.12x; batch 1 x 128k: 1.09x; batch 32/64 x 16k: 1.3-1.4x) and
-    loses below (batch 8 x 4k: 0.77x; batch 1 x 16k: 0.64x): its programs are one warp each and
-    pay a fixed prologue and pipeline fill."""
+    tokens per SM (batch 8 x 16k: 1.23x; batch 1 x 128k: 1.22x; batch 32 x 64k: 1.47x) and loses
+    below (batch 8 x 2k / 4k: 0.82x; batch 1 x 16k: 0.85x): its programs are one warp each and pay
+    a fixed prologue and pipeline fill (``fragments_sweep_9124083.txt``, ``_skew_trial.txt``)."""
     return batch * h_kv * (capacity // dag.BLOCK_TOKENS) >= 32 * sm_count
 
 
