@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -34,6 +35,23 @@ def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 200) -> flo
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def kernel_times(fn: Callable[[], object], name_chars: int = 90) -> Tuple[dict, dict]:
+    """Run ``fn`` under ``torch.profiler`` (CUDA activity; it synchronizes at the end) and group
+    the kernels it launched by name (first ``name_chars`` characters): ({name: total device us},
+    {name: launches})."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: Dict[str, float] = defaultdict(float)
+    counts: Dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:name_chars]
+            totals[name] += e.device_time_total
+            counts[name] += 1
+    return dict(totals), dict(counts)
 
 
 def write_json(path: str, payload: object) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
-
 import torch
 
 
@@ -28,6 +26,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from minikv_compile import MiniKVConfig, minikv_compile
+    from minikv_compile.perf._bench import kernel_times
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -44,16 +43,12 @@ def main(argv=None) -> int:
     for _ in range(3):
         r.run_step(bucket, "greedy")
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+    def replay():
         for _ in range(args.steps):
             r.run_step(bucket, "greedy")
-        torch.cuda.synchronize()
-    totals, counts = defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            name = e.name[:90]
-            totals[name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            counts[name] += 1
+
+    totals, counts = kernel_times(replay)
     step_us = sum(totals.values()) / args.steps
     floor_us = weight_bytes / 4.25e12 * 1e6
     print(f"batch {args.batch} x prompt {args.prompt}: {step_us:.0f} us of kernel time per step, "

@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from minikv_compile.perf._bench import kernel_times
 from minikv_compile.perf.bench_decode_attention import (
     ExperimentConfig, _cache, _graph_ms, _replicas, bytes_read)
 
@@ -33,14 +34,7 @@ def _kernel_us(fns, calls: int = 24) -> str:
     (one per cache copy) are called in turn, so that each reads from HBM."""
     fns[0]()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            fns[i % len(fns)]()
-        torch.cuda.synchronize()
-    totals = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name[:40]] = totals.get(e.name[:40], 0.0) + e.device_time_total
+    totals, _ = kernel_times(lambda: [fns[i % len(fns)]() for i in range(calls)], 40)
     return ", ".join(f"{name} {t / calls:.1f} us" for name, t in totals.items())
 
 
