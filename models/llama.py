@@ -12,6 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minikv_compile import ops
+
+# The norms whose forward is exactly ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``
+# (what ``ops.fused_linear`` computes in front of a projection).
+_PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
 
 class LlamaFamilyAdapter:
     """What the engine needs from one HF causal LM, as plain tensor-in/tensor-out functions.
@@ -42,6 +48,9 @@ class LlamaFamilyAdapter:
         _check_no_sliding_window(config, max_positions)
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
         self.fused = [_fuse_layer(block) for block in self.layers] if fuse_projections else None
+        # One decode row (batch 1): each projection is one ``ops.fused_linear`` launch with the
+        # norm / SiLU-gate before it and the residual add after it (see ``_decode_layer``).
+        self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -57,13 +66,18 @@ class LlamaFamilyAdapter:
         """Pre-norm, projections, optional q/k norm, RoPE. Keys are returned after RoPE."""
         block = self.layers[layer]
         attn = block.self_attn
-        x = block.input_layernorm(h)
-        B, S, _ = x.shape
-        if self.fused is not None:
+        B, S, _ = h.shape
+        nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self._one_row(h):
             w, b = self.fused[layer]["qkv"]
-            nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, w, b).split([nq, nkv, nkv], dim=-1)
+            norm = block.input_layernorm
+            qkv = ops.fused_linear(h[:, 0], w, b, rms_weight=norm.weight, eps=norm.variance_epsilon)
+            q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
+        elif self.fused is not None:
+            w, b = self.fused[layer]["qkv"]
+            q, k, v = F.linear(block.input_layernorm(h), w, b).split([nq, nkv, nkv], dim=-1)
         else:
+            x = block.input_layernorm(h)
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q = q.view(B, S, self.num_q_heads, self.head_dim)
         k = k.view(B, S, self.num_kv_heads, self.head_dim)
@@ -88,6 +102,14 @@ class LlamaFamilyAdapter:
 
     def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
+        if self._one_row(h):
+            mlp, norm = block.mlp, block.post_attention_layernorm
+            o = block.self_attn.o_proj
+            x = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0])
+            w, b = self.fused[layer]["gate_up"]
+            gate_up = ops.fused_linear(x, w, b, rms_weight=norm.weight, eps=norm.variance_epsilon)
+            down = mlp.down_proj
+            return ops.fused_linear(gate_up, down.weight, down.bias, glu=True, residual=x)[:, None]
         h = h + block.self_attn.o_proj(attn_out)
         x = block.post_attention_layernorm(h)
         if self.fused is None:
@@ -99,6 +121,25 @@ class LlamaFamilyAdapter:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, hidden) of the last position -> logits (B, vocab) in fp32."""
         return self.model.lm_head(self.decoder.norm(h)).float()
+
+
+    def _one_row(self, h: torch.Tensor) -> bool:
+        """Whether this call runs the ``ops.fused_linear`` path: a decode step at batch 1.
+
+        Measured on the H200 (``linear_sweep_*.txt``): at one row the fused launches beat
+        inductor's norm / gate / add kernels around cuBLAS on three of the four Llama-3.1-8B
+        layers (q/k/v 1.1x, o 1.3x, down 1.1x; gate/up 0.99x); at eight rows they lose (the
+        tensor-core path reads its tiles far below bandwidth), so larger batches keep cuBLAS.
+        """
+        return self.fused_decode and h.shape[0] == 1 and h.shape[1] == 1
+
+
+def _fusable(block: nn.Module, config) -> bool:
+    """The layer's norms are plain RMSNorms and its MLP is ``down(silu(gate) * up)``."""
+    norms = (block.input_layernorm, block.post_attention_layernorm)
+    plain = all(type(n).__name__ in _PLAIN_RMSNORMS and hasattr(n, "variance_epsilon")
+                for n in norms)
+    return plain and getattr(config, "hidden_act", None) in ("silu", "swish")
 
 
 def _fuse_layer(block: nn.Module) -> dict:

@@ -1,0 +1,264 @@
+"""A linear layer for the few rows of a decode step, with the RMSNorm or SiLU-gate before it and
+the residual add after it fused in.
+
+``fused_linear(x, weight, bias, rms_weight=..., glu=..., residual=...)`` computes, for ``x (M, K_in)``
+and ``weight (N, K)``::
+
+    a = x                                                          (no prologue)
+    a = rms_weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)   (RMSNorm)
+    a = silu(x[:, :K]) * x[:, K:]                                  (glu; x is (M, 2K): [gate; up])
+    y = (a @ weight.T + bias).to(x.dtype)
+    y = y + residual                                               (optional, in x's dtype)
+
+with the roundings of the HF modules it replaces (``LlamaRMSNorm``, ``act_fn(gate) * up`` with
+SiLU, ``nn.Linear``, ``h + ...``): each intermediate the module chain would hold in the model
+dtype is rounded to it here too. Only the sum over K runs in another order (fp32 accumulation
+over tiles), so results match the module chain to the last bit of the model dtype, not exactly.
+
+Why. At decode time a linear layer of an LLM is a GEMV: it reads its weights once and does two
+FLOPs per weight. A Llama-3.1-8B step at batch 1 has 15 kernels per layer; the RMSNorms, the
+SiLU-gate and cuBLAS's split-K reductions are five of them, each ~1-2 us of launch and latency
+for a few KB of data. Here each program reads the whole (tiny) input row itself, so the norm and
+the gate cost no launch; the residual add is the last store.
+
+Kernel: one program per ``BLOCK_N`` output columns and ``BLOCK_M`` rows, the whole K in a loop
+(no split-K, so no reduction launch and no atomics). The weight tile is the only large stream.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_tensor
+
+PROLOGUES = ("none", "rmsnorm", "glu")
+_PROLOGUE_CODE = {"none": 0, "rmsnorm": 1, "glu": 2}
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, K, rstd,
+                PROLOGUE: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) tile of ``a`` (see the module docstring) in x's dtype."""
+    offs = rows[:, None] * stride_xm + k[None, :]
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PROLOGUE == 1:
+        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0)
+        x = nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+    elif PROLOGUE == 2:
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g))).to(x.dtype) * up
+    return x
+
+
+@triton.jit
+def _fused_linear_kernel(
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
+    M, N, K, eps,
+    stride_xm, stride_wn, stride_rm, stride_ym,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rows < M
+    n_ok = cols < N
+    kk = tl.arange(0, BLOCK_K)
+
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1:  # RMSNorm: every program reads its rows whole (M x K elements, from L2)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
+                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            sq += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # BLOCK_M == 1: products summed over K once, after the loop
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + kk
+        k_ok = k < K
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)       # (BLOCK_N, BLOCK_K)
+        a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, K, rstd, PROLOGUE)
+        if USE_DOT:
+            if FP32_DOT:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        else:
+            acc2 += w.to(tl.float32) * a.to(tl.float32)                  # a is (1, BLOCK_K)
+    if not USE_DOT:
+        acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_M, BLOCK_N))
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(y_ptr.dtype.element_ty)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                     prologue: str, eps: float) -> torch.Tensor:
+    """The module chain in plain PyTorch (what the kernel computes; the CPU implementation)."""
+    if prologue == "rmsnorm":
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        a = rms_weight * xf.to(x.dtype)
+    elif prologue == "glu":
+        gate, up = x.chunk(2, dim=-1)
+        a = F.silu(gate) * up
+    else:
+        a = x
+    y = F.linear(a, weight, bias)
+    return y + residual if residual is not None else y
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+
+def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
+    """Block sizes, stages, warps and the inner product of a launch.
+
+    One row (the decode step at batch 1): FMA over (8 x 1024) weight tiles, the products summed
+    over K once after the loop; on the H200 this was within ~8% of the best of 20 configurations
+    on each of the four Llama-3.1-8B layers, and faster than cuBLAS alone on q/k/v, o and down
+    (``linear_sweep_*.txt``). Several rows: tensor-core tiles of 16 rows. That path is correct
+    but slower than cuBLAS (0.13-0.85x at 8 rows), so the engine uses this op at batch 1 only.
+    """
+    if M == 1:
+        return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, NUM_STAGES=1, num_warps=4)
+    if dtype == torch.float32:
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4)
+    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, NUM_STAGES=5, num_warps=4)
+
+
+def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                         prologue: str, eps: float, **override) -> torch.Tensor:
+    M = x.shape[0]
+    N, K = weight.shape
+    y = x.new_empty(M, N)
+    cfg = launch_config(M, N, K, x.dtype)
+    cfg.update(override)
+    num_warps = cfg.pop("num_warps")
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
+    dummy = weight  # any pointer for the operands a launch does not read
+    _fused_linear_kernel[grid](
+        x, weight, bias if bias is not None else dummy,
+        rms_weight if rms_weight is not None else dummy,
+        residual if residual is not None else dummy, y,
+        M, N, K, eps,
+        x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, y.stride(0),
+        PROLOGUE=_PROLOGUE_CODE[prologue], HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, FP32_DOT=x.dtype == torch.float32,
+        num_warps=num_warps, **cfg,
+    )
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered op: the reference by default (CPU), the Triton kernel on CUDA
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("minikv::fused_linear", mutates_args=())
+def _fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                     prologue: str, eps: float) -> torch.Tensor:
+    return fused_linear_ref(x, weight, bias, rms_weight, residual, prologue, eps)
+
+
+@_fused_linear_op.register_fake
+def _(x, weight, bias, rms_weight, residual, prologue, eps):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+_fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                 rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 glu: bool = False, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[residual +] linear(prologue(x), weight, bias)`` in one launch (module docstring).
+
+    Args:
+        x: ``(M, K)`` fp16/bf16/fp32 (``(M, 2K)`` = [gate; up] when ``glu``); unit stride along
+            the last dim.
+        weight: ``(N, K)`` in x's dtype and device, unit stride along K (an ``nn.Linear``
+            weight).
+        bias: ``(N,)`` or None.
+        rms_weight: ``(K,)``: apply RMSNorm with this weight and ``eps`` to x first.
+        glu: x holds [gate; up]: use ``silu(gate) * up`` as the input.
+        residual: ``(M, N)`` added to the output (unit stride along N).
+
+    Returns:
+        ``(M, N)`` in x's dtype, contiguous.
+
+    Raises:
+        ValueError: inconsistent shapes, dtypes or devices, or both prologues asked for.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    dev, dt = x.device, x.dtype
+    check_tensor("weight", weight, ndim=2, dtypes=(dt,), device=dev)
+    N, K = weight.shape
+    if rms_weight is not None and glu:
+        raise ValueError("expected at most one prologue, got both rms_weight and glu=True")
+    k_in = 2 * K if glu else K
+    check_tensor("x", x, shape=(None, k_in))
+    M = x.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        raise ValueError(f"expected non-empty x and weight, got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.stride(1) != 1:
+            raise ValueError(f"{name}: expected unit stride along the last dim, got strides "
+                             f"{t.stride()}")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(N,), dtypes=(dt,), device=dev, contiguous=True)
+    if rms_weight is not None:
+        check_tensor("rms_weight", rms_weight, shape=(K,), dtypes=(dt,), device=dev,
+                     contiguous=True)
+    if residual is not None:
+        check_tensor("residual", residual, shape=(M, N), dtypes=(dt,), device=dev)
+        if residual.stride(1) != 1:
+            raise ValueError(f"residual: expected unit stride along the last dim, got strides "
+                             f"{residual.stride()}")
+    prologue = "rmsnorm" if rms_weight is not None else ("glu" if glu else "none")
+    return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, prologue,
+                                         float(eps))

@@ -1,0 +1,116 @@
+"""Device experiment: ``minikv::fused_linear`` launch configurations on the four linear layers of a
+Llama-3.1-8B decode step, each beside what the step runs without it (inductor's RMSNorm /
+SiLU-gate / residual kernels around a cuBLAS GEMV, compiled and graph-captured the same way).
+
+    cd /tmp/run && python /path/to/perf/gpu/linear_sweep.py --batches 1,8   # after check.sh
+
+Every timing is a CUDA graph over enough weight copies to read >= 3x L2 from HBM per replay
+(median of ``do_bench``); "TB/s" counts the weight bytes only. Prints one line per (layer,
+batch, config); results under ``perf/results/h200/linear_sweep_*.txt``.
+"""
+import argparse
+import importlib
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from minikv_compile.perf.bench_decode_attention import _graph_ms, _replicas, copy_bandwidth
+
+lin = importlib.import_module("minikv_compile.ops.linear")
+
+HIDDEN, INTER, QKV = 4096, 14336, 6144
+LAYERS = {  # name: (N, K, prologue, residual)
+    "qkv": (QKV, HIDDEN, "rmsnorm", False),
+    "o": (HIDDEN, HIDDEN, "none", True),
+    "gate_up": (2 * INTER, HIDDEN, "rmsnorm", False),
+    "down": (HIDDEN, INTER, "glu", True),
+}
+
+
+def row_configs():  # one row, FMA
+    for bn, bk, w in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8)):
+        yield dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=1, num_warps=w)
+
+
+def dot_configs():
+    for bn, bk, st in ((64, 256, 5), (64, 128, 3), (32, 256, 5)):
+        yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=4)
+
+
+def timed(fn, ws) -> float:
+    """ms per call: a graph of >= 8 calls cycling through the weight copies (the first call's
+    write-back of do_bench's L2 flush, ~50 MB, is then shared by 8 calls, not charged to one)."""
+    return _graph_ms([lambda w=ws[i % len(ws)]: fn(w) for i in range(max(8, len(ws)))])
+
+
+def baseline_fn(prologue: str, eps: float = 1e-5):
+    """The unfused chain as the decode step writes it (HF RMSNorm, act_fn(gate) * up, h + ...)."""
+    def run(x, w, nw, r):
+        if prologue == "rmsnorm":
+            xf = x.float()
+            a = nw * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        elif prologue == "glu":
+            g, u = x.chunk(2, dim=-1)
+            a = F.silu(g) * u
+        else:
+            a = x
+        y = F.linear(a, w)
+        return y + r if r is not None else y
+    return torch.compile(run, fullgraph=True, dynamic=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--quick", action="store_true", help="default config only")
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    copy = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s")
+    torch.manual_seed(0)
+    for name in args.layers.split(","):
+        N, K, prologue, residual = LAYERS[name]
+        k_in = 2 * K if prologue == "glu" else K
+        wbytes = N * K * 2
+        reps = max(2, _replicas(wbytes))  # >= 2: a copy is evicted before it is read again
+        ws = [torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5 for _ in range(reps)]
+        nw = torch.rand(K, device=dev, dtype=dt) + 0.5 if prologue == "rmsnorm" else None
+        base = baseline_fn(prologue)
+        for M in (int(b) for b in args.batches.split(",")):
+            x = torch.randn(M, k_in, device=dev, dtype=dt)
+            r = torch.randn(M, N, device=dev, dtype=dt) if residual else None
+            ref = lin.fused_linear_ref(x, ws[0], None, nw, r, prologue, 1e-5).float()
+            b_ms = timed(lambda w: base(x, w, nw, r), ws)
+            a = torch.randn(M, K, device=dev, dtype=dt)
+            c_ms = timed(lambda w: F.linear(a, w), ws)
+            print(f"{name:8s} M {M}: baseline (inductor + cuBLAS) {b_ms * 1e3:7.1f} us "
+                  f"{wbytes / b_ms / 1e9:5.2f} TB/s; cuBLAS GEMV alone {c_ms * 1e3:7.1f} us "
+                  f"{wbytes / c_ms / 1e9:5.2f} TB/s", flush=True)
+            default = lin.launch_config(M, N, K, dt)
+            cfgs = [default] if args.quick else (
+                [default] + list(row_configs() if M == 1 else [])
+                + list(dot_configs()))
+            best = None
+            for cfg in cfgs:
+                kw = dict(cfg)
+                try:
+                    y = lin._fused_linear_triton(x, ws[0], None, nw, r, prologue, 1e-5, **kw)
+                    err = (y.float() - ref).abs().max().item()
+                    ms = timed(lambda w: lin._fused_linear_triton(
+                        x, w, None, nw, r, prologue, 1e-5, **kw), ws)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                tag = "default " if cfg is default else ""
+                print(f"  {tag}{cfg}: {ms * 1e3:7.1f} us {wbytes / ms / 1e9:5.2f} TB/s "
+                      f"{b_ms / ms:5.2f}x  err {err:.1e}", flush=True)
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            print(f"  best {best[1]}: {best[0] * 1e3:.1f} us = {b_ms / best[0]:.2f}x baseline\n",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""minikv::fused_linear: the kernel against the module chain it replaces and against fp64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minikv_compile.ops import fused_linear
+from minikv_compile.ops.linear import _fused_linear_triton, fused_linear_ref, launch_config
+
+PROLOGUES = ["none", "rmsnorm", "glu"]
+
+
+def make_case(M, N, K, prologue, dtype, device="cpu", bias=False, residual=False, outliers=False):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, 2 * K if prologue == "glu" else K, generator=g)
+    if outliers:  # a few input channels 10-50x larger, as in real hidden states
+        x[:, 3] *= 50
+        x[:, K // 2] *= 10
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    args = dict(
+        bias=torch.randn(N, generator=g) if bias else None,
+        rms_weight=torch.rand(K, generator=g) + 0.5 if prologue == "rmsnorm" else None,
+        residual=torch.randn(M, N, generator=g) if residual else None,
+    )
+    to = dict(device=device, dtype=dtype)
+    return (x.to(**to), w.to(**to),
+            {k: (v.to(**to) if v is not None else None) for k, v in args.items()})
+
+
+def run_ref(x, w, a, prologue, eps=1e-5):
+    return fused_linear_ref(x, w, a["bias"], a["rms_weight"], a["residual"], prologue, eps)
+
+
+def run_kernel(x, w, a, prologue, eps=1e-5, **kw):
+    return _fused_linear_triton(x, w, a["bias"], a["rms_weight"], a["residual"], prologue, eps,
+                                **kw)
+
+
+def assert_within_2x(out, x, w, a, prologue):
+    """|out - fp64| <= 2 |same-precision module chain - fp64| (+ a hair for exact cases)."""
+    oracle = run_ref(x.double(), w.double(),
+                     {k: (v.double() if v is not None else None) for k, v in a.items()}, prologue)
+    base = run_ref(x, w, a, prologue)
+    err = (out.double() - oracle).abs().max().item()
+    base_err = (base.double() - oracle).abs().max().item()
+    assert err <= 2 * base_err + 1e-5, f"kernel error {err:.3g} vs same-precision {base_err:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the reference is the module chain; the kernel through the interpreter
+# ----------------------------------------------------------------------------------------------
+
+
+def test_reference_is_the_hf_module_chain():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, w, a = make_case(3, 24, 32, "rmsnorm", torch.float32, bias=True, residual=True)
+    norm = LlamaRMSNorm(32, eps=1e-5)
+    norm.weight.data = a["rms_weight"]
+    want = a["residual"] + torch.nn.functional.linear(norm(x), w, a["bias"])
+    assert torch.equal(run_ref(x, w, a, "rmsnorm"), want)
+    x, w, a = make_case(2, 24, 32, "glu", torch.float32)
+    gate, up = x[:, :32], x[:, 32:]
+    want = torch.nn.functional.linear(torch.nn.SiLU()(gate) * up, w)
+    assert torch.equal(run_ref(x, w, a, "glu"), want)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("prologue", PROLOGUES)
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_matches_reference(prologue, M, dtype):
+    # N and K not multiples of any block: the masks cover the edges.
+    x, w, a = make_case(M, 40, 80, prologue, dtype, bias=True, residual=True, outliers=True)
+    out = run_kernel(x, w, a, prologue)
+    assert out.dtype == dtype and out.shape == (M, 40)
+    assert_within_2x(out, x, w, a, prologue)
+    torch.testing.assert_close(out, run_ref(x, w, a, prologue), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cfg", [
+    dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, NUM_STAGES=1, num_warps=4),
+    dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4),
+])
+def test_triton_block_configs_span_several_k_tiles(cfg):
+    x, w, a = make_case(1, 24, 100, "rmsnorm", torch.float16, residual=True)  # 4 K tiles of 32
+    assert_within_2x(run_kernel(x, w, a, "rmsnorm", **cfg), x, w, a, "rmsnorm")
+
+
+def test_launch_rule():
+    assert launch_config(1, 4096, 4096, torch.bfloat16)["USE_DOT"] is False
+    assert launch_config(8, 4096, 4096, torch.bfloat16)["USE_DOT"] is True
+
+
+def test_public_op_on_cpu_opcheck_and_compile():
+    x, w, a = make_case(2, 24, 32, "rmsnorm", torch.float32, bias=True, residual=True)
+    out = fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"], eps=1e-5,
+                       residual=a["residual"])
+    assert torch.equal(out, run_ref(x, w, a, "rmsnorm"))
+    for prologue in PROLOGUES:
+        x, w, a = make_case(2, 24, 32, prologue, torch.float32, residual=True)
+        torch.library.opcheck(torch.ops.minikv.fused_linear.default,
+                              (x, w, a["bias"], a["rms_weight"], a["residual"], prologue, 1e-5))
+    x, w, a = make_case(1, 24, 32, "glu", torch.float32)
+    f = torch.compile(lambda x: fused_linear(x, w, glu=True), fullgraph=True, backend="eager")
+    assert torch.equal(f(x), run_ref(x, w, a, "glu"))
+
+
+def _bad(change):
+    x, w, a = make_case(2, 24, 32, "none", torch.float32, bias=True, residual=True)
+    kw = dict(bias=a["bias"], residual=a["residual"])
+    return change(x, w, kw)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda x, w, kw: (x[:, :31], w, kw), r"x: expected shape \(\*, 32\), got \(2, 31\)"),
+    (lambda x, w, kw: (x, w.half(), kw), "weight: expected dtype"),
+    (lambda x, w, kw: (x[0], w, kw), "x: expected 2 dims"),
+    (lambda x, w, kw: (x, w, {**kw, "bias": kw["bias"][:5]}), r"bias: expected shape \(24\)"),
+    (lambda x, w, kw: (x, w, {**kw, "residual": kw["residual"][:1]}),
+     r"residual: expected shape \(2, 24\)"),
+    (lambda x, w, kw: (x, w, {**kw, "glu": True}), r"x: expected shape \(\*, 64\)"),
+    (lambda x, w, kw: (x, w, {**kw, "glu": True, "rms_weight": torch.ones(32)}),
+     "at most one prologue"),
+    (lambda x, w, kw: (x, w, {**kw, "rms_weight": torch.ones(31)}),
+     r"rms_weight: expected shape \(32\)"),
+    (lambda x, w, kw: (x.t().contiguous().t(), w, kw), "x: expected unit stride"),
+    (lambda x, w, kw: (x[:0], w, kw), "expected non-empty"),
+])
+def test_bad_inputs_raise(change, message):
+    x, w, kw = _bad(change)
+    with pytest.raises(ValueError, match=message):
+        fused_linear(x, w, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: Llama-3.1-8B layer sizes, the engine's rows (1) and a few rows (8)
+# ----------------------------------------------------------------------------------------------
+
+LLAMA_LAYERS = [  # (N, K, prologue, residual)
+    pytest.param(6144, 4096, "rmsnorm", False, id="qkv"),
+    pytest.param(4096, 4096, "none", True, id="o"),
+    pytest.param(28672, 4096, "rmsnorm", False, id="gate_up"),
+    pytest.param(4096, 14336, "glu", True, id="down"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,prologue,residual", LLAMA_LAYERS)
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_llama_layers(N, K, prologue, residual, M, dtype):
+    x, w, a = make_case(M, N, K, prologue, dtype, "cuda", residual=residual, outliers=True)
+    out = fused_linear(x, w, rms_weight=a["rms_weight"], eps=1e-5, glu=prologue == "glu",
+                       residual=a["residual"])
+    assert_within_2x(out, x, w, a, prologue)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_bias_opcheck_and_graph_capture():
+    x, w, a = make_case(1, 300, 200, "rmsnorm", torch.float32, "cuda", bias=True, residual=True)
+    assert_within_2x(run_kernel(x, w, a, "rmsnorm"), x, w, a, "rmsnorm")
+    x, w, a = make_case(1, 512, 256, "glu", torch.bfloat16, "cuda", bias=True, residual=True)
+    torch.library.opcheck(torch.ops.minikv.fused_linear.default,
+                          (x, w, a["bias"], None, a["residual"], "glu", 1e-5))
+    run = lambda: fused_linear(x, w, a["bias"], glu=True, residual=a["residual"])  # noqa: E731
+    want = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, run()) and not torch.equal(out, want)
