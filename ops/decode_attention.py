@@ -79,6 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_choice, check_quant_params, check_tensor, codes_per_word
 from . import decode_attention_gluon as dag
 from .quant import dequantize_keys_ref, dequantize_values_ref
@@ -560,7 +561,10 @@ def _decode_attention_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     H_Q, stride_ob, stride_oh, stride_od, S,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:  # the next kernel (a PDL launch: the o projection) may start its weight loads
+        gdc.launch_dependents()
     # One pass: every split's m, l and acc slice load together (BLOCK_S >= S), so the program
     # waits for memory once.
     row = tl.program_id(0)  # b * H_q + query head
@@ -814,7 +818,7 @@ def _decode_attention_triton(
     _decode_attention_combine_kernel[(batch * h_q, d // block_d)](
         m, l, acc, out, h_q, *out.stride(), n_slots,
         D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
-        BF16_BY_HAND=bf16_by_hand, num_warps=4,
+        BF16_BY_HAND=bf16_by_hand, TRIGGER=gdc.supported(q.device), num_warps=4,
     )
     return out
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_tensor
 
 PROLOGUES = ("none", "rmsnorm", "glu")
@@ -42,6 +43,13 @@ _PROLOGUE_CODE = {"none": 0, "rmsnorm": 1, "glu": 2}
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_weights(w_ptr, cols, n_ok, k, K, stride_wn):
+    """The (BLOCK_N, BLOCK_K) weight tile at columns ``k`` (zeros past K)."""
+    return tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :],
+                   mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -67,7 +75,7 @@ def _fused_linear_kernel(
     M, N, K, eps,
     stride_xm, stride_wn, stride_rm, stride_ym,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -78,6 +86,13 @@ def _fused_linear_kernel(
     m_ok = rows < M
     n_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
+
+    # The weights are never written during a step: the first tile loads before waiting for the
+    # kernel that produced x (PDL), so it streams during that kernel's last wave.
+    w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
+    if PDL:
+        gdc.launch_dependents()
+        gdc.wait()
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1:  # RMSNorm: every program reads its rows whole (M x K elements, from L2)
@@ -95,10 +110,8 @@ def _fused_linear_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + kk
-        k_ok = k < K
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)       # (BLOCK_N, BLOCK_K)
-        a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, K, rstd, PROLOGUE)
+        a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, K, rstd, PROLOGUE)
+        w_next = _load_weights(w_ptr, cols, n_ok, k + BLOCK_K, K, stride_wn)  # in flight meanwhile
         if USE_DOT:
             if FP32_DOT:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -106,6 +119,7 @@ def _fused_linear_kernel(
                 acc = tl.dot(a, tl.trans(w), acc)
         else:
             acc2 += w.to(tl.float32) * a.to(tl.float32)                  # a is (1, BLOCK_K)
+        w = w_next
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_M, BLOCK_N))
 
@@ -171,6 +185,7 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     cfg = launch_config(M, N, K, x.dtype)
     cfg.update(override)
     num_warps = cfg.pop("num_warps")
+    pdl = cfg.pop("pdl", gdc.supported(x.device))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
     _fused_linear_kernel[grid](
@@ -181,8 +196,8 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, y.stride(0),
         PROLOGUE=_PROLOGUE_CODE[prologue], HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, FP32_DOT=x.dtype == torch.float32,
-        num_warps=num_warps, **cfg,
+        HAS_RESIDUAL=residual is not None, FP32_DOT=x.dtype == torch.float32, PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
     return y
 

@@ -29,7 +29,7 @@ LAYERS = {  # name: (N, K, prologue, residual)
 
 
 def row_configs():  # one row, FMA
-    for bn, bk, w in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8)):
+    for bn, bk, w in itertools.product((4, 8, 16), (512, 1024), (4, 8)):
         yield dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=1, num_warps=w)
 
 
@@ -89,9 +89,10 @@ def main() -> None:
                   f"{wbytes / b_ms / 1e9:5.2f} TB/s; cuBLAS GEMV alone {c_ms * 1e3:7.1f} us "
                   f"{wbytes / c_ms / 1e9:5.2f} TB/s", flush=True)
             default = lin.launch_config(M, N, K, dt)
-            cfgs = [default] if args.quick else (
-                [default] + list(row_configs() if M == 1 else [])
-                + list(dot_configs()))
+            # The default without PDL: each launch then waits for the previous one to finish.
+            cfgs = [default, {**default, "pdl": False}]
+            if not args.quick:
+                cfgs += list(row_configs() if M == 1 else []) + list(dot_configs())
             best = None
             for cfg in cfgs:
                 kw = dict(cfg)

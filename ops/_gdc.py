@@ -1,0 +1,34 @@
+"""Programmatic dependent launch (PDL): grid dependency control from Triton kernels (sm_90+).
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it on the stream
+is still finishing, once every program of that kernel has called :func:`launch_dependents` (or
+exited). Everything it does before :func:`wait` must not touch memory the earlier kernels write;
+:func:`wait` returns once they have all completed and their writes are visible. Both
+instructions are no-ops when the launch did not ask for PDL. Inline PTX, so that the kernels
+compile the same on every Triton version the project runs on.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait():
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def launch_dependents():
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def supported(device: torch.device) -> bool:
+    """CUDA sm_90+ and not the interpreter."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
