@@ -163,14 +163,18 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     """Block sizes, stages, warps and the inner product of a launch.
 
-    One row (the decode step at batch 1): FMA over (8 x 1024) weight tiles, the products summed
-    over K once after the loop; on the H200 this was within ~8% of the best of 20 configurations
-    on each of the four Llama-3.1-8B layers, and faster than cuBLAS alone on q/k/v, o and down
-    (``linear_sweep_*.txt``). Several rows: tensor-core tiles of 16 rows. That path is correct
-    but slower than cuBLAS (0.13-0.85x at 8 rows), so the engine uses this op at batch 1 only.
+    One row (the decode step at batch 1): FMA over (4 x BLOCK_K) weight tiles, two in flight per
+    program (the next loads while this one is used), the products summed over K once after the
+    loop. On the H200 (``linear_sweep_94d7c95.txt``, 12 configurations per layer) this is the
+    best or within 4% of it on the Llama-3.1-8B layers: BLOCK_K 1024 for K = 4096 (q/k/v, o,
+    gate/up), 512 for K = 14336 (down, whose SiLU-gate prologue holds two input tiles; 1024
+    there is 31% slower). Several rows: tensor-core tiles of 16 rows. That path is correct but
+    slower than cuBLAS (0.13-0.85x at 8 rows), so the engine uses this op at batch 1 only.
     """
     if M == 1:
-        return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, NUM_STAGES=1, num_warps=4)
+        block_k = 1024 if K <= 8192 else 512
+        return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k, NUM_STAGES=1,
+                    num_warps=4)
     if dtype == torch.float32:
         return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4)
     return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, NUM_STAGES=5, num_warps=4)
