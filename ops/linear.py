@@ -166,7 +166,7 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     One row (the decode step at batch 1): FMA over (4 x BLOCK_K) weight tiles, two in flight per
     program (the next loads while this one is used), the products summed over K once after the
     loop. On the H200 (``linear_sweep_94d7c95.txt``, 12 configurations per layer) this is the
-    best or within 4% of it on the Llama-3.1-8B layers: BLOCK_K 1024 for K = 4096 (q/k/v, o,
+    best or within 5% of it on the Llama-3.1-8B layers: BLOCK_K 1024 for K = 4096 (q/k/v, o,
     gate/up), 512 for K = 14336 (down, whose SiLU-gate prologue holds two input tiles; 1024
     there is 31% slower). Several rows: tensor-core tiles of 16 rows. That path is correct but
     slower than cuBLAS (0.13-0.85x at 8 rows), so the engine uses this op at batch 1 only.
