@@ -68,10 +68,16 @@ class LlamaFamilyAdapter:
         attn = block.self_attn
         B, S, _ = h.shape
         nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        rotated = False
         if self._one_row(h):
             w, b = self.fused[layer]["qkv"]
             norm = block.input_layernorm
-            qkv = ops.fused_linear(h[:, 0], w, b, rms_weight=norm.weight, eps=norm.variance_epsilon)
+            # RoPE of q and k in the same launch, unless a q/k norm (Qwen3) comes before it.
+            rotated = not self.has_qk_norm
+            rope = (dict(rope_cos=cos[:, 0], rope_sin=sin[:, 0], rope_rows=nq + nkv)
+                    if rotated else {})
+            qkv = ops.fused_linear(h[:, 0], w, b, rms_weight=norm.weight,
+                                   eps=norm.variance_epsilon, **rope)
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
         elif self.fused is not None:
             w, b = self.fused[layer]["qkv"]
@@ -85,9 +91,10 @@ class LlamaFamilyAdapter:
         if self.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if not rotated:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,12 @@ and ``weight (N, K)``::
     a = rms_weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)   (RMSNorm)
     a = silu(x[:, :K]) * x[:, K:]                                  (glu; x is (M, 2K): [gate; up])
     y = (a @ weight.T + bias).to(x.dtype)
-    y = y + residual                                               (optional, in x's dtype)
+    y = y + residual                                    (optional, in x's dtype), or else
+    y[:, :R] = rope(y[:, :R], cos, sin)                 (optional: the q and k heads)
+
+where ``rope`` rotates each head of ``D = cos.shape[1]`` columns the way HF's Llama does
+(``y * cos + rotate_half(y) * sin``, halves ``[0, D/2)`` and ``[D/2, D)``), computed in fp32 from
+the rounded ``y`` and rounded once, as the compiled step computes it.
 
 with the roundings of the HF modules it replaces (``LlamaRMSNorm``, ``act_fn(gate) * up`` with
 SiLU, ``nn.Linear``, ``h + ...``): each intermediate the module chain would hold in the model
@@ -19,7 +24,10 @@ Why. At decode time a linear layer of an LLM is a GEMV: it reads its weights onc
 FLOPs per weight. A Llama-3.1-8B step at batch 1 has 15 kernels per layer; the RMSNorms, the
 SiLU-gate and cuBLAS's split-K reductions are five of them, each ~1-2 us of launch and latency
 for a few KB of data. Here each program reads the whole (tiny) input row itself, so the norm and
-the gate cost no launch; the residual add is the last store.
+the gate cost no launch; the residual add is the last store. With the RoPE epilogue the q/k/v
+projection also absorbs the two RoPE kernels (of q and of k): a program that rotates takes the
+rows ``j`` and ``j + D/2`` of one head (its columns are two half-blocks, not one block), so both
+halves of every rotated pair sit in its registers.
 
 Kernel: one program per ``BLOCK_N`` output columns and ``BLOCK_M`` rows, the whole K in a loop
 (no split-K, so no reduction launch and no atomics). The weight tile is the only large stream.
@@ -70,11 +78,28 @@ def _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, K, rstd,
 
 
 @triton.jit
+def _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF: tl.constexpr,
+          HEAD_DIM: tl.constexpr):
+    """Rotate a (BLOCK_M, 2 * HALF) tile whose columns are [j .. j+HALF) and their partners
+    [j + D/2 ..): ``y * cos - partner * sin`` on the first half, ``+`` on the second."""
+    BLOCK_M: tl.constexpr = y.shape[0]
+    yf = y.to(tl.float32)
+    first, second = tl.split(tl.permute(tl.reshape(yf, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    partner = tl.reshape(tl.permute(tl.join(second, first), (0, 2, 1)), (BLOCK_M, 2 * HALF))
+    d = (cols % HEAD_DIM)[None, :]
+    c = tl.load(cos_ptr + rows[:, None] * stride_cm + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + rows[:, None] * stride_cm + d, mask=mask, other=0.0).to(tl.float32)
+    sign = tl.where(offs_n < HALF, -1.0, 1.0)[None, :]
+    return (yf * c + sign * partner * s).to(y.dtype)
+
+
+@triton.jit
 def _fused_linear_kernel(
-    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
-    M, N, K, eps,
-    stride_xm, stride_wn, stride_rm, stride_ym,
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, y_ptr,
+    M, N, K, eps, ROPE_ROWS,
+    stride_xm, stride_wn, stride_rm, stride_cm, stride_ym,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -82,7 +107,16 @@ def _fused_linear_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + offs_n
+    HALF: tl.constexpr = BLOCK_N // 2
+    rotate = False
+    if ROPE:  # programs [0, ROPE_ROWS / BLOCK_N): rows j0 + [0, HALF) and j0 + D/2 + [0, HALF)
+        per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+        rotate = pid_n * BLOCK_N < ROPE_ROWS
+        j0 = (pid_n // per_head) * HEAD_DIM + (pid_n % per_head) * HALF
+        pairs = j0 + offs_n % HALF + (offs_n // HALF) * (HEAD_DIM // 2)
+        cols = tl.where(rotate, pairs, cols)
     m_ok = rows < M
     n_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
@@ -127,6 +161,9 @@ def _fused_linear_kernel(
         acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
     mask = m_ok[:, None] & n_ok[None, :]
+    if ROPE:
+        if rotate:
+            y = _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF, HEAD_DIM)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -140,7 +177,8 @@ def _fused_linear_kernel(
 
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-                     prologue: str, eps: float) -> torch.Tensor:
+                     rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
+                     rope_rows: int, prologue: str, eps: float) -> torch.Tensor:
     """The module chain in plain PyTorch (what the kernel computes; the CPU implementation)."""
     if prologue == "rmsnorm":
         xf = x.float()
@@ -152,7 +190,16 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     else:
         a = x
     y = F.linear(a, weight, bias)
-    return y + residual if residual is not None else y
+    if residual is not None:
+        return y + residual
+    if rope_cos is not None:
+        M, D = rope_cos.shape
+        heads = y[:, :rope_rows].view(M, -1, D)
+        half = D // 2
+        rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+        heads = heads * rope_cos[:, None] + rotated * rope_sin[:, None]
+        y = torch.cat((heads.reshape(M, rope_rows), y[:, rope_rows:]), dim=1)
+    return y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,7 +229,8 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-                         prologue: str, eps: float, **override) -> torch.Tensor:
+                         rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
+                         rope_rows: int, prologue: str, eps: float, **override) -> torch.Tensor:
     M = x.shape[0]
     N, K = weight.shape
     y = x.new_empty(M, N)
@@ -190,16 +238,22 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     cfg.update(override)
     num_warps = cfg.pop("num_warps")
     pdl = cfg.pop("pdl", gdc.supported(x.device))
+    rope = rope_cos is not None
+    head_dim = rope_cos.shape[1] if rope else 2
+    if rope:  # a rotating program holds whole pairs: BLOCK_N even and dividing the head dim
+        cfg["BLOCK_N"] = max(2, min(cfg["BLOCK_N"], head_dim))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
     _fused_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         rms_weight if rms_weight is not None else dummy,
-        residual if residual is not None else dummy, y,
-        M, N, K, eps,
+        residual if residual is not None else dummy,
+        rope_cos if rope else dummy, rope_sin if rope else dummy, y,
+        M, N, K, eps, rope_rows,
         x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, y.stride(0),
-        PROLOGUE=_PROLOGUE_CODE[prologue], HAS_BIAS=bias is not None,
+        residual.stride(0) if residual is not None else 0,
+        rope_cos.stride(0) if rope else 0, y.stride(0),
+        PROLOGUE=_PROLOGUE_CODE[prologue], HAS_BIAS=bias is not None, ROPE=rope, HEAD_DIM=head_dim,
         HAS_RESIDUAL=residual is not None, FP32_DOT=x.dtype == torch.float32, PDL=pdl,
         num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
@@ -214,12 +268,14 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 @torch.library.custom_op("minikv::fused_linear", mutates_args=())
 def _fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-                     prologue: str, eps: float) -> torch.Tensor:
-    return fused_linear_ref(x, weight, bias, rms_weight, residual, prologue, eps)
+                     rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
+                     rope_rows: int, prologue: str, eps: float) -> torch.Tensor:
+    return fused_linear_ref(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows,
+                            prologue, eps)
 
 
 @_fused_linear_op.register_fake
-def _(x, weight, bias, rms_weight, residual, prologue, eps):
+def _(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows, prologue, eps):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -233,8 +289,11 @@ _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                 glu: bool = False, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[residual +] linear(prologue(x), weight, bias)`` in one launch (module docstring).
+                 glu: bool = False, residual: Optional[torch.Tensor] = None,
+                 rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
+                 rope_rows: int = 0) -> torch.Tensor:
+    """``[residual +] linear(prologue(x), weight, bias)``, or its first ``rope_rows`` columns
+    rotated, in one launch (module docstring).
 
     Args:
         x: ``(M, K)`` fp16/bf16/fp32 (``(M, 2K)`` = [gate; up] when ``glu``); unit stride along
@@ -245,12 +304,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         rms_weight: ``(K,)``: apply RMSNorm with this weight and ``eps`` to x first.
         glu: x holds [gate; up]: use ``silu(gate) * up`` as the input.
         residual: ``(M, N)`` added to the output (unit stride along N).
+        rope_cos, rope_sin: ``(M, D)`` (row ``m``'s position), unit stride along D, D even:
+            rotate output columns ``[0, rope_rows)`` as heads of D (not with ``residual``).
+        rope_rows: a positive multiple of D, at most N, when rope_cos is given.
 
     Returns:
         ``(M, N)`` in x's dtype, contiguous.
 
     Raises:
-        ValueError: inconsistent shapes, dtypes or devices, or both prologues asked for.
+        ValueError: inconsistent shapes, dtypes or devices, both prologues, or RoPE together
+            with a residual.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -278,6 +341,31 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         if residual.stride(1) != 1:
             raise ValueError(f"residual: expected unit stride along the last dim, got strides "
                              f"{residual.stride()}")
+    _check_rope(rope_cos, rope_sin, rope_rows, residual, M, N, dt, dev)
     prologue = "rmsnorm" if rms_weight is not None else ("glu" if glu else "none")
-    return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, prologue,
-                                         float(eps))
+    return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, rope_cos,
+                                         rope_sin, int(rope_rows), prologue, float(eps))
+
+
+def _check_rope(cos, sin, rows, residual, M, N, dt, dev) -> None:
+    if cos is None and sin is None:
+        if rows:
+            raise ValueError(f"rope_rows: expected 0 without rope_cos/rope_sin, got {rows}")
+        return
+    if cos is None or sin is None:
+        raise ValueError("expected both rope_cos and rope_sin or neither, got one")
+    if residual is not None:
+        raise ValueError("expected RoPE or a residual, got both")
+    check_tensor("rope_cos", cos, ndim=2, dtypes=(dt,), device=dev)
+    D = cos.shape[1]
+    check_tensor("rope_cos", cos, shape=(M, D))
+    check_tensor("rope_sin", sin, shape=(M, D), dtypes=(dt,), device=dev)
+    for name, t in (("rope_cos", cos), ("rope_sin", sin)):
+        if t.stride(1) != 1 or t.stride(0) != cos.stride(0):
+            raise ValueError(f"{name}: expected unit stride along D (and the same row stride "
+                             f"for both), got strides {t.stride()}")
+    if D % 2:
+        raise ValueError(f"rope_cos: expected an even head dim, got {D}")
+    if rows <= 0 or rows % D or rows > N:
+        raise ValueError(f"rope_rows: expected a positive multiple of the head dim {D} "
+                         f"<= N={N}, got {rows}")

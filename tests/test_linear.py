@@ -10,7 +10,8 @@ from minikv_compile.ops.linear import _fused_linear_triton, fused_linear_ref, la
 PROLOGUES = ["none", "rmsnorm", "glu"]
 
 
-def make_case(M, N, K, prologue, dtype, device="cpu", bias=False, residual=False, outliers=False):
+def make_case(M, N, K, prologue, dtype, device="cpu", bias=False, residual=False, outliers=False,
+              rope_dim=0, rope_heads=0):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     x = torch.randn(M, 2 * K if prologue == "glu" else K, generator=g)
     if outliers:  # a few input channels 10-50x larger, as in real hidden states
@@ -21,25 +22,42 @@ def make_case(M, N, K, prologue, dtype, device="cpu", bias=False, residual=False
         bias=torch.randn(N, generator=g) if bias else None,
         rms_weight=torch.rand(K, generator=g) + 0.5 if prologue == "rmsnorm" else None,
         residual=torch.randn(M, N, generator=g) if residual else None,
+        rope_cos=None, rope_sin=None,
     )
+    if rope_dim:  # a different position per row, as HF's rotary embedding makes them
+        pos = torch.randint(0, 32768, (M, 1), generator=g).double()
+        inv = 500000.0 ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+        ang = torch.cat([pos * inv] * 2, dim=1)
+        args["rope_cos"], args["rope_sin"] = ang.cos().float(), ang.sin().float()
     to = dict(device=device, dtype=dtype)
-    return (x.to(**to), w.to(**to),
-            {k: (v.to(**to) if v is not None else None) for k, v in args.items()})
+    args = {k: (v.to(**to) if v is not None else None) for k, v in args.items()}
+    args["rope_rows"] = rope_heads * rope_dim
+    return x.to(**to), w.to(**to), args
+
+
+def _operands(a):
+    return (a["bias"], a["rms_weight"], a["residual"], a["rope_cos"], a["rope_sin"],
+            a.get("rope_rows", 0))
 
 
 def run_ref(x, w, a, prologue, eps=1e-5):
-    return fused_linear_ref(x, w, a["bias"], a["rms_weight"], a["residual"], prologue, eps)
+    return fused_linear_ref(x, w, *_operands(a), prologue, eps)
 
 
 def run_kernel(x, w, a, prologue, eps=1e-5, **kw):
-    return _fused_linear_triton(x, w, a["bias"], a["rms_weight"], a["residual"], prologue, eps,
-                                **kw)
+    return _fused_linear_triton(x, w, *_operands(a), prologue, eps, **kw)
+
+
+def public(x, w, a, prologue, eps=1e-5):
+    return fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"], eps=eps,
+                        glu=prologue == "glu", residual=a["residual"], rope_cos=a["rope_cos"],
+                        rope_sin=a["rope_sin"], rope_rows=a["rope_rows"])
 
 
 def assert_within_2x(out, x, w, a, prologue):
     """|out - fp64| <= 2 |same-precision module chain - fp64| (+ a hair for exact cases)."""
-    oracle = run_ref(x.double(), w.double(),
-                     {k: (v.double() if v is not None else None) for k, v in a.items()}, prologue)
+    a64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    oracle = run_ref(x.double(), w.double(), a64, prologue)
     base = run_ref(x, w, a, prologue)
     err = (out.double() - oracle).abs().max().item()
     base_err = (base.double() - oracle).abs().max().item()
@@ -88,6 +106,25 @@ def test_triton_block_configs_span_several_k_tiles(cfg):
     assert_within_2x(run_kernel(x, w, a, "rmsnorm", **cfg), x, w, a, "rmsnorm")
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("M,cfg", [
+    (1, {}),
+    (1, dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=32, NUM_STAGES=1, num_warps=4)),
+    (3, {}),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_rope_epilogue(M, cfg, dtype):
+    # 3 rotated heads of 16 (q and k) then 24 plain columns (v): each rotated pair may sit in
+    # another block of columns than its partner, the plain columns must come out untouched.
+    x, w, a = make_case(M, 3 * 16 + 24, 40, "rmsnorm", dtype, bias=True, rope_dim=16,
+                        rope_heads=3)
+    out = run_kernel(x, w, a, "rmsnorm", **cfg)
+    assert_within_2x(out, x, w, a, "rmsnorm")
+    plain = run_ref(x, w, {**a, "rope_cos": None, "rope_sin": None, "rope_rows": 0}, "rmsnorm")
+    torch.testing.assert_close(out[:, 48:], plain[:, 48:], rtol=2e-3, atol=2e-3)
+    assert (out[:, :48] - plain[:, :48]).abs().max() > 0.1  # it did rotate
+
+
 def test_launch_rule():
     assert launch_config(1, 4096, 4096, torch.bfloat16)["USE_DOT"] is False
     assert launch_config(8, 4096, 4096, torch.bfloat16)["USE_DOT"] is True
@@ -95,13 +132,18 @@ def test_launch_rule():
 
 def test_public_op_on_cpu_opcheck_and_compile():
     x, w, a = make_case(2, 24, 32, "rmsnorm", torch.float32, bias=True, residual=True)
-    out = fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"], eps=1e-5,
-                       residual=a["residual"])
-    assert torch.equal(out, run_ref(x, w, a, "rmsnorm"))
+    assert torch.equal(public(x, w, a, "rmsnorm"), run_ref(x, w, a, "rmsnorm"))
     for prologue in PROLOGUES:
         x, w, a = make_case(2, 24, 32, prologue, torch.float32, residual=True)
         torch.library.opcheck(torch.ops.minikv.fused_linear.default,
-                              (x, w, a["bias"], a["rms_weight"], a["residual"], prologue, 1e-5))
+                              (x, w, *_operands(a), prologue, 1e-5))
+    x, w, a = make_case(2, 24, 32, "none", torch.float32, rope_dim=8, rope_heads=2)
+    torch.library.opcheck(torch.ops.minikv.fused_linear.default, (x, w, *_operands(a), "none", 0.0))
+    # RoPE as the adapter writes it: q * cos + rotate_half(q) * sin per head of 8
+    q = (x @ w.t())[:, :16].view(2, 2, 8)
+    half = torch.cat((-q[..., 4:], q[..., :4]), dim=-1)
+    want = (q * a["rope_cos"][:, None] + half * a["rope_sin"][:, None]).reshape(2, 16)
+    torch.testing.assert_close(public(x, w, a, "none")[:, :16], want)
     x, w, a = make_case(1, 24, 32, "glu", torch.float32)
     f = torch.compile(lambda x: fused_linear(x, w, glu=True), fullgraph=True, backend="eager")
     assert torch.equal(f(x), run_ref(x, w, a, "glu"))
@@ -111,6 +153,14 @@ def _bad(change):
     x, w, a = make_case(2, 24, 32, "none", torch.float32, bias=True, residual=True)
     kw = dict(bias=a["bias"], residual=a["residual"])
     return change(x, w, kw)
+
+
+_COS = torch.ones(2, 8)
+
+
+def _rope(**kw):
+    return lambda x, w, kw0: (x, w, {**{k: v for k, v in kw0.items() if k != "residual"},
+                                     "rope_cos": _COS, "rope_sin": _COS, "rope_rows": 16, **kw})
 
 
 @pytest.mark.parametrize("change,message", [
@@ -127,6 +177,15 @@ def _bad(change):
      r"rms_weight: expected shape \(32\)"),
     (lambda x, w, kw: (x.t().contiguous().t(), w, kw), "x: expected unit stride"),
     (lambda x, w, kw: (x[:0], w, kw), "expected non-empty"),
+    (lambda x, w, kw: (x, w, {**kw, "rope_cos": _COS, "rope_sin": _COS, "rope_rows": 16}),
+     "RoPE or a residual, got both"),
+    (_rope(rope_sin=None), "both rope_cos and rope_sin or neither"),
+    (_rope(rope_rows=12), r"rope_rows: expected a positive multiple of the head dim 8 <= N=24"),
+    (_rope(rope_rows=32), r"rope_rows: expected a positive multiple of the head dim 8 <= N=24"),
+    (_rope(rope_cos=torch.ones(1, 8)), r"rope_cos: expected shape \(2, 8\)"),
+    (_rope(rope_cos=torch.ones(2, 7), rope_sin=torch.ones(2, 7), rope_rows=14),
+     "expected an even head dim"),
+    (lambda x, w, kw: (x, w, {**kw, "rope_rows": 8}), "rope_rows: expected 0 without"),
 ])
 def test_bad_inputs_raise(change, message):
     x, w, kw = _bad(change)
@@ -151,10 +210,10 @@ LLAMA_LAYERS = [  # (N, K, prologue, residual)
 @pytest.mark.parametrize("M", [1, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_llama_layers(N, K, prologue, residual, M, dtype):
-    x, w, a = make_case(M, N, K, prologue, dtype, "cuda", residual=residual, outliers=True)
-    out = fused_linear(x, w, rms_weight=a["rms_weight"], eps=1e-5, glu=prologue == "glu",
-                       residual=a["residual"])
-    assert_within_2x(out, x, w, a, prologue)
+    rope = dict(rope_dim=128, rope_heads=40) if N == 6144 else {}  # q/k/v: 32 + 8 heads rotate
+    x, w, a = make_case(M, N, K, prologue, dtype, "cuda", residual=residual, outliers=True,
+                        **rope)
+    assert_within_2x(public(x, w, a, prologue), x, w, a, prologue)
 
 
 @pytest.mark.gpu
@@ -163,7 +222,7 @@ def test_gpu_fp32_bias_opcheck_and_graph_capture():
     assert_within_2x(run_kernel(x, w, a, "rmsnorm"), x, w, a, "rmsnorm")
     x, w, a = make_case(1, 512, 256, "glu", torch.bfloat16, "cuda", bias=True, residual=True)
     torch.library.opcheck(torch.ops.minikv.fused_linear.default,
-                          (x, w, a["bias"], None, a["residual"], "glu", 1e-5))
+                          (x, w, *_operands(a), "glu", 1e-5))
     run = lambda: fused_linear(x, w, a["bias"], glu=True, residual=a["residual"])  # noqa: E731
     want = run()
     graph = torch.cuda.CUDAGraph()

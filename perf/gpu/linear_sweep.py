@@ -1,6 +1,7 @@
 """Device experiment: ``minikv::fused_linear`` launch configurations on the four linear layers of a
 Llama-3.1-8B decode step, each beside what the step runs without it (inductor's RMSNorm /
-SiLU-gate / residual kernels around a cuBLAS GEMV, compiled and graph-captured the same way).
+SiLU-gate / residual / RoPE kernels around a cuBLAS GEMV, compiled and graph-captured the same
+way; q/k/v includes the RoPE of its q and k heads on both sides).
 
     cd /tmp/run && python /path/to/perf/gpu/linear_sweep.py --batches 1,8   # after check.sh
 
@@ -20,6 +21,7 @@ from minikv_compile.perf.bench_decode_attention import _graph_ms, _replicas, cop
 lin = importlib.import_module("minikv_compile.ops.linear")
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
+HEAD_DIM, ROPE_ROWS = 128, 40 * 128  # q/k/v: RoPE over the 32 q and 8 k heads
 LAYERS = {  # name: (N, K, prologue, residual)
     "qkv": (QKV, HIDDEN, "rmsnorm", False),
     "o": (HIDDEN, HIDDEN, "none", True),
@@ -46,7 +48,7 @@ def timed(fn, ws) -> float:
 
 def baseline_fn(prologue: str, eps: float = 1e-5):
     """The unfused chain as the decode step writes it (HF RMSNorm, act_fn(gate) * up, h + ...)."""
-    def run(x, w, nw, r):
+    def run(x, w, nw, r, cos, sin):
         if prologue == "rmsnorm":
             xf = x.float()
             a = nw * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -56,6 +58,11 @@ def baseline_fn(prologue: str, eps: float = 1e-5):
         else:
             a = x
         y = F.linear(a, w)
+        if cos is not None:  # as the adapter's eager path writes it, compiled
+            qk = y[:, :ROPE_ROWS].view(y.shape[0], -1, HEAD_DIM)
+            half = torch.cat((-qk[..., HEAD_DIM // 2:], qk[..., :HEAD_DIM // 2]), dim=-1)
+            qk = qk * cos[:, None] + half * sin[:, None]
+            y = torch.cat((qk.flatten(1), y[:, ROPE_ROWS:]), dim=1)
         return y + r if r is not None else y
     return torch.compile(run, fullgraph=True, dynamic=False)
 
@@ -81,8 +88,14 @@ def main() -> None:
         for M in (int(b) for b in args.batches.split(",")):
             x = torch.randn(M, k_in, device=dev, dtype=dt)
             r = torch.randn(M, N, device=dev, dtype=dt) if residual else None
-            ref = lin.fused_linear_ref(x, ws[0], None, nw, r, prologue, 1e-5).float()
-            b_ms = timed(lambda w: base(x, w, nw, r), ws)
+            ang = torch.rand(M, HEAD_DIM // 2, device=dev) * 6.28
+            cos, sin = (torch.cat([f(ang)] * 2, 1).to(dt) for f in (torch.cos, torch.sin))
+            if name != "qkv":
+                cos = sin = None
+            rows = ROPE_ROWS if cos is not None else 0
+            ops = (None, nw, r, cos, sin, rows, prologue, 1e-5)
+            ref = lin.fused_linear_ref(x, ws[0], *ops).float()
+            b_ms = timed(lambda w: base(x, w, nw, r, cos, sin), ws)
             a = torch.randn(M, K, device=dev, dtype=dt)
             c_ms = timed(lambda w: F.linear(a, w), ws)
             print(f"{name:8s} M {M}: baseline (inductor + cuBLAS) {b_ms * 1e3:7.1f} us "
@@ -97,10 +110,9 @@ def main() -> None:
             for cfg in cfgs:
                 kw = dict(cfg)
                 try:
-                    y = lin._fused_linear_triton(x, ws[0], None, nw, r, prologue, 1e-5, **kw)
+                    y = lin._fused_linear_triton(x, ws[0], *ops, **kw)
                     err = (y.float() - ref).abs().max().item()
-                    ms = timed(lambda w: lin._fused_linear_triton(
-                        x, w, None, nw, r, prologue, 1e-5, **kw), ws)
+                    ms = timed(lambda w: lin._fused_linear_triton(x, w, *ops, **kw), ws)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
                     continue
