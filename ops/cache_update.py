@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_choice, check_tensor, codes_per_word
 from .quant import (_quantize_key_block, _quantize_value_block, quantize_keys, quantize_keys_ref,
                     quantize_values, quantize_values_ref)
@@ -129,12 +130,16 @@ def _flush_kernel(
     H, D, T_cap,
     RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Launch 1 of cache_append. One program per (slot, kv head, ring chunk); a chunk is, with
     # bits < 16, the channel block c % SPLIT of ring key group c // SPLIT plus the matching
     # 1 / SPLIT of that group's value tokens; with bits == 16, TOKENS ring tokens of K and V.
     # Programs read the ring and lens and write only their own region cells, so no program reads
     # what another writes. The new token's ring write and the counter update come in launch 2.
+    if PDL:  # see ops/_gdc.py: nothing is read or written before the previous kernel is done
+        gdc.launch_dependents()
+        gdc.wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -162,12 +167,15 @@ def _append_kernel(
     k_new, v_new, k_ring, v_ring, lens,
     stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
     H, D, T_cap,
-    RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     # Launch 2 of cache_append, after every flush program has read the ring and lens. One program
     # per slot, all heads: it is the only reader and writer of lens[b] in this launch, so it can
     # advance the counters itself instead of a third launch (which would cost every decode step
     # another ~2 us per layer, not just the flush step).
+    if PDL:
+        gdc.launch_dependents()
+        gdc.wait()
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     n_quant = tl.load(lens + 2 * b)
@@ -226,14 +234,16 @@ def _cache_append_triton(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scal
     R, T_cap, G = k_ring.shape[2], v_cache.shape[2], group_size
     block_d = triton.next_power_of_2(D)
     chunks, split, block_dk, tokens = _flush_tiles(R, D, bits, G)
+    pdl = gdc.supported(k_new.device)
     _flush_kernel[(B, H, chunks)](
         k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, H, D, T_cap,
         RING=R, BITS=bits, G=G, SPLIT=split, BLOCK_DK=block_dk, TOKENS=tokens,
-        BLOCK_NG=triton.next_power_of_2(max(D // G, 1)), BLOCK_D=block_d)
+        BLOCK_NG=triton.next_power_of_2(max(D // G, 1)), BLOCK_D=block_d, PDL=pdl,
+        launch_pdl=pdl)
     block_h = max(1, min(triton.next_power_of_2(H), _TILE_ELEMENTS // block_d))
     _append_kernel[(B,)](
         k_new, v_new, k_ring, v_ring, lens, *k_new.stride(), *v_new.stride(), H, D, T_cap,
-        RING=R, BLOCK_H=block_h, BLOCK_D=block_d)
+        RING=R, BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -407,8 +407,11 @@ def _decode_attention_split_kernel(
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # see ops/_gdc.py: nothing is read or written before the previous kernel is done
+        gdc.launch_dependents()
+        gdc.wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -561,10 +564,11 @@ def _decode_attention_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     H_Q, stride_ob, stride_oh, stride_od, S,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if TRIGGER:  # the next kernel (a PDL launch: the o projection) may start its weight loads
+    if PDL:  # see ops/_gdc.py (the next kernel, the o projection, then streams its weights early)
         gdc.launch_dependents()
+        gdc.wait()
     # One pass: every split's m, l and acc slice load together (BLOCK_S >= S), so the program
     # waits for memory once.
     row = tl.program_id(0)  # b * H_q + query head
@@ -789,6 +793,9 @@ def _decode_attention_triton(
     else:
         dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
 
+    # Programmatic dependent launch (ops/_gdc.py) for the Triton kernels; the Gluon kernel keeps
+    # the plain launch.
+    pdl = gdc.supported(q.device)
     if fragments:
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -808,7 +815,8 @@ def _decode_attention_triton(
             GQA=gqa, BLOCK_H=block_h, D=d,
             BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-            INTERPRET=interpret, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+            INTERPRET=interpret, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=pdl,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     # One program per (row, 32 channels), all splits loaded at once: one round of memory
@@ -818,7 +826,7 @@ def _decode_attention_triton(
     _decode_attention_combine_kernel[(batch * h_q, d // block_d)](
         m, l, acc, out, h_q, *out.stride(), n_slots,
         D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
-        BF16_BY_HAND=bf16_by_hand, TRIGGER=gdc.supported(q.device), num_warps=4,
+        BF16_BY_HAND=bf16_by_hand, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out
 
