@@ -25,6 +25,22 @@ from .cache import StaticKVCache
 MAX_EOS_IDS = 8  # eos_token_id may be a list (Llama 3 has several); padded with -1
 
 
+def argmax_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``x (B, V)`` (the first index of the maximum), in two reductions.
+
+    Compiled, a plain argmax over a 128k vocabulary at batch 1 is one reduction kernel with one
+    program per row: 29 us per step on the H200. Maxima of ``chunk``-wide slices first (``V /
+    chunk`` programs per row), then the first slice holding the maximum.
+    """
+    B, V = x.shape
+    pad = (-V) % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    vals, idx = x.view(B, -1, chunk).max(dim=-1)           # first maximum within each slice
+    best = vals.argmax(dim=-1, keepdim=True)                  # first slice with the maximum
+    return (best * chunk + idx.gather(1, best))[:, 0]
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Temperature / top-k / top-p sampling without a host sync.
@@ -108,7 +124,7 @@ class DecodeRunner:
         # request longer than the buffers were told about): an out-of-range scatter would fault.
         col = self.step.clamp(max=self.generated.shape[1] - 1).expand(batch, 1)
         if mode == "greedy":
-            nxt = logits.argmax(dim=-1)
+            nxt = argmax_rows(logits)
         elif mode == "sample":
             nxt = sample_tokens(logits, self.temperature[:batch], self.top_k[:batch],
                                 self.top_p[:batch], self.noise[:batch])

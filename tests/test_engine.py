@@ -284,3 +284,14 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
     assert torch.equal(plain.finish_layer(1, one, attn[:, 4:5]),
                        fused.finish_layer(1, one, attn[:, 4:5]))
     assert torch.equal(model(x).logits, before)  # the HF model is untouched by the fusion
+
+
+@pytest.mark.parametrize("V", [101, 256, 1000, 128256])
+def test_argmax_rows_is_argmax_ties_included(V):
+    from minikv_compile.graphs.decode import argmax_rows
+
+    g = torch.Generator().manual_seed(V)
+    ties = torch.randint(-3, 3, (3, V), generator=g).float()  # the first maximum must win
+    ties[1, V // 2:] = 7.0                                     # a maximum spanning slices
+    for x in (ties, torch.randn(3, V, generator=g)):
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
