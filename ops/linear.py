@@ -121,10 +121,9 @@ def _fused_linear_kernel(
     n_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
 
-    # The weights are never written during a step: the first two tiles load before waiting for
-    # the kernel that produced x (PDL), so they stream during that kernel's last wave.
+    # The weights are never written during a step: the first tile loads before waiting for the
+    # kernel that produced x (PDL), so it streams during that kernel's last wave.
     w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
-    w_next = _load_weights(w_ptr, cols, n_ok, kk + BLOCK_K, K, stride_wn)
     if PDL:
         gdc.launch_dependents()
         gdc.wait()
@@ -146,7 +145,7 @@ def _fused_linear_kernel(
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + kk
         a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, K, rstd, PROLOGUE)
-        w_after = _load_weights(w_ptr, cols, n_ok, k + 2 * BLOCK_K, K, stride_wn)  # 2 in flight
+        w_next = _load_weights(w_ptr, cols, n_ok, k + BLOCK_K, K, stride_wn)  # in flight meanwhile
         if USE_DOT:
             if FP32_DOT:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -155,7 +154,6 @@ def _fused_linear_kernel(
         else:
             acc2 += w.to(tl.float32) * a.to(tl.float32)                  # a is (1, BLOCK_K)
         w = w_next
-        w_next = w_after
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_M, BLOCK_N))
 
@@ -212,8 +210,8 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     """Block sizes, stages, warps and the inner product of a launch.
 
-    One row (the decode step at batch 1): FMA over (4 x BLOCK_K) weight tiles, three in flight
-    per program (the next two load while this one is used), the products summed over K once after the
+    One row (the decode step at batch 1): FMA over (4 x BLOCK_K) weight tiles, two in flight per
+    program (the next loads while this one is used), the products summed over K once after the
     loop. On the H200 (``linear_sweep_94d7c95.txt``, 12 configurations per layer) this is the
     best or within 5% of it on the Llama-3.1-8B layers: BLOCK_K 1024 for K = 4096 (q/k/v, o,
     gate/up), 512 for K = 14336 (down, whose SiLU-gate prologue holds two input tiles; 1024
