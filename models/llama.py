@@ -14,8 +14,8 @@ from torch import nn
 
 from minikv_compile import ops
 
-# The norms whose forward is exactly ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``
-# (what ``ops.fused_linear`` computes in front of a projection).
+# The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
+# what ``ops.fused_linear`` computes in front of a projection.
 _PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
@@ -49,7 +49,7 @@ class LlamaFamilyAdapter:
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
         self.fused = [_fuse_layer(block) for block in self.layers] if fuse_projections else None
         # One decode row (batch 1): each projection is one ``ops.fused_linear`` launch with the
-        # norm / SiLU-gate before it and the residual add after it (see ``_decode_layer``).
+        # norm / SiLU-gate before it and the residual add or RoPE after it (``_one_row``).
         self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
 
     # -- pieces -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """A linear layer for the few rows of a decode step, with the RMSNorm or SiLU-gate before it and
 the residual add after it fused in.
 
-``fused_linear(x, weight, bias, rms_weight=..., glu=..., residual=...)`` computes, for ``x (M, K_in)``
-and ``weight (N, K)``::
+``fused_linear(x, weight, bias, rms_weight=..., glu=..., residual=..., rope_cos=...)`` computes,
+for ``x (M, K_in)`` and ``weight (N, K)``::
 
     a = x                                                          (no prologue)
     a = rms_weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)   (RMSNorm)
@@ -11,23 +11,22 @@ and ``weight (N, K)``::
     y = y + residual                                    (optional, in x's dtype), or else
     y[:, :R] = rope(y[:, :R], cos, sin)                 (optional: the q and k heads)
 
-where ``rope`` rotates each head of ``D = cos.shape[1]`` columns the way HF's Llama does
-(``y * cos + rotate_half(y) * sin``, halves ``[0, D/2)`` and ``[D/2, D)``), computed in fp32 from
-the rounded ``y`` and rounded once, as the compiled step computes it.
-
 with the roundings of the HF modules it replaces (``LlamaRMSNorm``, ``act_fn(gate) * up`` with
 SiLU, ``nn.Linear``, ``h + ...``): each intermediate the module chain would hold in the model
 dtype is rounded to it here too. Only the sum over K runs in another order (fp32 accumulation
 over tiles), so results match the module chain to the last bit of the model dtype, not exactly.
+``rope`` rotates each head of ``D = cos.shape[1]`` columns the way HF's Llama does (``y * cos +
+rotate_half(y) * sin``, halves ``[0, D/2)`` and ``[D/2, D)``), in fp32 from the rounded ``y``,
+rounded once, as the compiled decode step computes it.
 
 Why. At decode time a linear layer of an LLM is a GEMV: it reads its weights once and does two
-FLOPs per weight. A Llama-3.1-8B step at batch 1 has 15 kernels per layer; the RMSNorms, the
-SiLU-gate and cuBLAS's split-K reductions are five of them, each ~1-2 us of launch and latency
-for a few KB of data. Here each program reads the whole (tiny) input row itself, so the norm and
-the gate cost no launch; the residual add is the last store. With the RoPE epilogue the q/k/v
-projection also absorbs the two RoPE kernels (of q and of k): a program that rotates takes the
-rows ``j`` and ``j + D/2`` of one head (its columns are two half-blocks, not one block), so both
-halves of every rotated pair sit in its registers.
+FLOPs per weight. The Llama-3.1-8B decode step at batch 1 had 15 kernels per layer with cuBLAS;
+the RMSNorms, the SiLU-gate and cuBLAS's split-K reductions were five of them, each ~1-2 us of
+launch and latency for a few KB of data. Here each program reads the whole (tiny) input row
+itself, so the norm and the gate cost no launch; the residual add is the last store. With the
+RoPE epilogue the q/k/v projection also absorbs the two RoPE kernels (of q and of k): a program
+that rotates takes the rows ``j`` and ``j + D/2`` of one head (its columns are two half-blocks,
+not one block), so both halves of every rotated pair sit in its registers.
 
 Kernel: one program per ``BLOCK_N`` output columns and ``BLOCK_M`` rows, the whole K in a loop
 (no split-K, so no reduction launch and no atomics). The weight tile is the only large stream.
@@ -241,7 +240,14 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     rope = rope_cos is not None
     head_dim = rope_cos.shape[1] if rope else 2
     if rope:  # a rotating program holds whole pairs: BLOCK_N even and dividing the head dim
-        cfg["BLOCK_N"] = max(2, min(cfg["BLOCK_N"], head_dim))
+        block_n = cfg["BLOCK_N"]
+        while head_dim % block_n:
+            block_n //= 2
+        if cfg["USE_DOT"] and block_n < 16:  # too narrow for tl.dot: one row per program
+            cfg.update(launch_config(1, N, K, x.dtype))
+            num_warps = cfg.pop("num_warps")
+            block_n = min(cfg["BLOCK_N"], block_n)
+        cfg["BLOCK_N"] = block_n
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
     _fused_linear_kernel[grid](
@@ -253,8 +259,9 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0,
         rope_cos.stride(0) if rope else 0, y.stride(0),
-        PROLOGUE=_PROLOGUE_CODE[prologue], HAS_BIAS=bias is not None, ROPE=rope, HEAD_DIM=head_dim,
-        HAS_RESIDUAL=residual is not None, FP32_DOT=x.dtype == torch.float32, PDL=pdl,
+        PROLOGUE=_PROLOGUE_CODE[prologue], HAS_BIAS=bias is not None, ROPE=rope,
+        HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None,
+        FP32_DOT=x.dtype == torch.float32, PDL=pdl,
         num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
     return y
