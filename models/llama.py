@@ -133,10 +133,11 @@ class LlamaFamilyAdapter:
     def _one_row(self, h: torch.Tensor) -> bool:
         """Whether this call runs the ``ops.fused_linear`` path: a decode step at batch 1.
 
-        Measured on the H200 (``linear_sweep_*.txt``): at one row the fused launches beat
-        inductor's norm / gate / add kernels around cuBLAS on three of the four Llama-3.1-8B
-        layers (q/k/v 1.1x, o 1.3x, down 1.1x; gate/up 0.99x); at eight rows they lose (the
-        tensor-core path reads its tiles far below bandwidth), so larger batches keep cuBLAS.
+        Measured on the H200 (``linear_sweep_quick_0608ded.txt``): at one row the fused launches
+        beat inductor's norm / gate / add kernels around cuBLAS on the Llama-3.1-8B layers (q/k/v
+        1.17x, o 1.50x, gate/up 1.01x, down 1.14x); at eight rows they lose (the tensor-core path
+        reads its tiles far below bandwidth, ``linear_sweep_a1d0c65_pre.txt``), so larger
+        batches keep cuBLAS.
         """
         return self.fused_decode and h.shape[0] == 1 and h.shape[1] == 1
 

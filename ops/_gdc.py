@@ -9,6 +9,7 @@ compile the same on every Triton version the project runs on.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,6 +30,13 @@ def launch_dependents():
 
 
 def supported(device: torch.device) -> bool:
-    """CUDA sm_90+ and not the interpreter."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    """CUDA sm_90+ and not the interpreter (asked at every launch: the capability is cached)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _major(index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]

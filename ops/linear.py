@@ -43,8 +43,7 @@ import triton.language as tl
 from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_tensor
 
-PROLOGUES = ("none", "rmsnorm", "glu")
-_PROLOGUE_CODE = {"none": 0, "rmsnorm": 1, "glu": 2}
+PROLOGUES = ("none", "rmsnorm", "glu")  # the kernel's PROLOGUE is the index in this tuple
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +258,7 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0,
         rope_cos.stride(0) if rope else 0, y.stride(0),
-        PROLOGUE=_PROLOGUE_CODE[prologue], HAS_BIAS=bias is not None, ROPE=rope,
+        PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, ROPE=rope,
         HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None,
         FP32_DOT=x.dtype == torch.float32, PDL=pdl,
         num_warps=num_warps, launch_pdl=pdl, **cfg,

@@ -93,8 +93,8 @@ def main() -> None:
             if name != "qkv":
                 cos = sin = None
             rows = ROPE_ROWS if cos is not None else 0
-            ops = (None, nw, r, cos, sin, rows, prologue, 1e-5)
-            ref = lin.fused_linear_ref(x, ws[0], *ops).float()
+            operands = (None, nw, r, cos, sin, rows, prologue, 1e-5)
+            ref = lin.fused_linear_ref(x, ws[0], *operands).float()
             b_ms = timed(lambda w: base(x, w, nw, r, cos, sin), ws)
             a = torch.randn(M, K, device=dev, dtype=dt)
             c_ms = timed(lambda w: F.linear(a, w), ws)
@@ -110,9 +110,9 @@ def main() -> None:
             for cfg in cfgs:
                 kw = dict(cfg)
                 try:
-                    y = lin._fused_linear_triton(x, ws[0], *ops, **kw)
+                    y = lin._fused_linear_triton(x, ws[0], *operands, **kw)
                     err = (y.float() - ref).abs().max().item()
-                    ms = timed(lambda w: lin._fused_linear_triton(x, w, *ops, **kw), ws)
+                    ms = timed(lambda w: lin._fused_linear_triton(x, w, *operands, **kw), ws)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
                     continue
