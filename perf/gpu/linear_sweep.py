@@ -16,6 +16,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from minikv_compile.perf._bench import environment
 from minikv_compile.perf.bench_decode_attention import _graph_ms, _replicas, copy_bandwidth
 
 lin = importlib.import_module("minikv_compile.ops.linear")
@@ -75,7 +76,9 @@ def main() -> None:
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     copy = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s")
+    env = environment()
+    print(f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, "
+          f"git {env['git_sha']}: copy {copy / 1e12:.2f} TB/s")
     torch.manual_seed(0)
     for name in args.layers.split(","):
         N, K, prologue, residual = LAYERS[name]
