@@ -76,13 +76,21 @@ def _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, K, rstd,
 
 
 @triton.jit
+def _halves(y):
+    """(BLOCK_M, 2 * HALF) -> its columns [0, HALF) and [HALF, 2 * HALF), each (BLOCK_M, HALF)."""
+    BLOCK_M: tl.constexpr = y.shape[0]
+    HALF: tl.constexpr = y.shape[1] // 2
+    return tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+
+
+@triton.jit
 def _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF: tl.constexpr,
           HEAD_DIM: tl.constexpr):
     """Rotate a (BLOCK_M, 2 * HALF) tile whose columns are [j .. j+HALF) and their partners
     [j + D/2 ..): ``y * cos - partner * sin`` on the first half, ``+`` on the second."""
     BLOCK_M: tl.constexpr = y.shape[0]
     yf = y.to(tl.float32)
-    first, second = tl.split(tl.permute(tl.reshape(yf, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    first, second = _halves(yf)
     partner = tl.reshape(tl.permute(tl.join(second, first), (0, 2, 1)), (BLOCK_M, 2 * HALF))
     d = (cols % HEAD_DIM)[None, :]
     c = tl.load(cos_ptr + rows[:, None] * stride_cm + d, mask=mask, other=0.0).to(tl.float32)
@@ -92,12 +100,26 @@ def _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF: tl.con
 
 
 @triton.jit
+def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+    """1 / RMS of each row of x, in fp32 (every program reads its rows whole, from L2)."""
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    kk = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
+                     mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        sq += xs * xs
+    return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+
+
+@triton.jit
 def _fused_linear_kernel(
     x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, y_ptr,
     M, N, K, eps, ROPE_ROWS,
     stride_xm, stride_wn, stride_rm, stride_cm, stride_ym,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -108,6 +130,7 @@ def _fused_linear_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     cols = pid_n * BLOCK_N + offs_n
     HALF: tl.constexpr = BLOCK_N // 2
+    n_ok = cols < N
     rotate = False
     if ROPE:  # programs [0, ROPE_ROWS / BLOCK_N): rows j0 + [0, HALF) and j0 + D/2 + [0, HALF)
         per_head: tl.constexpr = HEAD_DIM // BLOCK_N
@@ -115,57 +138,69 @@ def _fused_linear_kernel(
         j0 = (pid_n // per_head) * HEAD_DIM + (pid_n % per_head) * HALF
         pairs = j0 + offs_n % HALF + (offs_n // HALF) * (HEAD_DIM // 2)
         cols = tl.where(rotate, pairs, cols)
+        n_ok = cols < N
+    if GLU_OUT:  # output columns j0 + [0, HALF): gate rows j0 + [0, HALF), up rows N/2 + ...
+        j = pid_n * HALF + offs_n % HALF
+        cols = j + (offs_n // HALF) * (N // 2)
+        n_ok = j < N // 2
     m_ok = rows < M
-    n_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
 
-    # The weights are never written during a step: the first tile loads before waiting for the
-    # kernel that produced x (PDL), so it streams during that kernel's last wave.
-    w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
-    if PDL:
-        gdc.launch_dependents()
-        gdc.wait()
-
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:  # RMSNorm: every program reads its rows whole (M x K elements, from L2)
-        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kk
-            xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
-                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
-
-    if USE_DOT:
+    if USE_DOT:  # tensor-core tiles, loads pipelined over NUM_STAGES by the compiler
+        if PDL:
+            gdc.launch_dependents()
+            gdc.wait()
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if PROLOGUE == 1:
+            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:  # BLOCK_M == 1: products summed over K once, after the loop
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + kk
-        a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, K, rstd, PROLOGUE)
-        w_next = _load_weights(w_ptr, cols, n_ok, k + BLOCK_K, K, stride_wn)  # in flight meanwhile
-        if USE_DOT:
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k = k0 + kk
+            a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, K, rstd, PROLOGUE)
+            w = _load_weights(w_ptr, cols, n_ok, k, K, stride_wn)
             if FP32_DOT:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
-        else:
+    else:  # BLOCK_M == 1: FMA, the next weight tile in flight while this one is used
+        # The weights are never written during a step: the first tile loads before waiting for
+        # the kernel that produced x (PDL), so it streams during that kernel's last wave.
+        w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
+        if PDL:
+            gdc.launch_dependents()
+            gdc.wait()
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if PROLOGUE == 1:
+            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k = k0 + kk
+            a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, K, rstd, PROLOGUE)
+            w_next = _load_weights(w_ptr, cols, n_ok, k + BLOCK_K, K, stride_wn)
             acc2 += w.to(tl.float32) * a.to(tl.float32)                  # a is (1, BLOCK_K)
-        w = w_next
-    if not USE_DOT:
+            w = w_next
         acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_M, BLOCK_N))
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
-    mask = m_ok[:, None] & n_ok[None, :]
-    if ROPE:
-        if rotate:
-            y = _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF, HEAD_DIM)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
+    if GLU_OUT:  # silu(gate) * up, each rounded as the module chain rounds it
+        gate, up = _halves(y)
+        g = gate.to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(y.dtype) * up
+        out = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(y_ptr + rows[:, None] * stride_ym + out[None, :], y,
+                 mask=m_ok[:, None] & (out < N // 2)[None, :])
+    else:
+        mask = m_ok[:, None] & n_ok[None, :]
+        if ROPE:
+            if rotate:
+                y = _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF,
+                          HEAD_DIM)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +211,8 @@ def _fused_linear_kernel(
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                      rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
-                     rope_rows: int, prologue: str, eps: float) -> torch.Tensor:
+                     rope_rows: int, prologue: str, eps: float,
+                     glu_out: bool = False) -> torch.Tensor:
     """The module chain in plain PyTorch (what the kernel computes; the CPU implementation)."""
     if prologue == "rmsnorm":
         xf = x.float()
@@ -188,6 +224,9 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     else:
         a = x
     y = F.linear(a, weight, bias)
+    if glu_out:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
     if residual is not None:
         return y + residual
     if rope_cos is not None:
@@ -228,10 +267,11 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                          rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
-                         rope_rows: int, prologue: str, eps: float, **override) -> torch.Tensor:
+                         rope_rows: int, prologue: str, eps: float, glu_out: bool = False,
+                         **override) -> torch.Tensor:
     M = x.shape[0]
     N, K = weight.shape
-    y = x.new_empty(M, N)
+    y = x.new_empty(M, N // 2 if glu_out else N)
     cfg = launch_config(M, N, K, x.dtype)
     cfg.update(override)
     num_warps = cfg.pop("num_warps")
@@ -247,7 +287,8 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             num_warps = cfg.pop("num_warps")
             block_n = min(cfg["BLOCK_N"], block_n)
         cfg["BLOCK_N"] = block_n
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
+    per_program = cfg["BLOCK_N"] // 2 if glu_out else cfg["BLOCK_N"]  # output columns
+    grid = (triton.cdiv(y.shape[1], per_program), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
     _fused_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
@@ -259,7 +300,7 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         residual.stride(0) if residual is not None else 0,
         rope_cos.stride(0) if rope else 0, y.stride(0),
         PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, ROPE=rope,
-        HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None,
+        HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, GLU_OUT=glu_out,
         FP32_DOT=x.dtype == torch.float32, PDL=pdl,
         num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
@@ -275,14 +316,16 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
 def _fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                      rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
-                     rope_rows: int, prologue: str, eps: float) -> torch.Tensor:
+                     rope_rows: int, prologue: str, eps: float,
+                     glu_out: bool = False) -> torch.Tensor:
     return fused_linear_ref(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows,
-                            prologue, eps)
+                            prologue, eps, glu_out)
 
 
 @_fused_linear_op.register_fake
-def _(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows, prologue, eps):
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows, prologue, eps,
+      glu_out=False):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu_out else weight.shape[0])
 
 
 _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
@@ -297,9 +340,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                  glu: bool = False, residual: Optional[torch.Tensor] = None,
                  rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
-                 rope_rows: int = 0) -> torch.Tensor:
+                 rope_rows: int = 0, glu_out: bool = False) -> torch.Tensor:
     """``[residual +] linear(prologue(x), weight, bias)``, or its first ``rope_rows`` columns
-    rotated, in one launch (module docstring).
+    rotated, or ``silu(gate) * up`` of its two halves, in one launch (module docstring).
 
     Args:
         x: ``(M, K)`` fp16/bf16/fp32 (``(M, 2K)`` = [gate; up] when ``glu``); unit stride along
@@ -313,13 +356,15 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         rope_cos, rope_sin: ``(M, D)`` (row ``m``'s position), unit stride along D, D even:
             rotate output columns ``[0, rope_rows)`` as heads of D (not with ``residual``).
         rope_rows: a positive multiple of D, at most N, when rope_cos is given.
+        glu_out: the weight is [gate; up] (N even): return ``silu(y[:, :N/2]) * y[:, N/2:]``
+            (no residual, no RoPE).
 
     Returns:
-        ``(M, N)`` in x's dtype, contiguous.
+        ``(M, N)`` (``(M, N / 2)`` with ``glu_out``) in x's dtype, contiguous.
 
     Raises:
-        ValueError: inconsistent shapes, dtypes or devices, both prologues, or RoPE together
-            with a residual.
+        ValueError: inconsistent shapes, dtypes or devices, both prologues, or more than one of
+            RoPE, residual and ``glu_out``.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -348,9 +393,17 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             raise ValueError(f"residual: expected unit stride along the last dim, got strides "
                              f"{residual.stride()}")
     _check_rope(rope_cos, rope_sin, rope_rows, residual, M, N, dt, dev)
+    if glu_out:
+        if residual is not None or rope_cos is not None:
+            raise ValueError("expected glu_out without a residual or RoPE, got "
+                             + ("a residual" if residual is not None else "RoPE"))
+        if N % 2:
+            raise ValueError(f"weight: expected an even number of rows ([gate; up]) with "
+                             f"glu_out, got {N}")
     prologue = "rmsnorm" if rms_weight is not None else ("glu" if glu else "none")
     return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, rope_cos,
-                                         rope_sin, int(rope_rows), prologue, float(eps))
+                                         rope_sin, int(rope_rows), prologue, float(eps),
+                                         bool(glu_out))
 
 
 def _check_rope(cos, sin, rows, residual, M, N, dt, dev) -> None:

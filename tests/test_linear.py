@@ -41,17 +41,18 @@ def _operands(a):
 
 
 def run_ref(x, w, a, prologue, eps=1e-5):
-    return fused_linear_ref(x, w, *_operands(a), prologue, eps)
+    return fused_linear_ref(x, w, *_operands(a), prologue, eps, a.get("glu_out", False))
 
 
 def run_kernel(x, w, a, prologue, eps=1e-5, **kw):
-    return _fused_linear_triton(x, w, *_operands(a), prologue, eps, **kw)
+    return _fused_linear_triton(x, w, *_operands(a), prologue, eps, a.get("glu_out", False), **kw)
 
 
 def public(x, w, a, prologue, eps=1e-5):
     return fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"], eps=eps,
                         glu=prologue == "glu", residual=a["residual"], rope_cos=a["rope_cos"],
-                        rope_sin=a["rope_sin"], rope_rows=a["rope_rows"])
+                        rope_sin=a["rope_sin"], rope_rows=a["rope_rows"],
+                        glu_out=a.get("glu_out", False))
 
 
 def assert_within_2x(out, x, w, a, prologue):
@@ -81,6 +82,12 @@ def test_reference_is_the_hf_module_chain():
     gate, up = x[:, :32], x[:, 32:]
     want = torch.nn.functional.linear(torch.nn.SiLU()(gate) * up, w)
     assert torch.equal(run_ref(x, w, a, "glu"), want)
+    # glu_out: LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) from the [gate; up] weight
+    x, w, a = make_case(2, 48, 32, "rmsnorm", torch.float32, bias=True)
+    norm.weight.data = a["rms_weight"]
+    y = torch.nn.functional.linear(norm(x), w, a["bias"])
+    want = torch.nn.SiLU()(y[:, :24]) * y[:, 24:]
+    assert torch.equal(run_ref(x, w, {**a, "glu_out": True}, "rmsnorm"), want)
 
 
 @pytest.mark.interpret
@@ -127,6 +134,24 @@ def test_triton_rope_epilogue(M, D, cfg, dtype):
     assert (out[:, :R] - plain[:, :R]).abs().max() > 0.1  # it did rotate
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("M,cfg", [
+    (1, {}),
+    (3, {}),
+    (3, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_glu_epilogue(M, cfg, dtype):
+    # 2 x 36 rows ([gate; up]): output columns j pair weight rows j and 36 + j; 36 is not a
+    # multiple of any block, so the last program's gate and up rows are both partly masked.
+    x, w, a = make_case(M, 72, 40, "rmsnorm", dtype, bias=True, outliers=True)
+    a["glu_out"] = True
+    out = run_kernel(x, w, a, "rmsnorm", **cfg)
+    assert out.shape == (M, 36)
+    assert_within_2x(out, x, w, a, "rmsnorm")
+    torch.testing.assert_close(out, run_ref(x, w, a, "rmsnorm"), rtol=2e-3, atol=2e-3)
+
+
 def test_launch_rule():
     assert launch_config(1, 4096, 4096, torch.bfloat16)["USE_DOT"] is False
     assert launch_config(8, 4096, 4096, torch.bfloat16)["USE_DOT"] is True
@@ -146,6 +171,10 @@ def test_public_op_on_cpu_opcheck_and_compile():
     half = torch.cat((-q[..., 4:], q[..., :4]), dim=-1)
     want = (q * a["rope_cos"][:, None] + half * a["rope_sin"][:, None]).reshape(2, 16)
     torch.testing.assert_close(public(x, w, a, "none")[:, :16], want)
+    x, w, a = make_case(3, 24, 32, "rmsnorm", torch.float32, bias=True)
+    args = (x, w, *_operands(a), "rmsnorm", 1e-5, True)
+    torch.library.opcheck(torch.ops.minikv.fused_linear.default, args)
+    assert torch.ops.minikv.fused_linear(*args).shape == (3, 12)
     x, w, a = make_case(1, 24, 32, "glu", torch.float32)
     f = torch.compile(lambda x: fused_linear(x, w, glu=True), fullgraph=True, backend="eager")
     assert torch.equal(f(x), run_ref(x, w, a, "glu"))
@@ -188,6 +217,11 @@ def _rope(**kw):
     (_rope(rope_cos=torch.ones(2, 7), rope_sin=torch.ones(2, 7), rope_rows=14),
      "expected an even head dim"),
     (lambda x, w, kw: (x, w, {**kw, "rope_rows": 8}), "rope_rows: expected 0 without"),
+    (lambda x, w, kw: (x, w, {**kw, "glu_out": True}),
+     "expected glu_out without a residual or RoPE, got a residual"),
+    (_rope(glu_out=True), "expected glu_out without a residual or RoPE, got RoPE"),
+    (lambda x, w, kw: (x, w[:23], {"glu_out": True}),
+     "weight: expected an even number of rows"),
 ])
 def test_bad_inputs_raise(change, message):
     x, w, kw = _bad(change)
@@ -216,6 +250,11 @@ def test_gpu_llama_layers(N, K, prologue, residual, M, dtype):
     x, w, a = make_case(M, N, K, prologue, dtype, "cuda", residual=residual, outliers=True,
                         **rope)
     assert_within_2x(public(x, w, a, prologue), x, w, a, prologue)
+    if N == 28672:  # gate/up as the engine runs it: silu(gate) * up in the epilogue
+        a["glu_out"] = True
+        out = public(x, w, a, prologue)
+        assert out.shape == (M, N // 2)
+        assert_within_2x(out, x, w, a, prologue)
 
 
 @pytest.mark.gpu

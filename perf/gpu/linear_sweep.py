@@ -23,22 +23,28 @@ lin = importlib.import_module("minikv_compile.ops.linear")
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
 HEAD_DIM, ROPE_ROWS = 128, 40 * 128  # q/k/v: RoPE over the 32 q and 8 k heads
-LAYERS = {  # name: (N, K, prologue, residual)
-    "qkv": (QKV, HIDDEN, "rmsnorm", False),
-    "o": (HIDDEN, HIDDEN, "none", True),
-    "gate_up": (2 * INTER, HIDDEN, "rmsnorm", False),
-    "down": (HIDDEN, INTER, "glu", True),
+LAYERS = {  # name: (N, K, prologue, residual, glu_out)
+    "qkv": (QKV, HIDDEN, "rmsnorm", False, False),
+    "o": (HIDDEN, HIDDEN, "none", True, False),
+    "gate_up": (2 * INTER, HIDDEN, "rmsnorm", False, True),  # silu(gate) * up in the epilogue
+    "down": (HIDDEN, INTER, "none", True, False),
+    # The SiLU-gate as the down projection's prologue instead (the batch-1 step of 0608ded):
+    "down_glu": (HIDDEN, INTER, "glu", True, False),
 }
 
 
 def row_configs():  # one row, FMA
-    for bn, bk, w in itertools.product((4, 8, 16), (512, 1024), (4, 8)):
+    for bn, bk, w in itertools.product((4, 8), (512, 1024), (4, 8)):
         yield dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=1, num_warps=w)
 
 
-def dot_configs():
-    for bn, bk, st in ((64, 256, 5), (64, 128, 3), (32, 256, 5)):
-        yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=4)
+def dot_configs():  # several rows: tensor-core tiles of 16 (padded) rows
+    for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4)):
+        if bn * bk * st <= 64 * 256 * 4:  # stays within shared memory
+            yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st,
+                       num_warps=4)
+    yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4, num_warps=2)
+    yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, NUM_STAGES=4, num_warps=8)
 
 
 def timed(fn, ws) -> float:
@@ -47,7 +53,7 @@ def timed(fn, ws) -> float:
     return _graph_ms([lambda w=ws[i % len(ws)]: fn(w) for i in range(max(8, len(ws)))])
 
 
-def baseline_fn(prologue: str, eps: float = 1e-5):
+def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
     """The unfused chain as the decode step writes it (HF RMSNorm, act_fn(gate) * up, h + ...)."""
     def run(x, w, nw, r, cos, sin):
         if prologue == "rmsnorm":
@@ -64,6 +70,9 @@ def baseline_fn(prologue: str, eps: float = 1e-5):
             half = torch.cat((-qk[..., HEAD_DIM // 2:], qk[..., :HEAD_DIM // 2]), dim=-1)
             qk = qk * cos[:, None] + half * sin[:, None]
             y = torch.cat((qk.flatten(1), y[:, ROPE_ROWS:]), dim=1)
+        if glu_out:
+            g, u = y.chunk(2, dim=-1)
+            y = F.silu(g) * u
         return y + r if r is not None else y
     return torch.compile(run, fullgraph=True, dynamic=False)
 
@@ -81,13 +90,13 @@ def main() -> None:
           f"git {env['git_sha']}: copy {copy / 1e12:.2f} TB/s")
     torch.manual_seed(0)
     for name in args.layers.split(","):
-        N, K, prologue, residual = LAYERS[name]
+        N, K, prologue, residual, glu_out = LAYERS[name]
         k_in = 2 * K if prologue == "glu" else K
         wbytes = N * K * 2
         reps = max(2, _replicas(wbytes))  # >= 2: a copy is evicted before it is read again
         ws = [torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5 for _ in range(reps)]
         nw = torch.rand(K, device=dev, dtype=dt) + 0.5 if prologue == "rmsnorm" else None
-        base = baseline_fn(prologue)
+        base = baseline_fn(prologue, glu_out)
         for M in (int(b) for b in args.batches.split(",")):
             x = torch.randn(M, k_in, device=dev, dtype=dt)
             r = torch.randn(M, N, device=dev, dtype=dt) if residual else None
@@ -96,7 +105,7 @@ def main() -> None:
             if name != "qkv":
                 cos = sin = None
             rows = ROPE_ROWS if cos is not None else 0
-            operands = (None, nw, r, cos, sin, rows, prologue, 1e-5)
+            operands = (None, nw, r, cos, sin, rows, prologue, 1e-5, glu_out)
             ref = lin.fused_linear_ref(x, ws[0], *operands).float()
             b_ms = timed(lambda w: base(x, w, nw, r, cos, sin), ws)
             a = torch.randn(M, K, device=dev, dtype=dt)
@@ -108,7 +117,7 @@ def main() -> None:
             # The default without PDL: each launch then waits for the previous one to finish.
             cfgs = [default, {**default, "pdl": False}]
             if not args.quick:
-                cfgs += list(row_configs() if M == 1 else []) + list(dot_configs())
+                cfgs += list(row_configs() if M == 1 else dot_configs())
             best = None
             for cfg in cfgs:
                 kw = dict(cfg)
