@@ -14,6 +14,9 @@ from torch import nn
 
 from minikv_compile import ops
 
+# Decode steps of up to this many rows run ``ops.fused_linear`` (``_fused_rows``).
+FUSED_MAX_ROWS = 8
+
 # The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
 # what ``ops.fused_linear`` computes in front of a projection.
 _PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -48,8 +51,8 @@ class LlamaFamilyAdapter:
         _check_no_sliding_window(config, max_positions)
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
         self.fused = [_fuse_layer(block) for block in self.layers] if fuse_projections else None
-        # One decode row (batch 1): each projection is one ``ops.fused_linear`` launch with the
-        # norm / SiLU-gate before it and the residual add or RoPE after it (``_one_row``).
+        # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
+        # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
         self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
 
     # -- pieces -------------------------------------------------------------------------------
@@ -69,7 +72,7 @@ class LlamaFamilyAdapter:
         B, S, _ = h.shape
         nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         rotated = False
-        if self._one_row(h):
+        if self._fused_rows(h):
             w, b = self.fused[layer]["qkv"]
             norm = block.input_layernorm
             # RoPE of q and k in the same launch, unless a q/k norm (Qwen3) comes before it.
@@ -109,14 +112,14 @@ class LlamaFamilyAdapter:
 
     def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
-        if self._one_row(h):
-            mlp, norm = block.mlp, block.post_attention_layernorm
-            o = block.self_attn.o_proj
+        if self._fused_rows(h):
+            norm, o = block.post_attention_layernorm, block.self_attn.o_proj
+            down = block.mlp.down_proj
             x = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0])
             w, b = self.fused[layer]["gate_up"]
-            gate_up = ops.fused_linear(x, w, b, rms_weight=norm.weight, eps=norm.variance_epsilon)
-            down = mlp.down_proj
-            return ops.fused_linear(gate_up, down.weight, down.bias, glu=True, residual=x)[:, None]
+            act = ops.fused_linear(x, w, b, rms_weight=norm.weight, eps=norm.variance_epsilon,
+                                   glu_out=True)  # silu(gate) * up
+            return ops.fused_linear(act, down.weight, down.bias, residual=x)[:, None]
         h = h + block.self_attn.o_proj(attn_out)
         x = block.post_attention_layernorm(h)
         if self.fused is None:
@@ -130,16 +133,14 @@ class LlamaFamilyAdapter:
         return self.model.lm_head(self.decoder.norm(h)).float()
 
 
-    def _one_row(self, h: torch.Tensor) -> bool:
-        """Whether this call runs the ``ops.fused_linear`` path: a decode step at batch 1.
+    def _fused_rows(self, h: torch.Tensor) -> bool:
+        """Whether this call runs the ``ops.fused_linear`` path: a decode step of at most
+        ``FUSED_MAX_ROWS`` rows.
 
-        Measured on the H200 (``linear_sweep_quick_0608ded.txt``): at one row the fused launches
-        beat inductor's norm / gate / add kernels around cuBLAS on the Llama-3.1-8B layers (q/k/v
-        1.17x, o 1.50x, gate/up 1.01x, down 1.14x); at eight rows they lose (the tensor-core path
-        reads its tiles far below bandwidth, ``linear_sweep_a1d0c65_pre.txt``), so larger
-        batches keep cuBLAS.
+        Measured on the H200 (``linear_sweep_*``, each layer beside inductor's norm / gate / add
+        / RoPE kernels around cuBLAS): see ``perf/NOTES.md``, "Fused linear layers".
         """
-        return self.fused_decode and h.shape[0] == 1 and h.shape[1] == 1
+        return self.fused_decode and h.shape[0] <= FUSED_MAX_ROWS and h.shape[1] == 1
 
 
 def _fusable(block: nn.Module, config) -> bool:

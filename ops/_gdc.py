@@ -6,6 +6,9 @@ exited). Everything it does before :func:`wait` must not touch memory the earlie
 :func:`wait` returns once they have all completed and their writes are visible. Both
 instructions are no-ops when the launch did not ask for PDL. Inline PTX, so that the kernels
 compile the same on every Triton version the project runs on.
+
+``MINIKV_PDL=0`` in the environment turns it off (every launch then waits for the one before it
+to finish): a profile then shows each kernel's own duration, not its wait for the previous one.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ def launch_dependents():
 
 
 def supported(device: torch.device) -> bool:
-    """CUDA sm_90+ and not the interpreter (asked at every launch: the capability is cached)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    """CUDA sm_90+, not the interpreter, not turned off by ``MINIKV_PDL=0`` (asked at every
+    launch: the capability is cached)."""
+    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or os.environ.get("MINIKV_PDL") == "0"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _major(index) >= 9

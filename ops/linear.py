@@ -100,16 +100,20 @@ def _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF: tl.con
 
 
 @triton.jit
-def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
-    """1 / RMS of each row of x, in fp32 (every program reads its rows whole, from L2)."""
+def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, TILE: tl.constexpr, UNROLL: tl.constexpr):
+    """1 / RMS of each row of x, in fp32. Every program reads its rows whole (from L2) before its
+    first weight tile, so this pass is latency on the critical path: tiles of TILE elements
+    (all rows), UNROLL loads issued before their sums."""
     BLOCK_M: tl.constexpr = rows.shape[0]
-    kk = tl.arange(0, BLOCK_K)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
-                     mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        sq += xs * xs
+    CHUNK: tl.constexpr = TILE // BLOCK_M
+    kk = tl.arange(0, CHUNK)
+    sq = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
+    for k0 in range(0, K, CHUNK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            k = k0 + u * CHUNK + kk
+            xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
+                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            sq += xs * xs
     return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
 
 
@@ -122,7 +126,7 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, RSTD_TILE: tl.constexpr, RSTD_UNROLL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -152,7 +156,7 @@ def _fused_linear_kernel(
             gdc.wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1:
-            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
+            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, RSTD_TILE, RSTD_UNROLL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -171,7 +175,7 @@ def _fused_linear_kernel(
             gdc.wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1:
-            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
+            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, RSTD_TILE, RSTD_UNROLL)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -258,10 +262,12 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
         return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k, NUM_STAGES=1,
-                    num_warps=4)
+                    num_warps=4, RSTD_TILE=2048, RSTD_UNROLL=2)
     if dtype == torch.float32:
-        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4)
-    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, NUM_STAGES=5, num_warps=4)
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4,
+                    RSTD_TILE=2048, RSTD_UNROLL=2)
+    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, NUM_STAGES=4, num_warps=4,
+                RSTD_TILE=2048, RSTD_UNROLL=8)
 
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

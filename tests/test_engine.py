@@ -277,15 +277,18 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
     assert torch.equal(plain.finish_layer(1, h, attn), whole)
     fused.prefill_chunk = 4  # 9 tokens in chunks of 4, 4, 1: per-token ops, GEMM blocking aside
     torch.testing.assert_close(fused.finish_layer(1, h, attn), whole, rtol=1e-5, atol=1e-5)
-    # One decode row runs ops.fused_linear (norm, gate and residual inside): on the CPU its
-    # reference is the module chain, so the result is the same to the bit.
+    # Decode steps (one row, or several at their own positions) run ops.fused_linear (norm,
+    # RoPE, SiLU-gate and residual inside): on the CPU its reference is the module chain, so the
+    # result is the same to the bit.
     assert fused.fused_decode
-    one = h[:, 4:5]
-    for a, b in zip(plain.qkv(1, one, cos[:, 4:5], sin[:, 4:5]),
-                    fused.qkv(1, one, cos[:, 4:5], sin[:, 4:5])):
-        assert torch.equal(a, b)
-    assert torch.equal(plain.finish_layer(1, one, attn[:, 4:5]),
-                       fused.finish_layer(1, one, attn[:, 4:5]))
+    for rows in (slice(4, 5), slice(2, 8)):
+        step = h[0, rows, None]                              # (rows, 1, hidden)
+        c, s, a_out = cos[0, rows, None], sin[0, rows, None], attn[0, rows, None]
+        assert fused._fused_rows(step)
+        for a, b in zip(plain.qkv(1, step, c, s), fused.qkv(1, step, c, s)):
+            assert torch.equal(a, b)
+        assert torch.equal(plain.finish_layer(1, step, a_out), fused.finish_layer(1, step, a_out))
+    assert not fused._fused_rows(h[0, :, None].expand(9, 1, -1))  # above FUSED_MAX_ROWS = 8
     assert torch.equal(model(x).logits, before)  # the HF model is untouched by the fusion
 
 

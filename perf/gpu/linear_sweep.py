@@ -38,13 +38,15 @@ def row_configs():  # one row, FMA
         yield dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=1, num_warps=w)
 
 
-def dot_configs():  # several rows: tensor-core tiles of 16 (padded) rows
-    for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4)):
-        if bn * bk * st <= 64 * 256 * 4:  # stays within shared memory
-            yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st,
-                       num_warps=4)
-    yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, NUM_STAGES=4, num_warps=2)
-    yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, NUM_STAGES=4, num_warps=8)
+def dot_configs(prologue: str):  # several rows: tensor-core tiles of 16 (padded) rows
+    # Deep pipelines win (the 95b9f44 sweep: BLOCK_K 512 x 4 stages best on o and down);
+    # (BLOCK_N + 16) x BLOCK_K x stages bf16 must fit in shared memory.
+    for bn, bk, st in ((32, 512, 4), (16, 512, 4), (16, 1024, 3), (64, 256, 4), (32, 256, 4)):
+        yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=4)
+    if prologue == "rmsnorm":  # the norm's pass over the rows before the first weight tile
+        for tile, unroll in ((2048, 4), (4096, 4), (1024, 16)):
+            yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, NUM_STAGES=4,
+                       num_warps=4, RSTD_TILE=tile, RSTD_UNROLL=unroll)
 
 
 def timed(fn, ws) -> float:
@@ -117,7 +119,7 @@ def main() -> None:
             # The default without PDL: each launch then waits for the previous one to finish.
             cfgs = [default, {**default, "pdl": False}]
             if not args.quick:
-                cfgs += list(row_configs() if M == 1 else dot_configs())
+                cfgs += list(row_configs() if M == 1 else dot_configs(prologue))
             best = None
             for cfg in cfgs:
                 kw = dict(cfg)
