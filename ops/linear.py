@@ -100,20 +100,16 @@ def _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF: tl.con
 
 
 @triton.jit
-def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, TILE: tl.constexpr, UNROLL: tl.constexpr):
-    """1 / RMS of each row of x, in fp32. Every program reads its rows whole (from L2) before its
-    first weight tile, so this pass is latency on the critical path: tiles of TILE elements
-    (all rows), UNROLL loads issued before their sums."""
+def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+    """1 / RMS of each row of x, in fp32 (every program reads its rows whole, from L2)."""
     BLOCK_M: tl.constexpr = rows.shape[0]
-    CHUNK: tl.constexpr = TILE // BLOCK_M
-    kk = tl.arange(0, CHUNK)
-    sq = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
-    for k0 in range(0, K, CHUNK * UNROLL):
-        for u in tl.static_range(UNROLL):
-            k = k0 + u * CHUNK + kk
-            xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
-                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            sq += xs * xs
+    kk = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        xs = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
+                     mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        sq += xs * xs
     return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
 
 
@@ -126,7 +122,7 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, RSTD_TILE: tl.constexpr, RSTD_UNROLL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -156,7 +152,7 @@ def _fused_linear_kernel(
             gdc.wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1:
-            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, RSTD_TILE, RSTD_UNROLL)
+            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -175,7 +171,7 @@ def _fused_linear_kernel(
             gdc.wait()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1:
-            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, RSTD_TILE, RSTD_UNROLL)
+            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -255,19 +251,24 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     program (the next loads while this one is used), the products summed over K once after the
     loop. On the H200 (``linear_sweep_94d7c95.txt``, 12 configurations per layer) this is the
     best or within 5% of it on the Llama-3.1-8B layers: BLOCK_K 1024 for K = 4096 (q/k/v, o,
-    gate/up), 512 for K = 14336 (down, whose SiLU-gate prologue holds two input tiles; 1024
-    there is 31% slower). Several rows: tensor-core tiles of 16 rows. That path is correct but
-    slower than cuBLAS (0.13-0.85x at 8 rows), so the engine uses this op at batch 1 only.
+    gate/up), 512 for K = 14336 (down; 1024 there is 31% slower with the SiLU-gate prologue).
+
+    Several rows: tensor-core tiles of 16 (padded) rows, the weight tiles staged through shared
+    memory over 4 stages by the compiler. Bytes in flight per program decide it, against
+    programs enough to cover the SMs: at 8 rows on the H200 (``linear_sweep_b8_767eddd.txt``,
+    6 configurations per layer) the best were 32 x 512 for N = 4096 (o 12.3 us, down 31.7 us),
+    32 x 256 or 64 x 256 for N = 6144 (q/k/v 19.9 us) and 128 x 128 for N = 28672 (gate/up
+    62.0 us; 32 x 512 there: 67.1 us).
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
         return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k, NUM_STAGES=1,
-                    num_warps=4, RSTD_TILE=2048, RSTD_UNROLL=2)
+                    num_warps=4)
     if dtype == torch.float32:
-        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4,
-                    RSTD_TILE=2048, RSTD_UNROLL=2)
-    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, NUM_STAGES=4, num_warps=4,
-                RSTD_TILE=2048, RSTD_UNROLL=8)
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4)
+    block_n, block_k = (32, 512) if N <= 4096 else (32, 256) if N <= 8192 else (128, 128)
+    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
+                num_warps=4)
 
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
