@@ -1,35 +1,39 @@
-"""A linear layer for the few rows of a decode step, with the RMSNorm or SiLU-gate before it and
-the residual add after it fused in.
+"""A linear layer for the few rows of a decode step, with the RMSNorm before it and the residual
+add, the RoPE of q and k or the SiLU-gate after it fused in.
 
-``fused_linear(x, weight, bias, rms_weight=..., glu=..., residual=..., rope_cos=...)`` computes,
-for ``x (M, K_in)`` and ``weight (N, K)``::
+``fused_linear(x, weight, bias, rms_weight=..., residual=..., rope_cos=..., glu_out=...)``
+computes, for ``x (M, K)`` and ``weight (N, K)``::
 
     a = x                                                          (no prologue)
     a = rms_weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)   (RMSNorm)
-    a = silu(x[:, :K]) * x[:, K:]                                  (glu; x is (M, 2K): [gate; up])
     y = (a @ weight.T + bias).to(x.dtype)
-    y = y + residual                                    (optional, in x's dtype), or else
-    y[:, :R] = rope(y[:, :R], cos, sin)                 (optional: the q and k heads)
+    then at most one of
+    y = y + residual                                    (in x's dtype)
+    y[:, :R] = rope(y[:, :R], cos, sin)                 (the q and k heads)
+    y = silu(y[:, :N/2]) * y[:, N/2:]                   (glu_out: weight is [gate; up])
 
-with the roundings of the HF modules it replaces (``LlamaRMSNorm``, ``act_fn(gate) * up`` with
-SiLU, ``nn.Linear``, ``h + ...``): each intermediate the module chain would hold in the model
-dtype is rounded to it here too. Only the sum over K runs in another order (fp32 accumulation
-over tiles), so results match the module chain to the last bit of the model dtype, not exactly.
-``rope`` rotates each head of ``D = cos.shape[1]`` columns the way HF's Llama does (``y * cos +
-rotate_half(y) * sin``, halves ``[0, D/2)`` and ``[D/2, D)``), in fp32 from the rounded ``y``,
-rounded once, as the compiled decode step computes it.
+with the roundings of the HF modules it replaces (``LlamaRMSNorm``, ``nn.Linear``,
+``act_fn(gate) * up`` with SiLU, ``h + ...``): each intermediate the module chain would hold in
+the model dtype is rounded to it here too. Only the sum over K runs in another order (fp32
+accumulation over tiles), so results match the module chain to the last bit of the model
+dtype, not exactly. ``rope`` rotates each head of ``D = cos.shape[1]`` columns the way HF's
+Llama does (``y * cos + rotate_half(y) * sin``, halves ``[0, D/2)`` and ``[D/2, D)``), in fp32
+from the rounded ``y``, rounded once, as the compiled decode step computes it.
 
 Why. At decode time a linear layer of an LLM is a GEMV: it reads its weights once and does two
 FLOPs per weight. The Llama-3.1-8B decode step at batch 1 had 15 kernels per layer with cuBLAS;
 the RMSNorms, the SiLU-gate and cuBLAS's split-K reductions were five of them, each ~1-2 us of
 launch and latency for a few KB of data. Here each program reads the whole (tiny) input row
-itself, so the norm and the gate cost no launch; the residual add is the last store. With the
-RoPE epilogue the q/k/v projection also absorbs the two RoPE kernels (of q and of k): a program
-that rotates takes the rows ``j`` and ``j + D/2`` of one head (its columns are two half-blocks,
-not one block), so both halves of every rotated pair sit in its registers.
+itself, so the norm costs no launch; the residual add is the last store. Epilogues that need
+two output columns together take them into one program: a program that rotates takes the rows
+``j`` and ``j + D/2`` of one head, one that gates takes the gate row ``j`` and the up row
+``N/2 + j`` (its columns are two half-blocks, not one block).
 
-Kernel: one program per ``BLOCK_N`` output columns and ``BLOCK_M`` rows, the whole K in a loop
-(no split-K, so no reduction launch and no atomics). The weight tile is the only large stream.
+Kernel: one program per ``BLOCK_N`` weight rows and ``BLOCK_M`` rows of x, the whole K in a
+loop (no split-K, so no reduction launch and no atomics). The weight tile is the only large
+stream. One row: FMA, the next weight tile prefetched into registers. Several rows: tensor-core
+tiles of 16 (padded) rows, staged through shared memory by the compiler's pipeline; there the
+norm is best left to the caller (see ``launch_config`` and the adapter's ``_norm_prologue``).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ import triton.language as tl
 from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_tensor
 
-PROLOGUES = ("none", "rmsnorm", "glu")  # the kernel's PROLOGUE is the index in this tuple
+PROLOGUES = ("none", "rmsnorm")  # the kernel's PROLOGUE is the index in this tuple
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,8 +63,7 @@ def _load_weights(w_ptr, cols, n_ok, k, K, stride_wn):
 
 
 @triton.jit
-def _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, K, rstd,
-                PROLOGUE: tl.constexpr):
+def _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, rstd, PROLOGUE: tl.constexpr):
     """The (BLOCK_M, BLOCK_K) tile of ``a`` (see the module docstring) in x's dtype."""
     offs = rows[:, None] * stride_xm + k[None, :]
     mask = m_ok[:, None] & k_ok[None, :]
@@ -68,10 +71,6 @@ def _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, K, rstd,
     if PROLOGUE == 1:
         nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0)
         x = nw[None, :] * (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-    elif PROLOGUE == 2:
-        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        x = (g / (1.0 + tl.exp(-g))).to(x.dtype) * up
     return x
 
 
@@ -156,7 +155,7 @@ def _fused_linear_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
-            a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, K, rstd, PROLOGUE)
+            a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, rstd, PROLOGUE)
             w = _load_weights(w_ptr, cols, n_ok, k, K, stride_wn)
             if FP32_DOT:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -175,7 +174,7 @@ def _fused_linear_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
-            a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, K, rstd, PROLOGUE)
+            a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, rstd, PROLOGUE)
             w_next = _load_weights(w_ptr, cols, n_ok, k + BLOCK_K, K, stride_wn)
             acc2 += w.to(tl.float32) * a.to(tl.float32)                  # a is (1, BLOCK_K)
             w = w_next
@@ -214,13 +213,12 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      rope_rows: int, prologue: str, eps: float,
                      glu_out: bool = False) -> torch.Tensor:
     """The module chain in plain PyTorch (what the kernel computes; the CPU implementation)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
     if prologue == "rmsnorm":
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         a = rms_weight * xf.to(x.dtype)
-    elif prologue == "glu":
-        gate, up = x.chunk(2, dim=-1)
-        a = F.silu(gate) * up
     else:
         a = x
     y = F.linear(a, weight, bias)
@@ -251,7 +249,7 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     program (the next loads while this one is used), the products summed over K once after the
     loop. On the H200 (``linear_sweep_94d7c95.txt``, 12 configurations per layer) this is the
     best or within 5% of it on the Llama-3.1-8B layers: BLOCK_K 1024 for K = 4096 (q/k/v, o,
-    gate/up), 512 for K = 14336 (down; 1024 there is 31% slower with the SiLU-gate prologue).
+    gate/up), 512 for K = 14336 (down).
 
     Several rows: tensor-core tiles of 16 (padded) rows, the weight tiles staged through shared
     memory over 4 stages by the compiler. Bytes in flight per program decide it, against
@@ -345,20 +343,18 @@ _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                 glu: bool = False, residual: Optional[torch.Tensor] = None,
+                 residual: Optional[torch.Tensor] = None,
                  rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
                  rope_rows: int = 0, glu_out: bool = False) -> torch.Tensor:
     """``[residual +] linear(prologue(x), weight, bias)``, or its first ``rope_rows`` columns
     rotated, or ``silu(gate) * up`` of its two halves, in one launch (module docstring).
 
     Args:
-        x: ``(M, K)`` fp16/bf16/fp32 (``(M, 2K)`` = [gate; up] when ``glu``); unit stride along
-            the last dim.
+        x: ``(M, K)`` fp16/bf16/fp32, unit stride along the last dim.
         weight: ``(N, K)`` in x's dtype and device, unit stride along K (an ``nn.Linear``
             weight).
         bias: ``(N,)`` or None.
         rms_weight: ``(K,)``: apply RMSNorm with this weight and ``eps`` to x first.
-        glu: x holds [gate; up]: use ``silu(gate) * up`` as the input.
         residual: ``(M, N)`` added to the output (unit stride along N).
         rope_cos, rope_sin: ``(M, D)`` (row ``m``'s position), unit stride along D, D even:
             rotate output columns ``[0, rope_rows)`` as heads of D (not with ``residual``).
@@ -370,17 +366,14 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         ``(M, N)`` (``(M, N / 2)`` with ``glu_out``) in x's dtype, contiguous.
 
     Raises:
-        ValueError: inconsistent shapes, dtypes or devices, both prologues, or more than one of
-            RoPE, residual and ``glu_out``.
+        ValueError: inconsistent shapes, dtypes or devices, or more than one of RoPE, residual
+            and ``glu_out``.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     dev, dt = x.device, x.dtype
     check_tensor("weight", weight, ndim=2, dtypes=(dt,), device=dev)
     N, K = weight.shape
-    if rms_weight is not None and glu:
-        raise ValueError("expected at most one prologue, got both rms_weight and glu=True")
-    k_in = 2 * K if glu else K
-    check_tensor("x", x, shape=(None, k_in))
+    check_tensor("x", x, shape=(None, K))
     M = x.shape[0]
     if M == 0 or N == 0 or K == 0:
         raise ValueError(f"expected non-empty x and weight, got x {tuple(x.shape)}, "
@@ -407,7 +400,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         if N % 2:
             raise ValueError(f"weight: expected an even number of rows ([gate; up]) with "
                              f"glu_out, got {N}")
-    prologue = "rmsnorm" if rms_weight is not None else ("glu" if glu else "none")
+    prologue = "rmsnorm" if rms_weight is not None else "none"
     return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, rope_cos,
                                          rope_sin, int(rope_rows), prologue, float(eps),
                                          bool(glu_out))

@@ -7,13 +7,13 @@ import torch
 from minikv_compile.ops import fused_linear
 from minikv_compile.ops.linear import _fused_linear_triton, fused_linear_ref, launch_config
 
-PROLOGUES = ["none", "rmsnorm", "glu"]
+PROLOGUES = ["none", "rmsnorm"]
 
 
 def make_case(M, N, K, prologue, dtype, device="cpu", bias=False, residual=False, outliers=False,
               rope_dim=0, rope_heads=0):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
-    x = torch.randn(M, 2 * K if prologue == "glu" else K, generator=g)
+    x = torch.randn(M, K, generator=g)
     if outliers:  # a few input channels 10-50x larger, as in real hidden states
         x[:, 3] *= 50
         x[:, K // 2] *= 10
@@ -50,7 +50,7 @@ def run_kernel(x, w, a, prologue, eps=1e-5, **kw):
 
 def public(x, w, a, prologue, eps=1e-5):
     return fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"], eps=eps,
-                        glu=prologue == "glu", residual=a["residual"], rope_cos=a["rope_cos"],
+                        residual=a["residual"], rope_cos=a["rope_cos"],
                         rope_sin=a["rope_sin"], rope_rows=a["rope_rows"],
                         glu_out=a.get("glu_out", False))
 
@@ -78,10 +78,6 @@ def test_reference_is_the_hf_module_chain():
     norm.weight.data = a["rms_weight"]
     want = a["residual"] + torch.nn.functional.linear(norm(x), w, a["bias"])
     assert torch.equal(run_ref(x, w, a, "rmsnorm"), want)
-    x, w, a = make_case(2, 24, 32, "glu", torch.float32)
-    gate, up = x[:, :32], x[:, 32:]
-    want = torch.nn.functional.linear(torch.nn.SiLU()(gate) * up, w)
-    assert torch.equal(run_ref(x, w, a, "glu"), want)
     # glu_out: LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) from the [gate; up] weight
     x, w, a = make_case(2, 48, 32, "rmsnorm", torch.float32, bias=True)
     norm.weight.data = a["rms_weight"]
@@ -175,9 +171,11 @@ def test_public_op_on_cpu_opcheck_and_compile():
     args = (x, w, *_operands(a), "rmsnorm", 1e-5, True)
     torch.library.opcheck(torch.ops.minikv.fused_linear.default, args)
     assert torch.ops.minikv.fused_linear(*args).shape == (3, 12)
-    x, w, a = make_case(1, 24, 32, "glu", torch.float32)
-    f = torch.compile(lambda x: fused_linear(x, w, glu=True), fullgraph=True, backend="eager")
-    assert torch.equal(f(x), run_ref(x, w, a, "glu"))
+    x, w, a = make_case(1, 24, 32, "none", torch.float32)
+    f = torch.compile(lambda x: fused_linear(x, w, glu_out=True), fullgraph=True, backend="eager")
+    assert torch.equal(f(x), run_ref(x, w, {**a, "glu_out": True}, "none"))
+    with pytest.raises(ValueError, match="prologue: expected one of"):
+        torch.ops.minikv.fused_linear(x, w, *_operands(a), "glu", 1e-5)
 
 
 def _bad(change):
@@ -201,9 +199,6 @@ def _rope(**kw):
     (lambda x, w, kw: (x, w, {**kw, "bias": kw["bias"][:5]}), r"bias: expected shape \(24\)"),
     (lambda x, w, kw: (x, w, {**kw, "residual": kw["residual"][:1]}),
      r"residual: expected shape \(2, 24\)"),
-    (lambda x, w, kw: (x, w, {**kw, "glu": True}), r"x: expected shape \(\*, 64\)"),
-    (lambda x, w, kw: (x, w, {**kw, "glu": True, "rms_weight": torch.ones(32)}),
-     "at most one prologue"),
     (lambda x, w, kw: (x, w, {**kw, "rms_weight": torch.ones(31)}),
      r"rms_weight: expected shape \(32\)"),
     (lambda x, w, kw: (x.t().contiguous().t(), w, kw), "x: expected unit stride"),
@@ -237,7 +232,7 @@ LLAMA_LAYERS = [  # (N, K, prologue, residual)
     pytest.param(6144, 4096, "rmsnorm", False, id="qkv"),
     pytest.param(4096, 4096, "none", True, id="o"),
     pytest.param(28672, 4096, "rmsnorm", False, id="gate_up"),
-    pytest.param(4096, 14336, "glu", True, id="down"),
+    pytest.param(4096, 14336, "none", True, id="down"),
 ]
 
 
@@ -261,10 +256,11 @@ def test_gpu_llama_layers(N, K, prologue, residual, M, dtype):
 def test_gpu_fp32_bias_opcheck_and_graph_capture():
     x, w, a = make_case(1, 300, 200, "rmsnorm", torch.float32, "cuda", bias=True, residual=True)
     assert_within_2x(run_kernel(x, w, a, "rmsnorm"), x, w, a, "rmsnorm")
-    x, w, a = make_case(1, 512, 256, "glu", torch.bfloat16, "cuda", bias=True, residual=True)
+    x, w, a = make_case(1, 512, 256, "rmsnorm", torch.bfloat16, "cuda", bias=True)
     torch.library.opcheck(torch.ops.minikv.fused_linear.default,
-                          (x, w, *_operands(a), "glu", 1e-5))
-    run = lambda: fused_linear(x, w, a["bias"], glu=True, residual=a["residual"])  # noqa: E731
+                          (x, w, *_operands(a), "rmsnorm", 1e-5, True))
+    run = lambda: fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"],  # noqa: E731
+                               glu_out=True)
     want = run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

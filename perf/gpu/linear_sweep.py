@@ -28,8 +28,6 @@ LAYERS = {  # name: (N, K, prologue, residual, glu_out)
     "o": (HIDDEN, HIDDEN, "none", True, False),
     "gate_up": (2 * INTER, HIDDEN, "rmsnorm", False, True),  # silu(gate) * up in the epilogue
     "down": (HIDDEN, INTER, "none", True, False),
-    # The SiLU-gate as the down projection's prologue instead (the batch-1 step of 0608ded):
-    "down_glu": (HIDDEN, INTER, "glu", True, False),
 }
 
 
@@ -62,9 +60,6 @@ def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
     def run(x, w, nw, r, cos, sin):
         if prologue == "rmsnorm":
             a = rmsnorm(x, nw, eps)
-        elif prologue == "glu":
-            g, u = x.chunk(2, dim=-1)
-            a = F.silu(g) * u
         else:
             a = x
         y = F.linear(a, w)
@@ -94,14 +89,13 @@ def main() -> None:
     torch.manual_seed(0)
     for name in args.layers.split(","):
         N, K, prologue, residual, glu_out = LAYERS[name]
-        k_in = 2 * K if prologue == "glu" else K
         wbytes = N * K * 2
         reps = max(2, _replicas(wbytes))  # >= 2: a copy is evicted before it is read again
         ws = [torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5 for _ in range(reps)]
         nw = torch.rand(K, device=dev, dtype=dt) + 0.5 if prologue == "rmsnorm" else None
         base = baseline_fn(prologue, glu_out)
         for M in (int(b) for b in args.batches.split(",")):
-            x = torch.randn(M, k_in, device=dev, dtype=dt)
+            x = torch.randn(M, K, device=dev, dtype=dt)
             r = torch.randn(M, N, device=dev, dtype=dt) if residual else None
             ang = torch.rand(M, HEAD_DIM // 2, device=dev) * 6.28
             cos, sin = (torch.cat([f(ang)] * 2, 1).to(dt) for f in (torch.cos, torch.sin))
