@@ -113,6 +113,20 @@ def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE: tl.constexpr,
+                    PDL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Let the next kernel launch and wait for the one that wrote x (PDL), then the RMSNorm's
+    1 / RMS of the rows (zeros without the norm)."""
+    if PDL:
+        gdc.launch_dependents()
+        gdc.wait()
+    rstd = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    if PROLOGUE == 1:
+        rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
+    return rstd
+
+
+@triton.jit
 def _fused_linear_kernel(
     x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, y_ptr,
     M, N, K, eps, ROPE_ROWS,
@@ -146,12 +160,7 @@ def _fused_linear_kernel(
     kk = tl.arange(0, BLOCK_K)
 
     if USE_DOT:  # tensor-core tiles, loads pipelined over NUM_STAGES by the compiler
-        if PDL:
-            gdc.launch_dependents()
-            gdc.wait()
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if PROLOGUE == 1:
-            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
+        rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -165,12 +174,7 @@ def _fused_linear_kernel(
         # The weights are never written during a step: the first tile loads before waiting for
         # the kernel that produced x (PDL), so it streams during that kernel's last wave.
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
-        if PDL:
-            gdc.launch_dependents()
-            gdc.wait()
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if PROLOGUE == 1:
-            rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
+        rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
