@@ -6,6 +6,8 @@ nothing per step and never cause a graph break.
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -61,3 +63,16 @@ def check_quant_params(bits: int, group_size: int) -> None:
 def codes_per_word(bits: int) -> int:
     """Codes packed into one int32: 16 for 2-bit, 8 for 4-bit (least-significant bits first)."""
     return 32 // bits
+
+
+def compiled_major(device: torch.device) -> int:
+    """The compute-capability major of the GPU a kernel compiles for on ``device``: 0 on the CPU
+    and under ``TRITON_INTERPRET=1``. Asked at every launch of some kernels, so cached."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return _major(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]

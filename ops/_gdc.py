@@ -12,12 +12,13 @@ to finish): a profile then shows each kernel's own duration, not its wait for th
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ._checks import compiled_major
 
 
 @triton.jit
@@ -33,15 +34,5 @@ def launch_dependents():
 
 
 def supported(device: torch.device) -> bool:
-    """CUDA sm_90+, not the interpreter, not turned off by ``MINIKV_PDL=0`` (asked at every
-    launch: the capability is cached)."""
-    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-            or os.environ.get("MINIKV_PDL") == "0"):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _major(index) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    """CUDA sm_90+, not the interpreter, not turned off by ``MINIKV_PDL=0``."""
+    return os.environ.get("MINIKV_PDL") != "0" and compiled_major(device) >= 9

@@ -80,7 +80,8 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import FLOAT_DTYPES, check_choice, check_quant_params, check_tensor, codes_per_word
+from ._checks import (FLOAT_DTYPES, check_choice, check_quant_params, check_tensor,
+                      codes_per_word, compiled_major)
 from . import decode_attention_gluon as dag
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
@@ -620,10 +621,8 @@ def _fragments_supported(device: torch.device, dtype: torch.dtype, bits: int, gr
                          head_dim: int, gqa: int) -> bool:
     """Whether the Gluon kernel (``decode_attention_gluon``) covers a call: CUDA (sm_80+, not the
     interpreter), bits 2, group 16, head dim 128, <= 8 query heads per KV head, fp16/bf16."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 8
-            and bits == 2 and group_size == 16 and head_dim == 128 and gqa <= 8
-            and dtype in (torch.float16, torch.bfloat16))
+    return (compiled_major(device) >= 8 and bits == 2 and group_size == 16 and head_dim == 128
+            and gqa <= 8 and dtype in (torch.float16, torch.bfloat16))
 
 
 def _fragments_pay_off(batch: int, h_kv: int, capacity: int, sm_count: int) -> bool:

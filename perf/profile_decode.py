@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from minikv_compile import MiniKVConfig, minikv_compile
+    from minikv_compile.ops import _gdc as gdc
     from minikv_compile.perf._bench import kernel_times
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -54,8 +55,9 @@ def main(argv=None) -> int:
     print(f"batch {args.batch} x prompt {args.prompt}: {step_us:.0f} us of kernel time per step, "
           f"{sum(counts.values()) / args.steps:.0f} kernels per step; weight-read floor at 4.25 TB/s "
           f"{floor_us:.0f} us")
-    print("(kernels launched with PDL overlap the one before them and count its tail as their "
-          "own: on sm_90+ the sum exceeds the step)")
+    if gdc.supported(torch.device("cuda")):
+        print("(kernels launched with PDL overlap the one before them and count its tail as their "
+              "own: the sum exceeds the step; MINIKV_PDL=0 gives each kernel's own duration)")
     print(f"{'us/step':>9} {'share':>6} {'n/step':>7}  kernel")
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{t / args.steps:9.1f} {t / args.steps / step_us:6.1%} {counts[name] / args.steps:7.1f}  {name}")
