@@ -114,9 +114,10 @@ class DecodeRunner:
         cos, sin = a.rope(h, positions[:, None])                  # (B, 1, D)
         for layer, lc in enumerate(cache.layers):
             q, k, v = a.qkv(layer, h, cos, sin)                   # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
-            ops.cache_append(k[:, :, 0].contiguous(), v[:, :, 0].contiguous(), *lc.buffers(),
-                             cache.bits, cache.group_size)
-            o = ops.decode_attention(q[:, :, 0].contiguous(), *lc.buffers(), a.scale,
+            # Views into the q/k/v projection's output, read in place by both ops (a copy
+            # would be one more kernel per tensor and layer).
+            ops.cache_append(k[:, :, 0], v[:, :, 0], *lc.buffers(), cache.bits, cache.group_size)
+            o = ops.decode_attention(q[:, :, 0], *lc.buffers(), a.scale,
                                      cache.bits, cache.group_size)  # (B, H_q, D)
             h = a.finish_layer(layer, h, o.reshape(batch, 1, -1))
         logits = a.logits(h[:, 0])                                 # (B, V) fp32

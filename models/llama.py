@@ -145,15 +145,18 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict
     """The input and RMSNorm arguments of an ``ops.fused_linear`` behind ``norm``.
 
     One row: the norm runs inside the projection (each program normalizes the row itself).
-    Several rows: the module runs first, once. Inside, every program would normalize all the
-    rows (16 with the tensor-core padding) of every K tile again, and the normalized tile would
-    go through registers instead of the compiler's shared-memory pipeline: at 8 rows the gate/up
-    projection took 72-87 us that way against 62 us for the norm + cuBLAS chain
-    (``linear_sweep_b8_61fdd92.txt``).
+    Several rows: ``ops.rms_norm`` runs first, once. Inside, every program would normalize all
+    the rows (16 with the tensor-core padding) of every K tile again, and the normalized tile
+    would go through registers instead of the compiler's shared-memory pipeline: at 8 rows the
+    gate/up projection took 72-87 us that way against 62 us for the norm + cuBLAS chain
+    (``linear_sweep_b8_61fdd92.txt``). ``ops.rms_norm`` rather than the module: its launch
+    takes part in PDL, so the projection's programs start and prefetch their weights while it
+    runs (a compiled module's kernel would wait for the launch before it and hold back the one
+    after it).
     """
     if x.shape[0] == 1:
         return x, dict(rms_weight=norm.weight, eps=norm.variance_epsilon)
-    return norm(x), {}
+    return ops.rms_norm(x, norm.weight, norm.variance_epsilon), {}
 
 
 def _fusable(block: nn.Module, config) -> bool:

@@ -8,7 +8,7 @@ from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_v
 from .selective_attention import selective_attention
 from .decode_attention import decode_attention
 from .cache_update import cache_append, cache_write_prefill
-from .linear import fused_linear
+from .linear import fused_linear, rms_norm
 
 __all__ = [
     "quantize_keys",
@@ -20,4 +20,5 @@ __all__ = [
     "cache_append",
     "cache_write_prefill",
     "fused_linear",
+    "rms_norm",
 ]

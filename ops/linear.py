@@ -113,6 +113,19 @@ def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(w_ptr, cols, n_ok, k0, K, stride_wn, K_PREFETCH: tl.constexpr,
+                 LINE: tl.constexpr):
+    """Ask L2 for columns [k0, k0 + K_PREFETCH) of this program's weight rows, one prefetch per
+    line of LINE elements (128 bytes), without waiting for them. The weights are never written
+    during a step, so this may run before the PDL wait: the lines stream from HBM while the
+    kernel before finishes, and the main loop then finds them in L2."""
+    k = tl.minimum(k0 + tl.arange(0, K_PREFETCH // LINE) * LINE, K - 1)
+    ptrs = w_ptr + tl.where(n_ok, cols, 0)[:, None] * stride_wn + k[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE: tl.constexpr,
                     PDL: tl.constexpr, BLOCK_K: tl.constexpr):
     """Let the next kernel launch and wait for the one that wrote x (PDL), then the RMSNorm's
@@ -135,7 +148,7 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -160,6 +173,8 @@ def _fused_linear_kernel(
     kk = tl.arange(0, BLOCK_K)
 
     if USE_DOT:  # tensor-core tiles, loads pipelined over NUM_STAGES by the compiler
+        if PDL and K_PREFETCH > 0:  # the first tiles toward L2 before the wait
+            _prefetch_l2(w_ptr, cols, n_ok, 0, K, stride_wn, K_PREFETCH, LINE)
         rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -174,6 +189,8 @@ def _fused_linear_kernel(
         # The weights are never written during a step: the first tile loads before waiting for
         # the kernel that produced x (PDL), so it streams during that kernel's last wave.
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
+        if PDL and K_PREFETCH > 0:  # and the tiles after it toward L2
+            _prefetch_l2(w_ptr, cols, n_ok, BLOCK_K, K, stride_wn, K_PREFETCH, LINE)
         rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -206,9 +223,32 @@ def _fused_linear_kernel(
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
 
 
+@triton.jit
+def _rms_norm_kernel(x_ptr, nw_ptr, y_ptr, M, K, eps, stride_xm, stride_ym,
+                     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The fused_linear prologue on its own: BLOCK_M rows per program, the same roundings.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rows < M
+    rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, 1, PDL, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k_ok, stride_xm, rstd, 1)
+        tl.store(y_ptr + rows[:, None] * stride_ym + k[None, :], a,
+                 mask=m_ok[:, None] & k_ok[None, :])
+
+
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's ``LlamaRMSNorm`` over the last dim (the CPU implementation of ``rms_norm``)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -219,12 +259,7 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     """The module chain in plain PyTorch (what the kernel computes; the CPU implementation)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
-    if prologue == "rmsnorm":
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        a = rms_weight * xf.to(x.dtype)
-    else:
-        a = x
+    a = rms_norm_ref(x, rms_weight, eps) if prologue == "rmsnorm" else x
     y = F.linear(a, weight, bias)
     if glu_out:
         gate, up = y.chunk(2, dim=-1)
@@ -265,12 +300,13 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
         return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k, NUM_STAGES=1,
-                    num_warps=4)
+                    num_warps=4, K_PREFETCH=0)
     if dtype == torch.float32:
-        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4)
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4,
+                    K_PREFETCH=0)
     block_n, block_k = (32, 512) if N <= 4096 else (32, 256) if N <= 8192 else (128, 128)
     return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
-                num_warps=4)
+                num_warps=4, K_PREFETCH=1024)
 
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -310,9 +346,21 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         rope_cos.stride(0) if rope else 0, y.stride(0),
         PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, ROPE=rope,
         HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, GLU_OUT=glu_out,
-        FP32_DOT=x.dtype == torch.float32, PDL=pdl,
+        FP32_DOT=x.dtype == torch.float32, PDL=pdl, LINE=128 // weight.element_size(),
         num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
+    return y
+
+
+def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One program per row, the whole row in one tile up to 4096 columns (8 warps there)."""
+    M, K = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block_k = min(triton.next_power_of_2(K), 4096)
+    pdl = gdc.supported(x.device)
+    _rms_norm_kernel[(M,)](x, weight, y, M, K, eps, x.stride(0), y.stride(0), PDL=pdl,
+                           BLOCK_M=1, BLOCK_K=block_k, num_warps=8 if block_k >= 4096 else 4,
+                           launch_pdl=pdl)
     return y
 
 
@@ -338,6 +386,19 @@ def _(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows, prol
 
 
 _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
+
+
+@torch.library.custom_op("minikv::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_ref(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_rms_norm_op.register_kernel("cuda")(_rms_norm_triton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -408,6 +469,32 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, rope_cos,
                                          rope_sin, int(rope_rows), prologue, float(eps),
                                          bool(glu_out))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """HF's ``LlamaRMSNorm`` of the rows of ``x``: what ``fused_linear(rms_weight=...)`` does in
+    front of its projection, as a launch of its own for steps of several rows (see
+    ``launch_config``). The launch takes part in PDL, so the projection after it starts (and
+    prefetches its weights) while it runs.
+
+    Args:
+        x: ``(M, K)`` fp16/bf16/fp32, unit stride along the last dim.
+        weight: ``(K,)`` in x's dtype and device.
+
+    Returns:
+        ``(M, K)`` in x's dtype, contiguous.
+
+    Raises:
+        ValueError: inconsistent shapes, dtypes or devices, or an empty x.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.numel() == 0:
+        raise ValueError(f"x: expected a non-empty tensor, got shape {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x: expected unit stride along the last dim, got strides {x.stride()}")
+    check_tensor("weight", weight, shape=(x.shape[1],), dtypes=(x.dtype,), device=x.device,
+                 contiguous=True)
+    return torch.ops.minikv.rms_norm(x, weight, float(eps))
 
 
 def _check_rope(cos, sin, rows, residual, M, N, dt, dev) -> None:

@@ -358,7 +358,9 @@ def tune(cfg: ExperimentConfig) -> None:
             print(f"  {kw}: {ms:.4f} ms")
     best_ms, best = min(timings, key=lambda t: t[0])
     splits = _launch_config(cfg, dequant="half2", **best)[4]
-    for n in sorted({max(1, splits // 2), splits * 2}):
+    around = {splits // 2, splits - 2, splits - 1, splits + 1, splits + 2, splits * 3 // 2,
+              splits * 2}
+    for n in sorted(n for n in around if 1 <= n <= 128 and n != splits):
         ms = time_config(**best, num_splits=n)
         if ms is not None:
             print(f"  {best} num_splits={n}: {ms:.4f} ms")
@@ -509,6 +511,14 @@ def print_table(results: List[ExperimentResult], copy_bps: float) -> None:
               + ("  (SDPA on expanded K/V)" if r.sdpa_kv_expanded else ""))
 
 
+def _shapes(text: str) -> List[Tuple[int, int]]:
+    """"8x2048,1x16384" -> [(8, 2048), (1, 16384)]."""
+    try:
+        return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxTOKENS[,...], got {text!r}") from None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results as JSON to this path")
@@ -516,6 +526,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="bits of the batch x length sweep (default 2)")
     parser.add_argument("--tune", action="store_true",
                         help="search launch configurations per row, print the best")
+    parser.add_argument("--tune-shapes", type=_shapes, default=None,
+                        help="with --tune: BATCHxTOKENS rows to tune instead of the defaults")
     parser.add_argument("--variants", action="store_true",
                         help="time the VARIANTS of the kernel side by side on VARIANT_CASES")
     args = parser.parse_args(argv)
@@ -527,8 +539,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  driver {env['driver']}")
     configs = get_configs(args.bits)
     if args.tune:
-        for cfg in configs[:3] + [ExperimentConfig(1, 131072, args.bits),
-                                  ExperimentConfig(64, 16384, args.bits)]:
+        rows = ([ExperimentConfig(b, n, args.bits) for b, n in args.tune_shapes]
+                if args.tune_shapes else
+                configs[:3] + [ExperimentConfig(1, 131072, args.bits),
+                               ExperimentConfig(64, 16384, args.bits)])
+        for cfg in rows:
             tune(cfg)
             torch.cuda.empty_cache()
         return 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minikv_compile.ops import fused_linear
-from minikv_compile.ops.linear import _fused_linear_triton, fused_linear_ref, launch_config
+from minikv_compile.ops import fused_linear, rms_norm
+from minikv_compile.ops.linear import (_fused_linear_triton, _rms_norm_triton, fused_linear_ref,
+                                       launch_config, rms_norm_ref)
 
 PROLOGUES = ["none", "rmsnorm"]
 
@@ -222,6 +223,81 @@ def test_bad_inputs_raise(change, message):
     x, w, kw = _bad(change)
     with pytest.raises(ValueError, match=message):
         fused_linear(x, w, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# rms_norm: the prologue as a launch of its own
+# ----------------------------------------------------------------------------------------------
+
+
+def norm_case(M, K, dtype, device="cpu"):
+    g = torch.Generator().manual_seed(M * 100 + K)
+    x = torch.randn(M, K, generator=g)
+    x[:, 1] *= 50  # an outlier channel
+    w = torch.rand(K, generator=g) + 0.5
+    return x.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+
+
+def assert_norm_within_2x(out, x, w):
+    """Twice the error of the same-precision reference, plus 4 fp32 ulps of the largest output:
+    the 1 / RMS is an fp32 value either way, summed in another order (in fp32 the reference's
+    own error is below an ulp, so 2x of it alone would demand the same summation order)."""
+    oracle = rms_norm_ref(x.double(), w.double(), 1e-5)
+    err = (out.double() - oracle).abs().max().item()
+    base_err = (rms_norm_ref(x, w, 1e-5).double() - oracle).abs().max().item()
+    ulps = 4 * torch.finfo(torch.float32).eps * oracle.abs().max().item()
+    assert err <= 2 * base_err + ulps, f"kernel error {err:.3g} vs same-precision {base_err:.3g}"
+
+
+def test_rms_norm_reference_is_the_hf_module():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = norm_case(3, 40, dtype)
+        norm = LlamaRMSNorm(40, eps=1e-5).to(dtype)
+        norm.weight.data = w
+        assert torch.equal(rms_norm(x, w, 1e-5), norm(x))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("M,K", [(1, 40), (3, 100), (2, 5000)])  # 5000: two column tiles
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)  # bf16: GPU only
+def test_rms_norm_triton_matches_reference(M, K, dtype):
+    x, w = norm_case(M, K, dtype)
+    x = torch.cat([x, x], dim=1)[:, :K]  # a row stride of 2K: strided rows are read in place
+    out = _rms_norm_triton(x, w, 1e-5)
+    assert out.dtype == dtype and out.shape == (M, K) and out.is_contiguous()
+    assert_norm_within_2x(out, x, w)
+    # Only the sum of squares runs in another order: at most one rounding step apart.
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-5), rtol=1e-2 if dtype != torch.float32
+                               else 1e-5, atol=0)
+
+
+def test_rms_norm_opcheck_compile_and_bad_inputs():
+    x, w = norm_case(3, 32, torch.float32)
+    torch.library.opcheck(torch.ops.minikv.rms_norm.default, (x, w, 1e-5))
+    f = torch.compile(lambda x: rms_norm(x, w, 1e-5), fullgraph=True, backend="eager")
+    assert torch.equal(f(x), rms_norm_ref(x, w, 1e-5))
+    for args, message in [
+        ((x, w[:31]), r"weight: expected shape \(32\)"),
+        ((x, w.half()), "weight: expected dtype"),
+        ((x[0], w), "x: expected 2 dims"),
+        ((x.int(), w), "x: expected dtype"),
+        ((x[:0], w), "x: expected a non-empty tensor"),
+        ((x.t().contiguous().t(), w), "x: expected unit stride"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rms_norm(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K", [(8, 4096), (3, 5000), (1, 576)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_rms_norm(M, K, dtype):
+    x, w = norm_case(M, K, dtype, "cuda")
+    out = rms_norm(x, w, 1e-5)
+    assert_norm_within_2x(out, x, w)
+    torch.library.opcheck(torch.ops.minikv.rms_norm.default, (x, w, 1e-5))
 
 
 # ----------------------------------------------------------------------------------------------

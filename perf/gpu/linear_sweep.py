@@ -111,22 +111,28 @@ def main() -> None:
                   f"{wbytes / b_ms / 1e9:5.2f} TB/s; cuBLAS GEMV alone {c_ms * 1e3:7.1f} us "
                   f"{wbytes / c_ms / 1e9:5.2f} TB/s", flush=True)
             default = lin.launch_config(M, N, K, dt)
-            # The default without PDL: each launch then waits for the previous one to finish.
+            # The default without PDL: each launch then waits for the previous one to finish;
+            # and with other amounts of its weights prefetched toward L2 before its PDL wait.
             cfgs = [default, {**default, "pdl": False}]
-            # Several rows take the RMSNorm outside (as the adapter runs them: the HF norm,
-            # compiled, then the kernel without prologue); "norm_inside" times it inside.
+            cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
+                     if k != default["K_PREFETCH"]]
+            # Several rows take the RMSNorm outside (as the adapter runs them: ops.rms_norm,
+            # then the kernel without prologue); "norm_inside" times it inside, "norm_compiled"
+            # as HF's module compiled by inductor (no PDL).
             outside = prologue == "rmsnorm" and M > 1
             if outside:
-                cfgs.append({**default, "norm_inside": True})
+                cfgs += [{**default, "norm_inside": True}, {**default, "norm_compiled": True}]
             if not args.quick:
                 cfgs += list(row_configs() if M == 1 else dot_configs())
             normc = torch.compile(rmsnorm, fullgraph=True, dynamic=False)
             plain = (None, None, r, cos, sin, rows, "none", 1e-5, glu_out)
 
             def fused(w, kw):
-                if outside and not kw.get("norm_inside"):
-                    return lin._fused_linear_triton(normc(x, nw), w, *plain, **kw)
-                kw = {k: v for k, v in kw.items() if k != "norm_inside"}
+                kw = dict(kw)
+                inside, compiled = kw.pop("norm_inside", False), kw.pop("norm_compiled", False)
+                if outside and not inside:
+                    a = normc(x, nw) if compiled else lin.rms_norm(x, nw, 1e-5)
+                    return lin._fused_linear_triton(a, w, *plain, **kw)
                 return lin._fused_linear_triton(x, w, *operands, **kw)
 
             best = None
