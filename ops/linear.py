@@ -304,7 +304,7 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4,
                     K_PREFETCH=0)
-    block_n, block_k, prefetch = ((32, 512, 512) if N <= 4096 else (32, 256, 512) if N <= 8192
+    block_n, block_k, prefetch = ((32, 512, 512) if N <= 4096 else (64, 256, 512) if N <= 8192
                                   else (128, 128, 0))
     return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
                 num_warps=4, K_PREFETCH=prefetch)

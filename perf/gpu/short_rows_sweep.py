@@ -28,7 +28,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="8x2048,1x16384")
     p.add_argument("--splits", default="8,16,32,48,64,96,128")
+    p.add_argument("--launches", default=None,
+                   help="BLOCK_NxWARPSxMAXNREG list (e.g. 64x4x96) instead of LAUNCHES")
+    p.add_argument("--repeat", type=int, default=1, help="time each launch this many times")
     args = p.parse_args()
+    launches = ([tuple(int(v) for v in item.split("x")) for item in args.launches.split(",")]
+                if args.launches else LAUNCHES)
     for case in args.cases.split(","):
         batch, tokens = (int(x) for x in case.split("x"))
         cfg = ExperimentConfig(batch, tokens, 2)
@@ -48,8 +53,8 @@ def main():
         base = time()
         ref = run(caches[0]).float()
         print(f"{cfg.name}: default half2 {base * 1e3:.1f} us", flush=True)
-        for block_n, warps, cap in LAUNCHES:
-            for n in (int(s) for s in args.splits.split(",")):
+        for block_n, warps, cap in launches:
+            for n in [int(s) for s in args.splits.split(",")] * args.repeat:
                 kw = dict(block_n=block_n, num_warps=warps, maxnreg=cap, num_splits=n)
                 try:
                     ms = time(**kw)
