@@ -607,24 +607,12 @@ def _sm_count(device_index: int) -> int:
 def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int) -> int:
     """Splits of the quantized region per (slot, KV head): a launch-time constant.
 
-    Two programs per SM where each still gets >= 4 blocks of a full-capacity region; otherwise
-    ~4 programs per SM (about as many as fit at once at 4 warps and 96 registers per thread), so
-    one wave covers the GPU even for a single long sequence, never cutting the region into
-    pieces shorter than 4 blocks (each program also pays a fixed cost for its q load and partial
-    store); at most 64 so the combine stays cheap. Depends only on shapes, never on lens.
-
-    Why two: with two or more programs per SM the kernel is throughput-bound, so the time follows
-    the blocks per SM, and two programs of n blocks cost what four of n / 2 cost, less half the
-    prologues and partials. Batch 1 x 16k on the H200 (``short_rows_b1_splits_*.txt``): 32
-    splits 15.2 us, 64 splits 16.1 us; 24 and 40 splits (an uneven 1.5 and 2.5 programs per
-    SM) 21-22 us.
+    Aims at ~4 programs per SM (about as many as fit at once at 4 warps and ~128 registers per
+    thread), so one wave covers the GPU even for a single long sequence; never cuts a full-capacity
+    region into pieces shorter than 4 blocks (each program also pays a fixed cost for its q load and
+    partial store); at most 64 so the combine stays cheap. Depends only on shapes, never on lens.
     """
-    planes = batch * h_kv
-    blocks = max(1, capacity // block_n)
-    two = (2 * sm_count) // planes
-    if two >= 1 and blocks // two >= 4:
-        return min(two, 64)
-    want = triton.cdiv(4 * sm_count, planes)
+    want = triton.cdiv(4 * sm_count, batch * h_kv)
     useful = max(1, capacity // (4 * block_n))
     return max(1, min(want, useful, 64))
 
