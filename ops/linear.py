@@ -293,9 +293,15 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     Several rows: tensor-core tiles of 16 (padded) rows, the weight tiles staged through shared
     memory over 4 stages by the compiler. Bytes in flight per program decide it, against
     programs enough to cover the SMs: at 8 rows on the H200 (``linear_sweep_b8_767eddd.txt``,
-    6 configurations per layer) the best were 32 x 512 for N = 4096 (o 12.3 us, down 31.7 us),
-    32 x 256 or 64 x 256 for N = 6144 (q/k/v 19.9 us) and 128 x 128 for N = 28672 (gate/up
-    62.0 us; 32 x 512 there: 67.1 us).
+    ``_b8_qkv_gate_up_93cf6bc.txt``, 6-10 configurations per layer) the best were 32 x 512 for
+    N = 4096 (o 12.3 us, down 31.7 us), 64 x 256 for N = 6144 (q/k/v 18.2 us; 32 x 256 20.5 us)
+    and 128 x 128 for N = 28672 (gate/up 60-62 us; 32 x 512 there: 67.1 us).
+
+    ``K_PREFETCH`` columns of each program's weight rows are prefetched toward L2 before the
+    PDL wait (``_prefetch_l2``) where every program is resident from the start (one wave, N <=
+    8192 here): 512 took 0.4-0.5 us off o and down at 8 rows; on gate/up (two waves) and at one
+    row (whose first tile already loads before the wait) every amount was slower
+    (``linear_sweep_b8_b1_quick_449adae.txt``).
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512

@@ -360,12 +360,13 @@ def tune(cfg: ExperimentConfig) -> None:
     splits = _launch_config(cfg, dequant="half2", **best)[4]
     around = {splits // 2, splits - 2, splits - 1, splits + 1, splits + 2, splits * 3 // 2,
               splits * 2}
+    launch = best
     for n in sorted(n for n in around if 1 <= n <= 128 and n != splits):
-        ms = time_config(**best, num_splits=n)
+        ms = time_config(**launch, num_splits=n)
         if ms is not None:
-            print(f"  {best} num_splits={n}: {ms:.4f} ms")
+            print(f"  {launch} num_splits={n}: {ms:.4f} ms")
             if ms < best_ms:
-                best_ms, best = ms, {**best, "num_splits": n}
+                best_ms, best = ms, {**launch, "num_splits": n}
     print(f"best for {cfg.name}: {best_ms:.4f} ms ({base_ms / best_ms:.2f}x the default)  {best}")
 
 
