@@ -32,8 +32,9 @@ two output columns together take them into one program: a program that rotates t
 Kernel: one program per ``BLOCK_N`` weight rows and ``BLOCK_M`` rows of x, the whole K in a
 loop (no split-K, so no reduction launch and no atomics). The weight tile is the only large
 stream. One row: FMA, the next weight tile prefetched into registers. Several rows: tensor-core
-tiles of 16 (padded) rows, staged through shared memory by the compiler's pipeline; there the
-norm is best left to the caller (see ``launch_config`` and the adapter's ``_norm_prologue``).
+tiles of 16 (padded) rows, staged through shared memory by the compiler's pipeline, the first
+weight columns asked into L2 before the PDL wait; there the norm is best left to the caller:
+``rms_norm`` is the prologue as a launch of its own (see the adapter's ``_norm_prologue``).
 """
 from __future__ import annotations
 
@@ -189,8 +190,6 @@ def _fused_linear_kernel(
         # The weights are never written during a step: the first tile loads before waiting for
         # the kernel that produced x (PDL), so it streams during that kernel's last wave.
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
-        if PDL and K_PREFETCH > 0:  # and the tiles after it toward L2
-            _prefetch_l2(w_ptr, cols, n_ok, BLOCK_K, K, stride_wn, K_PREFETCH, LINE)
         rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -297,11 +296,11 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     N = 4096 (o 12.3 us, down 31.7 us), 64 x 256 for N = 6144 (q/k/v 18.2 us; 32 x 256 20.5 us)
     and 128 x 128 for N = 28672 (gate/up 60-62 us; 32 x 512 there: 67.1 us).
 
-    ``K_PREFETCH`` columns of each program's weight rows are prefetched toward L2 before the
-    PDL wait (``_prefetch_l2``) where every program is resident from the start (one wave, N <=
-    8192 here): 512 took 0.4-0.5 us off o and down at 8 rows; on gate/up (two waves) and at one
-    row (whose first tile already loads before the wait) every amount was slower
-    (``linear_sweep_b8_b1_quick_449adae.txt``).
+    Several rows also prefetch ``K_PREFETCH`` columns of each program's weight rows toward L2
+    before the PDL wait (``_prefetch_l2``) where every program is resident from the start (one
+    wave, N <= 8192 here): 512 took 0.4-0.5 us off o and down at 8 rows; on gate/up (two waves)
+    every amount was slower, and so was it at one row, whose first tile already loads before the
+    wait (``linear_sweep_b8_b1_quick_449adae.txt``; the one-row prefetch was removed).
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
@@ -480,9 +479,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """HF's ``LlamaRMSNorm`` of the rows of ``x``: what ``fused_linear(rms_weight=...)`` does in
-    front of its projection, as a launch of its own for steps of several rows (see
-    ``launch_config``). The launch takes part in PDL, so the projection after it starts (and
-    prefetches its weights) while it runs.
+    front of its projection, as a launch of its own for steps of several rows (module
+    docstring). The launch takes part in PDL, so the projection after it starts (and prefetches
+    its weights) while it runs.
 
     Args:
         x: ``(M, K)`` fp16/bf16/fp32, unit stride along the last dim.

@@ -114,8 +114,9 @@ def main() -> None:
             # The default without PDL: each launch then waits for the previous one to finish;
             # and with other amounts of its weights prefetched toward L2 before its PDL wait.
             cfgs = [default, {**default, "pdl": False}]
-            cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
-                     if k != default["K_PREFETCH"]]
+            if M > 1:  # the tensor-core path's L2 prefetch (the one-row path has none)
+                cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
+                         if k != default["K_PREFETCH"]]
             # Several rows take the RMSNorm outside (as the adapter runs them: ops.rms_norm,
             # then the kernel without prologue); "norm_inside" times it inside, "norm_compiled"
             # as HF's module compiled by inductor (no PDL).
