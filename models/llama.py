@@ -18,7 +18,7 @@ from minikv_compile import ops
 FUSED_MAX_ROWS = 8
 
 # The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
-# what ``ops.fused_linear`` computes in front of a projection.
+# what ``ops.fused_linear`` computes in front of a projection (and ``ops.rms_norm`` on its own).
 _PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
@@ -129,7 +129,6 @@ class LlamaFamilyAdapter:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, hidden) of the last position -> logits (B, vocab) in fp32."""
         return self.model.lm_head(self.decoder.norm(h)).float()
-
 
     def _fused_rows(self, h: torch.Tensor) -> bool:
         """Whether this call runs the ``ops.fused_linear`` path: a decode step of at most

@@ -33,6 +33,15 @@ def launch_dependents():
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def launch_dependents_then_wait(ENABLED: tl.constexpr):
+    """The entry of every PDL kernel here, before it touches memory: let the next kernel start
+    launching, then wait for the ones before. Nothing when ``ENABLED`` is false."""
+    if ENABLED:
+        launch_dependents()
+        wait()
+
+
 def supported(device: torch.device) -> bool:
     """CUDA sm_90+, not the interpreter, not turned off by ``MINIKV_PDL=0``."""
     return os.environ.get("MINIKV_PDL") != "0" and compiled_major(device) >= 9

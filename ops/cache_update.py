@@ -137,9 +137,7 @@ def _flush_kernel(
     # 1 / SPLIT of that group's value tokens; with bits == 16, TOKENS ring tokens of K and V.
     # Programs read the ring and lens and write only their own region cells, so no program reads
     # what another writes. The new token's ring write and the counter update come in launch 2.
-    if PDL:  # see ops/_gdc.py: nothing is read or written before the previous kernel is done
-        gdc.launch_dependents()
-        gdc.wait()
+    gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
     b = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -173,9 +171,7 @@ def _append_kernel(
     # per slot, all heads: it is the only reader and writer of lens[b] in this launch, so it can
     # advance the counters itself instead of a third launch (which would cost every decode step
     # another ~2 us per layer, not just the flush step).
-    if PDL:
-        gdc.launch_dependents()
-        gdc.wait()
+    gdc.launch_dependents_then_wait(PDL)
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     n_quant = tl.load(lens + 2 * b)

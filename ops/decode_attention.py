@@ -410,9 +410,7 @@ def _decode_attention_split_kernel(
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # see ops/_gdc.py: nothing is read or written before the previous kernel is done
-        gdc.launch_dependents()
-        gdc.wait()
+    gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -567,9 +565,8 @@ def _decode_attention_combine_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # see ops/_gdc.py (the next kernel, the o projection, then streams its weights early)
-        gdc.launch_dependents()
-        gdc.wait()
+    # (the next kernel, the o projection, then streams its weights early)
+    gdc.launch_dependents_then_wait(PDL)
     # One pass: every split's m, l and acc slice load together (BLOCK_S >= S), so the program
     # waits for memory once.
     row = tl.program_id(0)  # b * H_q + query head

@@ -131,9 +131,7 @@ def _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE: tl.constexpr
                     PDL: tl.constexpr, BLOCK_K: tl.constexpr):
     """Let the next kernel launch and wait for the one that wrote x (PDL), then the RMSNorm's
     1 / RMS of the rows (zeros without the norm)."""
-    if PDL:
-        gdc.launch_dependents()
-        gdc.wait()
+    gdc.launch_dependents_then_wait(PDL)
     rstd = tl.zeros([rows.shape[0]], dtype=tl.float32)
     if PROLOGUE == 1:
         rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
@@ -223,11 +221,11 @@ def _fused_linear_kernel(
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, nw_ptr, y_ptr, M, K, eps, stride_xm, stride_ym,
-                     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    # The fused_linear prologue on its own: BLOCK_M rows per program, the same roundings.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = rows < M
+def _rms_norm_kernel(x_ptr, nw_ptr, y_ptr, K, eps, stride_xm, stride_ym,
+                     PDL: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The fused_linear prologue on its own: one row per program, the same roundings.
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    m_ok = rows >= 0  # one row, in range by construction of the grid
     rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, 1, PDL, BLOCK_K)
     kk = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
@@ -364,8 +362,8 @@ def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_k = min(triton.next_power_of_2(K), 4096)
     pdl = gdc.supported(x.device)
-    _rms_norm_kernel[(M,)](x, weight, y, M, K, eps, x.stride(0), y.stride(0), PDL=pdl,
-                           BLOCK_M=1, BLOCK_K=block_k, num_warps=8 if block_k >= 4096 else 4,
+    _rms_norm_kernel[(M,)](x, weight, y, K, eps, x.stride(0), y.stride(0), PDL=pdl,
+                           BLOCK_K=block_k, num_warps=8 if block_k >= 4096 else 4,
                            launch_pdl=pdl)
     return y
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+
 import torch
 
 
