@@ -117,11 +117,8 @@ class DecodeRunner:
             # Views into the q/k/v projection's output, read in place by both ops (a copy
             # would be one more kernel per tensor and layer).
             ops.cache_append(k[:, :, 0], v[:, :, 0], *lc.buffers(), cache.bits, cache.group_size)
-            # The attention leaves DRAM mostly idle at decode lengths: it streams the weights
-            # of the projection after it toward L2 meanwhile (a hint; no result changes).
-            o = ops.decode_attention(q[:, :, 0], *lc.buffers(), a.scale, cache.bits,
-                                     cache.group_size,
-                                     l2_prefetch=a.weights_after_attention(layer))  # (B, H_q, D)
+            o = ops.decode_attention(q[:, :, 0], *lc.buffers(), a.scale,
+                                     cache.bits, cache.group_size)  # (B, H_q, D)
             h = a.finish_layer(layer, h, o.reshape(batch, 1, -1))
         logits = a.logits(h[:, 0])                                 # (B, V) fp32
         # The step index never passes the last column, whatever ran before (a warm-up, a

@@ -126,11 +126,6 @@ class LlamaFamilyAdapter:
         gate, up = F.linear(x, w, b).chunk(2, dim=-1)
         return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
 
-    def weights_after_attention(self, layer: int):
-        """The weights the decode step reads right after ``layer``'s attention (its o_proj), for
-        ``ops.decode_attention``'s L2 hint."""
-        return self.layers[layer].self_attn.o_proj.weight
-
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, hidden) of the last position -> logits (B, vocab) in fp32."""
         return self.model.lm_head(self.decoder.norm(h)).float()

@@ -80,7 +80,6 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from . import _l2
 from ._checks import (FLOAT_DTYPES, check_choice, check_quant_params, check_tensor,
                       codes_per_word, compiled_major)
 from . import decode_attention_gluon as dag
@@ -100,8 +99,6 @@ DEQUANT_PATHS = ("half2", "fp32")
 FRAGMENTS = "fragments"
 # Splits of the quantized region per (slot, KV head) at most: the combine loads all of them at once.
 MAX_SPLITS = 128
-# Lines of the L2 hint (``l2_prefetch``) a program asks for at a time: one per thread of 4 warps.
-_PF_BLOCK = 128
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,23 +401,19 @@ def _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexp
 @triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
-    m_ptr, l_ptr, acc_ptr, pf_ptr,
+    m_ptr, l_ptr, acc_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_qd,
-    H_KV, T_CAP, R, NUM_SPLITS, PF_LINES, PF_PER_PROGRAM,
+    H_KV, T_CAP, R, NUM_SPLITS,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    PF_BLOCK: tl.constexpr,
 ):
+    gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    if PF_BLOCK > 0:  # the caller's L2 hint (read-only data: before the PDL wait is fine)
-        _l2.prefetch_share(pf_ptr, PF_LINES, PF_PER_PROGRAM,
-                           (b * H_KV + h) * (NUM_SPLITS + 1) + split, PF_BLOCK)
-    gdc.launch_dependents_then_wait(PDL)  # nothing of the cache is read or written before this
     # int64: Bmax * H_kv * T_cap * D exceeds 2^31 for large caches; offsets inside one plane fit.
     plane = b.to(tl.int64) * H_KV + h
     # Clamping keeps a corrupt length from reading outside the buffers.
@@ -567,19 +560,16 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, pf_ptr,
-    H_Q, stride_ob, stride_oh, stride_od, S, PF_LINES, PF_PER_PROGRAM,
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    H_Q, stride_ob, stride_oh, stride_od, S,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr, PF_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)  # b * H_q + query head
-    if PF_BLOCK > 0:  # the L2 hint, here only when the split launch was the Gluon kernel
-        _l2.prefetch_share(pf_ptr, PF_LINES, PF_PER_PROGRAM,
-                           row * tl.num_programs(1) + tl.program_id(1), PF_BLOCK)
     # (the next kernel, the o projection, then streams its weights early)
     gdc.launch_dependents_then_wait(PDL)
     # One pass: every split's m, l and acc slice load together (BLOCK_S >= S), so the program
     # waits for memory once.
+    row = tl.program_id(0)  # b * H_q + query head
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
     in_range = offs_s < S
@@ -728,8 +718,7 @@ def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtyp
 
 def _decode_attention_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    scale: float, bits: int, group_size: int, l2_prefetch: Optional[torch.Tensor] = None, *,
-    dequant: str = "auto",
+    scale: float, bits: int, group_size: int, *, dequant: str = "auto",
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
     maxnreg: Optional[int] = None, block_h: Optional[int] = None,
@@ -746,11 +735,6 @@ def _decode_attention_triton(
     ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the query heads of a KV
     group padded; ``prefetch`` (the "half2" path only) loads the next
     block's codes into registers instead of staging them with cp.async.
-
-    ``l2_prefetch`` (see :func:`decode_attention`) is shared out among the split launch's
-    programs, each asking for its lines before its PDL wait; after a Gluon split launch, among
-    the combine's programs instead (that kernel has no hook for it; its launches are the long,
-    memory-bound ones, where a prefetch has no idle bandwidth to use anyway).
     """
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
@@ -808,12 +792,6 @@ def _decode_attention_triton(
     # Programmatic dependent launch (ops/_gdc.py) for the Triton kernels; the Gluon kernel keeps
     # the plain launch.
     pdl = gdc.supported(q.device)
-    block_d = min(d, 32)
-    combine_grid = (batch * h_q, d // block_d)
-    pf_programs = (combine_grid[0] * combine_grid[1] if fragments
-                   else batch * h_kv * n_slots)
-    pf, pf_lines, pf_per = _l2.share(None if interpret else l2_prefetch, pf_programs, m)
-    pf_block = _PF_BLOCK if pf_lines else 0
     if fragments:
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -826,27 +804,25 @@ def _decode_attention_triton(
     else:
         _decode_attention_split_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-            m, l, acc, pf,
+            m, l, acc,
             scale * _LOG2E,
             *q.stride(),
-            h_kv, capacity, ring_cap, num_splits, pf_lines, pf_per,
+            h_kv, capacity, ring_cap, num_splits,
             GQA=gqa, BLOCK_H=block_h, D=d,
             BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-            INTERPRET=interpret, PREFETCH=prefetch, PDL=pdl,
-            PF_BLOCK=0 if fragments else pf_block,
-            num_warps=num_warps,
+            INTERPRET=interpret, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=pdl,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
     # One program per (row, 32 channels), all splits loaded at once: one round of memory
     # latency. (One program per row looping over 16 splits at a time took 4.8 us per layer at
     # batch 1: 32 programs, 10 dependent loads each.) At most 256 x 32 fp32 values per program.
-    _decode_attention_combine_kernel[combine_grid](
-        m, l, acc, out, pf, h_q, *out.stride(), n_slots, pf_lines, pf_per,
+    block_d = min(d, 32)
+    _decode_attention_combine_kernel[(batch * h_q, d // block_d)](
+        m, l, acc, out, h_q, *out.stride(), n_slots,
         D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
-        BF16_BY_HAND=bf16_by_hand, PDL=pdl, PF_BLOCK=pf_block if fragments else 0,
-        num_warps=4, launch_pdl=pdl,
+        BF16_BY_HAND=bf16_by_hand, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out
 
@@ -858,11 +834,10 @@ def _decode_attention_triton(
 
 def decode_attention_ref(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    scale: float, bits: int, group_size: int, l2_prefetch: Optional[torch.Tensor] = None,
+    scale: float, bits: int, group_size: int,
 ) -> torch.Tensor:
     """Reference for :func:`decode_attention`: per slot, dequantize the valid region and append the
-    valid ring in fp32, then plain softmax attention in fp32; the output is cast to q's dtype.
-    ``l2_prefetch`` is a cache hint for the GPU kernels: nothing to do here."""
+    valid ring in fp32, then plain softmax attention in fp32; the output is cast to q's dtype."""
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     out = q.new_empty(batch, h_q, d)
@@ -897,15 +872,15 @@ def _decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
-    scale: float, bits: int, group_size: int, l2_prefetch: Optional[torch.Tensor],
+    scale: float, bits: int, group_size: int,
 ) -> torch.Tensor:
     return decode_attention_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                                k_ring, v_ring, lens, scale, bits, group_size, l2_prefetch)
+                                k_ring, v_ring, lens, scale, bits, group_size)
 
 
 @_decode_attention_op.register_fake
 def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      scale, bits, group_size, l2_prefetch):
+      scale, bits, group_size):
     return q.new_empty(q.shape)
 
 
@@ -975,7 +950,6 @@ def decode_attention(
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     scale: float, bits: int = 2, group_size: int = 16,
-    l2_prefetch: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over one layer's compressed cache.
 
@@ -1007,11 +981,6 @@ def decode_attention(
         group_size: G in {16, 32, 64, 128}; ``T_cap``, ``R`` and ``D`` are multiples of it
             (ignored when bits == 16).
         All cache buffers and ``lens`` are contiguous and on q's device.
-        l2_prefetch: optional contiguous tensor on q's device, any dtype, that the kernels ask
-            L2 for while they run (``prefetch.global.L2``, fire and forget), for the kernel that
-            reads it next: a hint that changes no result (the CPU reference and the interpreter
-            skip it). At short rows the attention kernels leave DRAM mostly idle; the decode
-            step passes the layer's o_proj weights.
 
     Returns:
         ``(B, H_q, D)`` in q's dtype, contiguous.
@@ -1021,8 +990,6 @@ def decode_attention(
     """
     _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
                   bits, group_size)
-    if l2_prefetch is not None:
-        check_tensor("l2_prefetch", l2_prefetch, device=q.device, contiguous=True)
     return torch.ops.minikv.decode_attention(q, k_cache, k_scale, k_zero, v_cache, v_scale,
                                              v_zero, k_ring, v_ring, lens, float(scale), bits,
-                                             group_size, l2_prefetch)
+                                             group_size)

@@ -46,7 +46,6 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from . import _l2
 from ._checks import FLOAT_DTYPES, check_tensor
 
 PROLOGUES = ("none", "rmsnorm")  # the kernel's PROLOGUE is the index in this tuple
@@ -122,7 +121,9 @@ def _prefetch_l2(w_ptr, cols, n_ok, k0, K, stride_wn, K_PREFETCH: tl.constexpr,
     during a step, so this may run before the PDL wait: the lines stream from HBM while the
     kernel before finishes, and the main loop then finds them in L2."""
     k = tl.minimum(k0 + tl.arange(0, K_PREFETCH // LINE) * LINE, K - 1)
-    _l2.prefetch(w_ptr + tl.where(n_ok, cols, 0)[:, None] * stride_wn + k[None, :])
+    ptrs = w_ptr + tl.where(n_ok, cols, 0)[:, None] * stride_wn + k[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -343,18 +343,14 @@ def test_public_op_runs_reference_on_cpu(bits):
     out = decode_attention(q, *case.bufs, 0.25, bits, 16)
     torch.testing.assert_close(out, decode_attention_ref(q, *case.bufs, 0.25, bits, 16),
                                rtol=0, atol=0)
-    # the L2 hint changes nothing
-    hinted = decode_attention(q, *case.bufs, 0.25, bits, 16, l2_prefetch=torch.randn(33, 7))
-    assert torch.equal(hinted, out)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 16])
 def test_opcheck(bits):
     case = make_case(2, 3, 2, 16, 32, 16, bits, 16, torch.float32, [16, 32], [1, 16])
     q = torch.randn(2, 4, 16)
-    for hint in (None, torch.randn(5, 16)):
-        torch.library.opcheck(torch.ops.minikv.decode_attention.default,
-                              (q, *case.bufs, 0.25, bits, 16, hint))
+    torch.library.opcheck(torch.ops.minikv.decode_attention.default,
+                          (q, *case.bufs, 0.25, bits, 16))
 
 
 def test_compile_fullgraph_no_recompile_on_new_lens():
@@ -379,12 +375,12 @@ def test_compile_fullgraph_no_recompile_on_new_lens():
 
 def _valid_args(bits=2):
     case = make_case(2, 3, 2, 16, 64, 16, bits, 16, torch.float16, [32, 16], [1, 2])
-    return [torch.randn(2, 4, 16).half(), *case.bufs, 0.25, bits, 16, torch.zeros(8, 8)]
+    return [torch.randn(2, 4, 16).half(), *case.bufs, 0.25, bits, 16]
 
 
 # (case, argument index in the op's order, how to break that argument, expected message)
-Q, K_CACHE, K_SCALE, K_ZERO, V_CACHE, V_SCALE, K_RING, V_RING, LENS, BITS, GROUP, HINT = (
-    0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13)
+Q, K_CACHE, K_SCALE, K_ZERO, V_CACHE, V_SCALE, K_RING, V_RING, LENS, BITS, GROUP = (
+    0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 12)
 BAD_INPUTS = [
     ("q rank", Q, lambda t: t[0], "q: expected 3 dims"),
     ("q dtype", Q, lambda t: t.double(), "q: expected dtype"),
@@ -405,9 +401,6 @@ BAD_INPUTS = [
     ("lens shape", LENS, lambda t: t[:2].contiguous(), "lens: expected shape"),
     ("not contiguous", K_SCALE, lambda t: t.transpose(2, 3).contiguous().transpose(2, 3),
      "k_scale: expected a contiguous"),
-    ("hint not contiguous", HINT, lambda t: t.t(), "l2_prefetch: expected a contiguous"),
-    ("hint device", HINT, lambda t: t.to("meta"), "l2_prefetch: expected device cpu"),
-    ("hint not a tensor", HINT, lambda t: t.data_ptr(), "l2_prefetch: expected a torch.Tensor"),
 ]
 
 
@@ -474,24 +467,6 @@ def test_gpu_llama_size(bits, dtype, dequant):
     # the public op runs the launcher's default ("auto")
     assert torch.equal(decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16),
                        run_triton(q, case, 128 ** -0.5))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dequant", ["half2", FRAGMENTS])
-@pytest.mark.parametrize("hint_shape", [(4096, 4096), (333, 7)], ids=["o_proj", "odd"])
-def test_gpu_l2_hint_changes_nothing(dequant, hint_shape):
-    # The split launch (or, after the Gluon kernel, the combine) prefetches the hint: several
-    # rounds of 128 lines per program for o_proj's 32 MiB, a part line for the odd one.
-    batch, n_q = 4, 4096
-    case = make_case(batch, batch, 8, 128, n_q, 128, 2, 16, torch.bfloat16,
-                     [n_q, 1024, 0, 2048], [128, 1, 64, 17], device="cuda")
-    q = torch.randn(batch, 32, 128, device="cuda").bfloat16()
-    hint = torch.randn(hint_shape, device="cuda").bfloat16()
-    plain = run_triton(q, case, 128 ** -0.5, dequant=dequant)
-    hinted = run_triton(q, case, 128 ** -0.5, l2_prefetch=hint, dequant=dequant)
-    assert torch.equal(hinted, plain)
-    assert torch.equal(decode_attention(q, *case.bufs, 128 ** -0.5, 2, 16, l2_prefetch=hint),
-                       decode_attention(q, *case.bufs, 128 ** -0.5, 2, 16))
 
 
 @pytest.mark.gpu
