@@ -789,8 +789,7 @@ def _decode_attention_triton(
     else:
         dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
 
-    # Programmatic dependent launch (ops/_gdc.py) for the Triton kernels; the Gluon kernel keeps
-    # the plain launch.
+    # Programmatic dependent launch (ops/_gdc.py) for all three kernels.
     pdl = gdc.supported(q.device)
     if fragments:
         if q.stride(2) != 1:
@@ -798,7 +797,7 @@ def _decode_attention_triton(
         dag._decode_attention_fragments_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, m, l, acc,
             scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, ring_cap, num_splits,
-            GQA=gqa, num_warps=1,
+            GQA=gqa, PDL=pdl, num_warps=1, launch_pdl=pdl,
             **({"maxnreg": gluon_maxnreg} if gluon_maxnreg else {}),
         )
     else:

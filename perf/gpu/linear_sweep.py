@@ -40,7 +40,8 @@ def dot_configs():  # several rows: tensor-core tiles of 16 (padded) rows
     # Deep pipelines win (the 95b9f44 sweep: BLOCK_K 512 x 4 stages best on o and down);
     # (BLOCK_N + 16) x BLOCK_K x stages bf16 must fit in shared memory.
     for bn, bk, st in ((32, 512, 4), (16, 512, 4), (64, 256, 4), (64, 256, 5), (128, 128, 4),
-                       (32, 256, 4), (16, 256, 4), (16, 256, 6), (64, 128, 4), (32, 128, 8)):
+                       (32, 256, 4), (16, 256, 4), (16, 256, 6), (64, 128, 4), (32, 128, 8),
+                       (64, 256, 3), (64, 128, 6), (128, 128, 3), (32, 256, 6)):
         yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=4)
 
 
