@@ -114,13 +114,12 @@ def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(w_ptr, cols, n_ok, k0, K, stride_wn, K_PREFETCH: tl.constexpr,
-                 LINE: tl.constexpr):
-    """Ask L2 for columns [k0, k0 + K_PREFETCH) of this program's weight rows, one prefetch per
+def _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for columns [0, K_PREFETCH) of this program's weight rows, one prefetch per
     line of LINE elements (128 bytes), without waiting for them. The weights are never written
     during a step, so this may run before the PDL wait: the lines stream from HBM while the
     kernel before finishes, and the main loop then finds them in L2."""
-    k = tl.minimum(k0 + tl.arange(0, K_PREFETCH // LINE) * LINE, K - 1)
+    k = tl.minimum(tl.arange(0, K_PREFETCH // LINE) * LINE, K - 1)
     ptrs = w_ptr + tl.where(n_ok, cols, 0)[:, None] * stride_wn + k[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -173,7 +172,7 @@ def _fused_linear_kernel(
 
     if USE_DOT:  # tensor-core tiles, loads pipelined over NUM_STAGES by the compiler
         if PDL and K_PREFETCH > 0:  # the first tiles toward L2 before the wait
-            _prefetch_l2(w_ptr, cols, n_ok, 0, K, stride_wn, K_PREFETCH, LINE)
+            _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH, LINE)
         rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):

@@ -15,12 +15,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from minikv_compile.perf.bench_decode_attention import _graph_ms, _replicas, copy_bandwidth
+from minikv_compile.perf.bench_decode_attention import _replicas, copy_bandwidth
+from linear_sweep import LAYERS, timed  # this folder's sweep: its shapes and its timing
 
 lin = importlib.import_module("minikv_compile.ops.linear")
 gdc = importlib.import_module("minikv_compile.ops._gdc")
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CONFIGS = [(64, 256, 4), (64, 256, 3), (32, 256, 6), (64, 128, 6), (32, 128, 8), (128, 128, 4),
            (128, 64, 6), (128, 128, 3), (16, 256, 8)]
 
@@ -62,32 +61,27 @@ def tma_gemv(x, w, bn, bk, stages, x_tma=False):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", default=",".join(SHAPES))
+    p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--rows", type=int, default=8)
     args = p.parse_args()
     print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
     for name in args.layers.split(","):
-        N, K = SHAPES[name]
+        N, K = LAYERS[name][:2]
         wbytes = N * K * 2
         ws = [torch.randn(N, K, device="cuda").bfloat16() / K ** 0.5
               for _ in range(max(2, _replicas(wbytes)))]
         x = torch.randn(args.rows, K, device="cuda").bfloat16()
         ref = (x.float() @ ws[0].float().T)
 
-        def timed(fn):
-            fn(ws[0])
-            torch.cuda.synchronize()
-            return _graph_ms([lambda w=ws[i % len(ws)]: fn(w) for i in range(max(8, len(ws)))])
-
         plain = (None, None, None, None, None, 0, "none", 1e-5, False)
-        base = timed(lambda w: lin._fused_linear_triton(x, w, *plain))
+        base = timed(lambda w: lin._fused_linear_triton(x, w, *plain), ws)
         print(f"{name} ({N} x {K}), {args.rows} rows: fused_linear default "
               f"{base * 1e3:6.1f} us {wbytes / base / 1e9:5.2f} TB/s", flush=True)
         for bn, bk, st in CONFIGS:
             for x_tma in (False, True):
                 try:
                     err = (tma_gemv(x, ws[0], bn, bk, st, x_tma).float() - ref).abs().max().item()
-                    ms = timed(lambda w: tma_gemv(x, w, bn, bk, st, x_tma))
+                    ms = timed(lambda w: tma_gemv(x, w, bn, bk, st, x_tma), ws)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(f"   TMA {bn}x{bk}x{st} x_tma={x_tma}: failed {type(e).__name__}: "
                           f"{str(e)[:150]}", flush=True)
