@@ -76,13 +76,3 @@ def compiled_major(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
-
-
-def sm_count(device: torch.device) -> int:
-    """The number of SMs of the CUDA ``device`` (cached: asked at launches)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -71,6 +71,7 @@ argument and the benchmark's ``--variants`` compare both.)
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -80,7 +81,7 @@ import triton.language as tl
 
 from . import _gdc as gdc
 from ._checks import (FLOAT_DTYPES, check_choice, check_quant_params, check_tensor,
-                      codes_per_word, compiled_major, sm_count)
+                      codes_per_word, compiled_major)
 from . import decode_attention_gluon as dag
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
@@ -595,6 +596,11 @@ def _decode_attention_combine_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int) -> int:
     """Splits of the quantized region per (slot, KV head): a launch-time constant.
 
@@ -734,9 +740,9 @@ def _decode_attention_triton(
     h_kv = k_ring.shape[1]
     ring_cap = k_ring.shape[2]
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    sms = sm_count(q.device) if q.is_cuda else 1
+    sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 1
     dequant = _resolve_dequant(dequant, q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv,
-                               capacity, sms)
+                               capacity, sm_count)
     fragments = dequant == FRAGMENTS
     gluon_maxnreg = dag.MAXNREG if maxnreg is None else maxnreg
     cfg = _default_config(bits, group_size, d, q.dtype, "half2" if fragments else dequant)
@@ -751,7 +757,7 @@ def _decode_attention_triton(
         raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of group_size="
                          f"{group_size}, got {block_n}")
     if num_splits is None:
-        num_splits = _splits(fragments, batch, h_kv, capacity, block_n, sms)
+        num_splits = _splits(fragments, batch, h_kv, capacity, block_n, sm_count)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected 1..{MAX_SPLITS}, got {num_splits}")
     gqa = h_q // h_kv

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import FLOAT_DTYPES, check_tensor, sm_count
+from ._checks import FLOAT_DTYPES, check_tensor
 
 PROLOGUES = ("none", "rmsnorm")  # the kernel's PROLOGUE is the index in this tuple
 
@@ -145,31 +145,28 @@ def _fused_linear_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + offs_n
     HALF: tl.constexpr = BLOCK_N // 2
-    if ROPE or GLU_OUT:  # slots s and s + HALF hold the two weight rows of one pair
-        q = offs_n % HALF
-        pair = pid_n * (ROWS // 2) + q
-        slot_ok = q < ROWS // 2
-        second = offs_n // HALF
-        if ROPE:  # rotated: rows j and j + D/2 of one head; then plain rows 2p and 2p + 1
-            HD2: tl.constexpr = HEAD_DIM // 2
-            rotated = 2 * pair < ROPE_ROWS
-            cols = tl.where(rotated, (pair // HD2) * HEAD_DIM + pair % HD2 + second * HD2,
-                            2 * pair + second)
-            n_ok = slot_ok & (cols < N)
-        else:  # output column p: gate row p and up row N/2 + p
-            cols = pair + second * (N // 2)
-            n_ok = slot_ok & (pair < N // 2)
-    else:
-        cols = pid_n * ROWS + offs_n
-        n_ok = (offs_n < ROWS) & (cols < N)
+    n_ok = cols < N
+    rotate = False
+    if ROPE:  # programs [0, ROPE_ROWS / BLOCK_N): rows j0 + [0, HALF) and j0 + D/2 + [0, HALF)
+        per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+        rotate = pid_n * BLOCK_N < ROPE_ROWS
+        j0 = (pid_n // per_head) * HEAD_DIM + (pid_n % per_head) * HALF
+        pairs = j0 + offs_n % HALF + (offs_n // HALF) * (HEAD_DIM // 2)
+        cols = tl.where(rotate, pairs, cols)
+        n_ok = cols < N
+    if GLU_OUT:  # output columns j0 + [0, HALF): gate rows j0 + [0, HALF), up rows N/2 + ...
+        j = pid_n * HALF + offs_n % HALF
+        cols = j + (offs_n // HALF) * (N // 2)
+        n_ok = j < N // 2
     m_ok = rows < M
     kk = tl.arange(0, BLOCK_K)
 
@@ -207,17 +204,15 @@ def _fused_linear_kernel(
         gate, up = _halves(y)
         g = gate.to(tl.float32)
         y = (g / (1.0 + tl.exp(-g))).to(y.dtype) * up
-        j = tl.arange(0, HALF)
-        out = pid_n * (ROWS // 2) + j
+        out = pid_n * HALF + tl.arange(0, HALF)
         tl.store(y_ptr + rows[:, None] * stride_ym + out[None, :], y,
-                 mask=m_ok[:, None] & ((j < ROWS // 2) & (out < N // 2))[None, :])
+                 mask=m_ok[:, None] & (out < N // 2)[None, :])
     else:
         mask = m_ok[:, None] & n_ok[None, :]
         if ROPE:
-            if pid_n * ROWS < ROPE_ROWS:  # the program holds rotated rows
-                y = tl.where(rotated[None, :],
-                             _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm,
-                                   HALF, HEAD_DIM), y)
+            if rotate:
+                y = _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF,
+                          HEAD_DIM)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -282,8 +277,7 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 # ----------------------------------------------------------------------------------------------
 
 
-def launch_config(M: int, N: int, K: int, dtype: torch.dtype,
-                  sms: Optional[int] = None) -> dict:
+def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     """Block sizes, stages, warps and the inner product of a launch.
 
     One row (the decode step at batch 1): FMA over (4 x BLOCK_K) weight tiles, two in flight per
@@ -307,19 +301,15 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype,
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
-        return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, ROWS=4, BLOCK_K=block_k, NUM_STAGES=1,
+        return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k, NUM_STAGES=1,
                     num_warps=4, K_PREFETCH=0)
     if dtype == torch.float32:
-        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, ROWS=32, BLOCK_K=32, NUM_STAGES=2,
-                    num_warps=4, K_PREFETCH=0)
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4,
+                    K_PREFETCH=0)
     block_n, block_k, prefetch = ((32, 512, 512) if N <= 4096 else (64, 256, 512) if N <= 8192
                                   else (128, 128, 0))
-    rows = block_n
-    if sms and triton.cdiv(N, block_n) < sms:  # one wave with idle SMs: fewer rows per program
-        rows = min(block_n, 2 * triton.cdiv(N, 2 * sms))  # even: RoPE and GLU take pairs
-        block_n = max(16, triton.next_power_of_2(rows))
-    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, ROWS=rows, BLOCK_K=block_k,
-                NUM_STAGES=4, num_warps=4, K_PREFETCH=prefetch)
+    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
+                num_warps=4, K_PREFETCH=prefetch)
 
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -330,21 +320,23 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     M = x.shape[0]
     N, K = weight.shape
     y = x.new_empty(M, N // 2 if glu_out else N)
-    cfg = launch_config(M, N, K, x.dtype, sm_count(x.device) if x.is_cuda else None)
-    if "BLOCK_N" in override:  # a tile of its own: every slot a row unless ROWS says otherwise
-        cfg["ROWS"] = override["BLOCK_N"]
+    cfg = launch_config(M, N, K, x.dtype)
     cfg.update(override)
     num_warps = cfg.pop("num_warps")
     pdl = cfg.pop("pdl", gdc.supported(x.device))
     rope = rope_cos is not None
-    pairs = rope or glu_out  # a program holds ROWS // 2 pairs of weight rows
-    if not 0 < cfg["ROWS"] <= cfg["BLOCK_N"] or (pairs and cfg["ROWS"] % 2):
-        raise ValueError(f"ROWS: expected {'an even number ' if pairs else ''}in "
-                         f"[1, BLOCK_N={cfg['BLOCK_N']}], got {cfg['ROWS']}")
     head_dim = rope_cos.shape[1] if rope else 2
-    programs = (triton.cdiv(triton.cdiv(N, 2), cfg["ROWS"] // 2) if pairs
-                else triton.cdiv(N, cfg["ROWS"]))
-    grid = (programs, triton.cdiv(M, cfg["BLOCK_M"]))
+    if rope:  # a rotating program holds whole pairs: BLOCK_N even and dividing the head dim
+        block_n = cfg["BLOCK_N"]
+        while head_dim % block_n:
+            block_n //= 2
+        if cfg["USE_DOT"] and block_n < 16:  # too narrow for tl.dot: one row per program
+            cfg.update(launch_config(1, N, K, x.dtype))
+            num_warps = cfg.pop("num_warps")
+            block_n = min(cfg["BLOCK_N"], block_n)
+        cfg["BLOCK_N"] = block_n
+    per_program = cfg["BLOCK_N"] // 2 if glu_out else cfg["BLOCK_N"]  # output columns
+    grid = (triton.cdiv(y.shape[1], per_program), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
     _fused_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,

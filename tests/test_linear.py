@@ -149,50 +149,9 @@ def test_triton_glu_epilogue(M, cfg, dtype):
     torch.testing.assert_close(out, run_ref(x, w, a, "rmsnorm"), rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize("mode", ["plain", "rope", "glu"])
-@pytest.mark.parametrize("rows", [6, 10, 16])
-def test_triton_fewer_rows_than_the_tile(mode, rows):
-    # ROWS < BLOCK_N (a wave spread over every SM): each program holds ROWS weight rows (ROWS / 2
-    # pairs for RoPE and GLU) in a tile of 16. With RoPE over 3 heads of 16 and 24 plain columns,
-    # programs straddle heads and the rotated / plain boundary; the last ones are partly masked.
-    M, D = 3, 16
-    kw = dict(rope_dim=D, rope_heads=3) if mode == "rope" else {}
-    x, w, a = make_case(M, 3 * D + 24 if mode == "rope" else 72, 40, "none", torch.float16,
-                        bias=True, residual=mode == "plain", **kw)
-    a["glu_out"] = mode == "glu"
-    cfg = dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, ROWS=rows, BLOCK_K=32, NUM_STAGES=2,
-               num_warps=4)
-    out = run_kernel(x, w, a, "none", **cfg)
-    assert out.shape == run_ref(x, w, a, "none").shape
-    assert_within_2x(out, x, w, a, "none")
-    torch.testing.assert_close(out, run_ref(x, w, a, "none"), rtol=2e-3, atol=2e-3)
-
-
-@pytest.mark.parametrize("rows", [0, 17, 5])
-def test_rows_out_of_range_is_an_error(rows):
-    x, w, a = make_case(3, 72, 40, "none", torch.float16)
-    a["glu_out"] = True
-    cfg = dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, ROWS=rows, BLOCK_K=32, NUM_STAGES=2,
-               num_warps=4)
-    with pytest.raises(ValueError, match=rf"ROWS: expected an even number in \[1, BLOCK_N=16\], "
-                                         rf"got {rows}"):
-        run_kernel(x, w, a, "none", **cfg)
-
-
 def test_launch_rule():
     assert launch_config(1, 4096, 4096, torch.bfloat16)["USE_DOT"] is False
     assert launch_config(8, 4096, 4096, torch.bfloat16)["USE_DOT"] is True
-    # A single wave that leaves SMs idle spreads its rows over every SM (pairs kept whole).
-    cfg = launch_config(8, 6144, 4096, torch.bfloat16, sms=132)  # Llama-3.1-8B q/k/v
-    assert (cfg["BLOCK_N"], cfg["ROWS"]) == (64, 48)  # 128 programs, not 96
-    cfg = launch_config(8, 4096, 4096, torch.bfloat16, sms=132)  # o: 128 programs already
-    assert (cfg["BLOCK_N"], cfg["ROWS"]) == (32, 32)
-    cfg = launch_config(8, 28672, 4096, torch.bfloat16, sms=132)  # gate/up: several waves
-    assert (cfg["BLOCK_N"], cfg["ROWS"]) == (128, 128)
-    cfg = launch_config(8, 960, 576, torch.bfloat16, sms=132)  # SmolLM2 q/k/v: 120 programs
-    assert (cfg["BLOCK_N"], cfg["ROWS"]) == (16, 8)
-    assert launch_config(8, 6144, 4096, torch.bfloat16)["ROWS"] == 64  # SM count unknown
 
 
 def test_public_op_on_cpu_opcheck_and_compile():

@@ -15,7 +15,6 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from minikv_compile.perf._bench import environment
 from minikv_compile.perf.bench_decode_attention import _graph_ms, _replicas, copy_bandwidth
@@ -82,8 +81,6 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--quick", action="store_true", help="default config only")
-    ap.add_argument("--rows", default="", help="several rows: the default tile with these ROWS "
-                    "(weight rows per program; fewer than BLOCK_N spread a wave over more SMs)")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     copy = copy_bandwidth()
@@ -114,17 +111,13 @@ def main() -> None:
             print(f"{name:8s} M {M}: baseline (inductor + cuBLAS) {b_ms * 1e3:7.1f} us "
                   f"{wbytes / b_ms / 1e9:5.2f} TB/s; cuBLAS GEMV alone {c_ms * 1e3:7.1f} us "
                   f"{wbytes / c_ms / 1e9:5.2f} TB/s", flush=True)
-            default = lin.launch_config(M, N, K, dt, lin.sm_count(dev))
+            default = lin.launch_config(M, N, K, dt)
             # The default without PDL: each launch then waits for the previous one to finish;
             # and with other amounts of its weights prefetched toward L2 before its PDL wait.
             cfgs = [default, {**default, "pdl": False}]
             if M > 1:  # the tensor-core path's L2 prefetch (the one-row path has none)
                 cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
                          if k != default["K_PREFETCH"]]
-                for rows in (int(r) for r in args.rows.split(",") if r):
-                    tile = max(16, triton.next_power_of_2(rows))
-                    if rows != default["ROWS"] or tile != default["BLOCK_N"]:
-                        cfgs.append({**default, "BLOCK_N": tile, "ROWS": rows})
             # Several rows take the RMSNorm outside (as the adapter runs them: ops.rms_norm,
             # then the kernel without prologue); "norm_inside" times it inside, "norm_compiled"
             # as HF's module compiled by inductor (no PDL).
