@@ -74,7 +74,6 @@ class DecodeRunner:
         temperature, top_p (Bmax,) fp32; top_k (Bmax,) int64; noise (Bmax, V) fp32
         forced      (Bmax, N) int64   teacher mode: the tokens to feed instead of sampling
         logprobs    (Bmax, N) fp32    teacher mode: log-prob of forced[:, step] at each step
-        attn_counters (Bmax * H_kv,) int32  decode_attention's scratch, zero between calls
 
     Modes (one compiled graph each, per bucket): ``"greedy"``, ``"sample"``, ``"teacher"``.
     """
@@ -95,8 +94,6 @@ class DecodeRunner:
         self.noise = torch.ones(Bmax, V, dtype=torch.float32, device=dev)
         self.forced = torch.zeros(Bmax, max_new_tokens, dtype=torch.int64, device=dev)
         self.logprobs = torch.zeros(Bmax, max_new_tokens, dtype=torch.float32, device=dev)
-        self.attn_counters = torch.zeros(Bmax * cache.num_kv_heads, dtype=torch.int32,
-                                         device=dev)
         self.use_graphs = cuda_graphs
         self.compiles = 0          # graphs produced by torch.compile for the step (all buckets)
         self.replays = 0           # CUDA-graph replays
@@ -120,8 +117,8 @@ class DecodeRunner:
             # Views into the q/k/v projection's output, read in place by both ops (a copy
             # would be one more kernel per tensor and layer).
             ops.cache_append(k[:, :, 0], v[:, :, 0], *lc.buffers(), cache.bits, cache.group_size)
-            o = ops.decode_attention(q[:, :, 0], *lc.buffers(), a.scale, cache.bits,
-                                     cache.group_size, self.attn_counters)  # (B, H_q, D)
+            o = ops.decode_attention(q[:, :, 0], *lc.buffers(), a.scale,
+                                     cache.bits, cache.group_size)  # (B, H_q, D)
             h = a.finish_layer(layer, h, o.reshape(batch, 1, -1))
         logits = a.logits(h[:, 0])                                 # (B, V) fp32
         # The step index never passes the last column, whatever ran before (a warm-up, a

@@ -99,10 +99,6 @@ DEQUANT_PATHS = ("half2", "fp32")
 FRAGMENTS = "fragments"
 # Splits of the quantized region per (slot, KV head) at most: the combine loads all of them at once.
 MAX_SPLITS = 128
-# With ``counters`` the split launch merges its own partials (the last program of each (slot, KV
-# head) to finish, one query head after the other) when a plane has at most this many: beyond,
-# one program would wait on too much memory, and the combine launch spreads it wider.
-MERGE_MAX_SLOTS = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,15 +401,14 @@ def _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexp
 @triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
-    m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr,
+    m_ptr, l_ptr, acc_ptr,
     qk_scale,
-    stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_od,
+    stride_qb, stride_qh, stride_qd,
     H_KV, T_CAP, R, NUM_SPLITS,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
     b = tl.program_id(0)
@@ -562,50 +557,6 @@ def _decode_attention_split_kernel(
     tl.store(l_ptr + rows, l_i, mask=head_ok)
     tl.store(acc_ptr + rows[None, :] * D + acc_rows[:, None], acc, mask=head_ok[None, :])
 
-    if MERGE:
-        # The combine inside this launch: each program of the plane counts itself in once its
-        # partials are stored (the barrier orders every thread's stores before the count, the
-        # count releases them); the last to arrive (acquire) merges the plane's partials, one
-        # query head at a time, and leaves the counter at zero for the next call.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + plane, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS:
-            offs_s = tl.arange(0, BLOCK_S)
-            for i in tl.static_range(GQA):
-                hq = h * GQA + i
-                out = _combine_row(m_ptr, l_ptr, acc_ptr, b * (H_KV * GQA) + hq, NUM_SPLITS + 1,
-                                   offs_s, offs_d, D)
-                _store_out(out_ptr, out, b, hq, offs_d, stride_ob, stride_oh, stride_od,
-                           BF16_BY_HAND)
-            tl.atomic_xchg(cnt_ptr + plane, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _combine_row(m_ptr, l_ptr, acc_ptr, row, S, offs_s, offs_d, D: tl.constexpr):
-    """The softmax merge of one (slot, query head) row's S partials over channels ``offs_d``
-    (fp32). Loads go to L2 (``.cg``): the partials were written by other SMs in this launch or
-    the one before, never by this one's L1."""
-    in_range = offs_s < S
-    m = tl.load(m_ptr + row * S + offs_s, mask=in_range, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(l_ptr + row * S + offs_s, mask=in_range, other=0.0, cache_modifier=".cg")
-    a = tl.load(acc_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :],
-                mask=in_range[:, None], other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=0)
-    # All splits empty only happens on an empty slot (outside the contract): give 0, not NaN.
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    l_sum = tl.sum(w * l, axis=0)
-    acc = tl.sum(w[:, None] * a, axis=0)
-    return tl.where(l_sum > 0.0, acc / l_sum, 0.0)
-
-
-@triton.jit
-def _store_out(out_ptr, out, b, hq, offs_d, stride_ob, stride_oh, stride_od,
-               BF16_BY_HAND: tl.constexpr):
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d * stride_od,
-             _round_to(out, out_ty, BF16_BY_HAND).to(out_ty))
-
 
 @triton.jit
 def _decode_attention_combine_kernel(
@@ -620,9 +571,24 @@ def _decode_attention_combine_kernel(
     # waits for memory once.
     row = tl.program_id(0)  # b * H_q + query head
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    out = _combine_row(m_ptr, l_ptr, acc_ptr, row, S, tl.arange(0, BLOCK_S), offs_d, D)
-    _store_out(out_ptr, out, row // H_Q, row % H_Q, offs_d, stride_ob, stride_oh, stride_od,
-               BF16_BY_HAND)
+    offs_s = tl.arange(0, BLOCK_S)
+    in_range = offs_s < S
+    m = tl.load(m_ptr + row * S + offs_s, mask=in_range, other=float("-inf"))
+    l = tl.load(l_ptr + row * S + offs_s, mask=in_range, other=0.0)
+    a = tl.load(acc_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    # All splits empty only happens on an empty slot (outside the contract): give 0, not NaN.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    l_sum = tl.sum(w * l, axis=0)
+    acc = tl.sum(w[:, None] * a, axis=0)
+    out = tl.where(l_sum > 0.0, acc / l_sum, 0.0)
+    b = row // H_Q
+    hq = row % H_Q
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d * stride_od,
+             _round_to(out, out_ty, BF16_BY_HAND).to(out_ty))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -756,7 +722,7 @@ def _decode_attention_triton(
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
     maxnreg: Optional[int] = None, block_h: Optional[int] = None,
-    prefetch: Optional[bool] = None, counters: Optional[torch.Tensor] = None,
+    prefetch: Optional[bool] = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`decode_attention` (inputs already validated).
 
@@ -768,9 +734,7 @@ def _decode_attention_triton(
     thread (0: no cap; for :data:`FRAGMENTS` it caps the Gluon kernel, ``MAXNREG`` by default);
     ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the query heads of a KV
     group padded; ``prefetch`` (the "half2" path only) loads the next
-    block's codes into registers instead of staging them with cp.async. With ``counters`` the
-    Triton split launch also merges its partials where a plane has at most
-    :data:`MERGE_MAX_SLOTS` of them (no combine launch).
+    block's codes into registers instead of staging them with cp.async.
     """
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
@@ -827,7 +791,6 @@ def _decode_attention_triton(
 
     # Programmatic dependent launch (ops/_gdc.py) for all three kernels.
     pdl = gdc.supported(q.device)
-    merge = counters is not None and not fragments and n_slots <= MERGE_MAX_SLOTS
     if fragments:
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -840,20 +803,17 @@ def _decode_attention_triton(
     else:
         _decode_attention_split_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-            m, l, acc, out, counters if merge else lens,
+            m, l, acc,
             scale * _LOG2E,
-            *q.stride(), *out.stride(),
+            *q.stride(),
             h_kv, capacity, ring_cap, num_splits,
             GQA=gqa, BLOCK_H=block_h, D=d,
             BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-            INTERPRET=interpret, PREFETCH=prefetch, PDL=pdl, MERGE=merge,
-            BLOCK_S=triton.next_power_of_2(n_slots), num_warps=num_warps,
+            INTERPRET=interpret, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps,
             num_stages=num_stages, launch_pdl=pdl,
             **({"maxnreg": maxnreg} if maxnreg else {}),
         )
-        if merge:
-            return out
     # One program per (row, 32 channels), all splits loaded at once: one round of memory
     # latency. (One program per row looping over 16 splits at a time took 4.8 us per layer at
     # batch 1: 32 programs, 10 dependent loads each.) At most 256 x 32 fp32 values per program.
@@ -926,32 +886,6 @@ def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, len
 _decode_attention_op.register_kernel("cuda")(_decode_attention_triton)
 
 
-@torch.library.custom_op("minikv::decode_attention_counted", mutates_args=("counters",))
-def _decode_attention_counted_op(
-    q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-    v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-    k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
-    scale: float, bits: int, group_size: int, counters: torch.Tensor,
-) -> torch.Tensor:
-    # The reference merges in plain PyTorch: the counters stay as they are (zero).
-    return decode_attention_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                                k_ring, v_ring, lens, scale, bits, group_size)
-
-
-@_decode_attention_counted_op.register_fake
-def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      scale, bits, group_size, counters):
-    return q.new_empty(q.shape)
-
-
-@_decode_attention_counted_op.register_kernel("cuda")
-def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      scale, bits, group_size, counters):
-    return _decode_attention_triton(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                                    k_ring, v_ring, lens, scale, bits, group_size,
-                                    counters=counters)
-
-
 # ----------------------------------------------------------------------------------------------
 # Public wrapper
 # ----------------------------------------------------------------------------------------------
@@ -1015,7 +949,6 @@ def decode_attention(
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     scale: float, bits: int = 2, group_size: int = 16,
-    counters: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over one layer's compressed cache.
 
@@ -1047,11 +980,6 @@ def decode_attention(
         group_size: G in {16, 32, 64, 128}; ``T_cap``, ``R`` and ``D`` are multiples of it
             (ignored when bits == 16).
         All cache buffers and ``lens`` are contiguous and on q's device.
-        counters: optional scratch, ``(>= B * H_kv,)`` int32 zeros on q's device, contiguous,
-            not used by any other call running at the same time (one stream at a time); every
-            call leaves it zero again, so one buffer serves all layers of a decode step. With
-            it, a launch whose (slot, KV head) planes have few splits (short caches) merges
-            them itself: one kernel launch instead of two.
 
     Returns:
         ``(B, H_q, D)`` in q's dtype, contiguous.
@@ -1061,14 +989,6 @@ def decode_attention(
     """
     _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
                   bits, group_size)
-    args = (q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-            float(scale), bits, group_size)
-    if counters is None:
-        return torch.ops.minikv.decode_attention(*args)
-    check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,), device=q.device,
-                 contiguous=True)
-    planes = q.shape[0] * k_ring.shape[1]
-    if counters.numel() < planes:
-        raise ValueError(f"counters: expected at least B * H_kv = {planes} elements, got "
-                         f"{counters.numel()}")
-    return torch.ops.minikv.decode_attention_counted(*args, counters)
+    return torch.ops.minikv.decode_attention(q, k_cache, k_scale, k_zero, v_cache, v_scale,
+                                             v_zero, k_ring, v_ring, lens, float(scale), bits,
+                                             group_size)

@@ -25,7 +25,6 @@ from minikv_compile.ops.decode_attention import (
     DEQUANT_PATHS,
     FRAGMENTS,
     MAX_SPLITS,
-    MERGE_MAX_SLOTS,
     _decode_attention_triton,
     decode_attention_ref,
 )
@@ -318,46 +317,6 @@ def test_triton_block_h_override(bits):
         run_triton(q, case, 0.125, block_h=12)
 
 
-@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
-@pytest.mark.parametrize("num_splits", [1, 3, MERGE_MAX_SLOTS - 1, MERGE_MAX_SLOTS])
-def test_triton_merge_in_the_split_launch(bits, dequant, num_splits, monkeypatch):
-    """With counters, planes of at most MERGE_MAX_SLOTS partials (splits + the ring's) are merged
-    by the last split program, without the combine launch: the same output, bit for bit, and the
-    counters back at zero, so a second call with them merges right again. MERGE_MAX_SLOTS
-    splits make one partial too many: the combine launch runs instead."""
-    case = make_case(3, 4, 2, 64, 256, 32, bits, 16, torch.bfloat16, [256, 16, 0], [32, 1, 7])
-    q = torch.randn(3, 8, 64).bfloat16()
-    kw = dict(dequant=dequant, num_splits=num_splits, block_n=16)
-    want = run_triton(q, case, 0.125, **kw)
-    combine = da_module._decode_attention_combine_kernel
-    launches = []
-    monkeypatch.setattr(da_module, "_decode_attention_combine_kernel",
-                        type("Counted", (), {"__getitem__": lambda self, grid: (
-                            launches.append(grid), combine[grid])[1]})())
-    counters = torch.zeros(4 * 2 + 3, dtype=torch.int32)
-    for _ in range(2):
-        out = run_triton(q, case, 0.125, counters=counters, **kw)
-        assert torch.equal(out, want)
-        assert torch.equal(counters, torch.zeros_like(counters))
-    assert len(launches) == (2 if num_splits + 1 > MERGE_MAX_SLOTS else 0)
-    assert_within_2x(out, q, case, 0.125)
-
-
-def test_counters_public_op_checks_and_opcheck():
-    args = _valid_args(bits=2)
-    counters = torch.zeros(4, dtype=torch.int32)
-    out = decode_attention(*args, counters=counters)
-    torch.testing.assert_close(out, decode_attention(*args), rtol=0, atol=0)
-    torch.library.opcheck(torch.ops.minikv.decode_attention_counted.default,
-                          (*args[:10], 0.25, 2, 16, counters))
-    for bad, message in [(torch.zeros(3, dtype=torch.int32), "at least B \\* H_kv = 4"),
-                         (torch.zeros(4, dtype=torch.int64), "counters: expected dtype"),
-                         (torch.zeros(2, 4, dtype=torch.int32), "counters: expected 1 dims"),
-                         (torch.zeros(8, dtype=torch.int32)[::2], "counters: expected a contig")]:
-        with pytest.raises(ValueError, match=message):
-            decode_attention(*args, counters=bad)
-
-
 def test_split_count_out_of_range_raises():
     case = make_case(1, 1, 1, 16, 16, 16, 2, 16, torch.float16, [16], [1])
     q = torch.randn(1, 1, 16).half()
@@ -643,49 +602,6 @@ def test_gpu_opcheck(bits):
     q = torch.randn(2, 8, 64, device="cuda").half()
     torch.library.opcheck(torch.ops.minikv.decode_attention.default,
                           (q, *case.bufs, 0.125, bits, 16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 16])
-def test_gpu_merge_in_the_split_launch_under_graph_replay(bits, monkeypatch):
-    """The engine's 8 x 4k shape (8 slots, 8 KV heads x 4 query heads, 2k quantized tokens):
-    with counters the default launch merges in the split kernel (no combine launch), replays of
-    one captured graph follow new lengths, and the counters are zero after each replay."""
-    case = make_case(8, 8, 8, 128, 2048, 128, bits, 16, torch.bfloat16,
-                     [2048, 1024, 0, 16, 2048, 512, 128, 1984], [1, 128, 2, 64, 7, 128, 1, 33],
-                     device="cuda")
-    lens = case.bufs[-1]
-    q = torch.randn(8, 32, 128, device="cuda").bfloat16()
-    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
-    combine = da_module._decode_attention_combine_kernel
-    launches = []
-    monkeypatch.setattr(da_module, "_decode_attention_combine_kernel",
-                        type("Counted", (), {"__getitem__": lambda self, grid: (
-                            launches.append(grid), combine[grid])[1]})())
-    step = lambda: decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16, counters)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up: Triton compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    assert launches == []
-    for new_lens in ([[16, 5], [2048, 128], [1024, 1], [0, 128]] * 2,
-                     [[2048, 128], [0, 1], [16, 1], [1024, 64]] * 2):
-        lens.copy_(torch.tensor(new_lens, dtype=torch.int32, device="cuda"))
-        q.copy_(torch.randn_like(q))
-        for _ in range(3):
-            graph.replay()
-        assert torch.equal(counters, torch.zeros_like(counters))
-        expected = decode_attention_ref(q, *case.bufs, 128 ** -0.5, bits, 16)
-        torch.testing.assert_close(out, expected, rtol=4 * ULP[torch.bfloat16],
-                                   atol=4 * ULP[torch.bfloat16])
-        separate = decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16)
-        torch.testing.assert_close(out, separate, rtol=ULP[torch.bfloat16], atol=1e-6)
-    torch.library.opcheck(torch.ops.minikv.decode_attention_counted.default,
-                          (q, *case.bufs, 128 ** -0.5, bits, 16, counters))
 
 
 @pytest.mark.gpu

@@ -6,9 +6,7 @@ with the launches of one kind skipped (their outputs are then garbage: timing on
 
 Ablations: ``none``; ``no_norm`` (the ``rms_norm`` launches before q/k/v and gate/up);
 ``no_flush`` (the flush launch of ``cache_append``); ``no_append`` (flush and append);
-``no_combine`` (the decode-attention combine launch). Not an ablation: ``separate_combine``
-runs the decode-attention combine as its own launch everywhere (no merge in the split launch),
-the step as it was before the merge.
+``no_combine`` (the decode-attention combine launch).
 """
 import importlib
 import runpy
@@ -38,14 +36,10 @@ ABLATIONS = {
 }
 
 ablation = sys.argv.pop(1)
-if ablation == "separate_combine":
-    importlib.import_module("minikv_compile.ops.decode_attention").MERGE_MAX_SLOTS = 0
-elif ablation not in ABLATIONS:
-    sys.exit(f"expected one of {sorted(ABLATIONS) + ['separate_combine']} first, "
-             f"got {ablation!r}")
-else:
-    for module, *kernels in ABLATIONS[ablation]:
-        _skip(module, *kernels)
+if ablation not in ABLATIONS:
+    sys.exit(f"expected one of {sorted(ABLATIONS)} first, got {ablation!r}")
+for module, *kernels in ABLATIONS[ablation]:
+    _skip(module, *kernels)
 print(f"ablation {ablation}", flush=True)
 sys.argv[0] = "minikv_compile.perf"
 runpy.run_module("minikv_compile.perf", run_name="__main__", alter_sys=True)
