@@ -446,10 +446,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if M == 0 or N == 0 or K == 0:
         raise ValueError(f"expected non-empty x and weight, got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    for name, t in (("x", x), ("weight", weight)):
-        if t.stride(1) != 1:
-            raise ValueError(f"{name}: expected unit stride along the last dim, got strides "
-                             f"{t.stride()}")
+    _check_unit_last_stride("x", x)
+    _check_unit_last_stride("weight", weight)
     if bias is not None:
         check_tensor("bias", bias, shape=(N,), dtypes=(dt,), device=dev, contiguous=True)
     if rms_weight is not None:
@@ -457,9 +455,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                      contiguous=True)
     if residual is not None:
         check_tensor("residual", residual, shape=(M, N), dtypes=(dt,), device=dev)
-        if residual.stride(1) != 1:
-            raise ValueError(f"residual: expected unit stride along the last dim, got strides "
-                             f"{residual.stride()}")
+        _check_unit_last_stride("residual", residual)
     _check_rope(rope_cos, rope_sin, rope_rows, residual, M, N, dt, dev)
     if glu_out:
         if residual is not None or rope_cos is not None:
@@ -493,11 +489,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if x.numel() == 0:
         raise ValueError(f"x: expected a non-empty tensor, got shape {tuple(x.shape)}")
-    if x.stride(1) != 1:
-        raise ValueError(f"x: expected unit stride along the last dim, got strides {x.stride()}")
+    _check_unit_last_stride("x", x)
     check_tensor("weight", weight, shape=(x.shape[1],), dtypes=(x.dtype,), device=x.device,
                  contiguous=True)
     return torch.ops.minikv.rms_norm(x, weight, float(eps))
+
+
+def _check_unit_last_stride(name: str, t: torch.Tensor) -> None:
+    if t.stride(1) != 1:
+        raise ValueError(f"{name}: expected unit stride along the last dim, got strides "
+                         f"{t.stride()}")
 
 
 def _check_rope(cos, sin, rows, residual, M, N, dt, dev) -> None:

@@ -51,16 +51,11 @@ def timed(fn, ws) -> float:
     return _graph_ms([lambda w=ws[i % len(ws)]: fn(w) for i in range(max(8, len(ws)))])
 
 
-def rmsnorm(x, nw, eps: float = 1e-5):  # HF's LlamaRMSNorm
-    xf = x.float()
-    return nw * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
     """The unfused chain as the decode step writes it (HF RMSNorm, act_fn(gate) * up, h + ...)."""
     def run(x, w, nw, r, cos, sin):
         if prologue == "rmsnorm":
-            a = rmsnorm(x, nw, eps)
+            a = lin.rms_norm_ref(x, nw, eps)  # HF's LlamaRMSNorm
         else:
             a = x
         y = F.linear(a, w)
@@ -126,14 +121,14 @@ def main() -> None:
                 cfgs += [{**default, "norm_inside": True}, {**default, "norm_compiled": True}]
             if not args.quick:
                 cfgs += list(row_configs() if M == 1 else dot_configs())
-            normc = torch.compile(rmsnorm, fullgraph=True, dynamic=False)
+            normc = torch.compile(lin.rms_norm_ref, fullgraph=True, dynamic=False)
             plain = (None, None, r, cos, sin, rows, "none", 1e-5, glu_out)
 
             def fused(w, kw):
                 kw = dict(kw)
                 inside, compiled = kw.pop("norm_inside", False), kw.pop("norm_compiled", False)
                 if outside and not inside:
-                    a = normc(x, nw) if compiled else lin.rms_norm(x, nw, 1e-5)
+                    a = normc(x, nw, 1e-5) if compiled else lin.rms_norm(x, nw, 1e-5)
                     return lin._fused_linear_triton(a, w, *plain, **kw)
                 return lin._fused_linear_triton(x, w, *operands, **kw)
 
