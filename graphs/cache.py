@@ -23,6 +23,8 @@ from typing import List
 
 import torch
 
+from minikv_compile import ops
+
 
 @dataclass
 class LayerCache:
@@ -57,6 +59,8 @@ class StaticKVCache:
         self.max_batch_size, self.num_kv_heads, self.head_dim = max_batch_size, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.layers = [self._allocate(cap) for cap in capacities]
+        # Addresses of every layer's buffers for the all-layer launches (ops.cache_begin_step).
+        self.table = ops.cache_table([layer.buffers() for layer in self.layers])
 
     def _allocate(self, cap: int) -> LayerCache:
         B, H, D, G, R = self.max_batch_size, self.num_kv_heads, self.head_dim, self.group_size, self.ring

@@ -7,7 +7,8 @@ traces through it; on CPU tensors the op runs its reference, on CUDA tensors the
 from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from .selective_attention import selective_attention
 from .decode_attention import decode_attention
-from .cache_update import cache_append, cache_write_prefill
+from .cache_update import (cache_append, cache_begin_step, cache_table, cache_write_prefill,
+                           cache_write_ring)
 from .linear import fused_linear, rms_norm
 
 __all__ = [
@@ -18,6 +19,9 @@ __all__ = [
     "selective_attention",
     "decode_attention",
     "cache_append",
+    "cache_begin_step",
+    "cache_table",
+    "cache_write_ring",
     "cache_write_prefill",
     "fused_linear",
     "rms_norm",

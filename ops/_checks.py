@@ -76,3 +76,16 @@ def compiled_major(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU of ``device`` (1 on the CPU): sizes grids that should
+    fill the GPU once. Asked at every launch of some kernels, so cached."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

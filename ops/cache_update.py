@@ -18,14 +18,14 @@ at the start of step ``s + 1``, so the attention of step ``s`` still saw it in f
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import FLOAT_DTYPES, check_choice, check_tensor, codes_per_word
+from ._checks import FLOAT_DTYPES, check_choice, check_tensor, codes_per_word, sm_count
 from .quant import (_quantize_key_block, _quantize_value_block, quantize_keys, quantize_keys_ref,
                     quantize_values, quantize_values_ref)
 
@@ -125,6 +125,29 @@ def _flush_plain_tokens(ring_ptr, cache_ptr, bh, n_quant, t0, D, T_cap,
 
 
 @triton.jit
+def _flush_chunk(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, bh, n_quant,
+                 c, D, T_cap, RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr,
+                 BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Chunk ``c`` of the flush of one (slot, head) ring (``bh = slot * H + head``) into region
+    tokens from ``n_quant``: with bits < 16, the channel block c % SPLIT of ring key group
+    c // SPLIT plus the matching 1 / SPLIT of that group's value tokens; with bits == 16, TOKENS
+    ring tokens of K and V (``_flush_tiles``)."""
+    if BITS == 16:
+        _flush_plain_tokens(k_ring, k_cache, bh, n_quant, c * TOKENS, D, T_cap,
+                            RING, TOKENS, BLOCK_D)
+        _flush_plain_tokens(v_ring, v_cache, bh, n_quant, c * TOKENS, D, T_cap,
+                            RING, TOKENS, BLOCK_D)
+    else:
+        j = c // SPLIT
+        i = c % SPLIT
+        _flush_key_group(k_ring, k_cache, k_scale, k_zero, bh, n_quant, j, i * BLOCK_DK, D,
+                         T_cap, RING, BITS, G, BLOCK_DK)
+        _flush_value_tokens(v_ring, v_cache, v_scale, v_zero, bh, n_quant,
+                            j * G + i * TOKENS, D, T_cap, RING, BITS, G, TOKENS, BLOCK_NG)
+
+
+@triton.jit
 def _flush_kernel(
     k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
     H, D, T_cap,
@@ -132,9 +155,7 @@ def _flush_kernel(
     BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Launch 1 of cache_append. One program per (slot, kv head, ring chunk); a chunk is, with
-    # bits < 16, the channel block c % SPLIT of ring key group c // SPLIT plus the matching
-    # 1 / SPLIT of that group's value tokens; with bits == 16, TOKENS ring tokens of K and V.
+    # Launch 1 of cache_append. One program per (slot, kv head, ring chunk).
     # Programs read the ring and lens and write only their own region cells, so no program reads
     # what another writes. The new token's ring write and the counter update come in launch 2.
     gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
@@ -145,19 +166,28 @@ def _flush_kernel(
     n_ring = tl.load(lens + 2 * b + 1)
     flush, _, _, _, _ = _append_plan(n_quant, n_ring, T_cap, RING)
     if flush:  # the other slots' programs end here (the common step: no slot flushes)
-        bh = (b * H + h).to(tl.int64)
-        if BITS == 16:
-            _flush_plain_tokens(k_ring, k_cache, bh, n_quant, c * TOKENS, D, T_cap,
-                                RING, TOKENS, BLOCK_D)
-            _flush_plain_tokens(v_ring, v_cache, bh, n_quant, c * TOKENS, D, T_cap,
-                                RING, TOKENS, BLOCK_D)
-        else:
-            j = c // SPLIT
-            i = c % SPLIT
-            _flush_key_group(k_ring, k_cache, k_scale, k_zero, bh, n_quant, j, i * BLOCK_DK, D,
-                             T_cap, RING, BITS, G, BLOCK_DK)
-            _flush_value_tokens(v_ring, v_cache, v_scale, v_zero, bh, n_quant,
-                                j * G + i * TOKENS, D, T_cap, RING, BITS, G, TOKENS, BLOCK_NG)
+        _flush_chunk(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring,
+                     (b * H + h).to(tl.int64), n_quant, c, D, T_cap, RING, BITS, G, SPLIT,
+                     BLOCK_DK, TOKENS, BLOCK_NG, BLOCK_D)
+
+
+@triton.jit
+def _write_token(k_new, v_new, k_ring, v_ring, b64, index,
+                 stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+                 H, D, RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Slot ``b64``'s new k and v of every head -> ring row ``index``."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < H)[:, None] & d_ok[None, :]
+        k = tl.load(k_new + b64 * stride_kb + h[:, None] * stride_kh + d[None, :] * stride_kd,
+                    mask=mask)
+        v = tl.load(v_new + b64 * stride_vb + h[:, None] * stride_vh + d[None, :] * stride_vd,
+                    mask=mask)
+        dst = ((b64 * H + h[:, None]) * RING + index) * D + d[None, :]
+        tl.store(k_ring + dst, k, mask=mask)
+        tl.store(v_ring + dst, v, mask=mask)
 
 
 @triton.jit
@@ -177,28 +207,131 @@ def _append_kernel(
     n_quant = tl.load(lens + 2 * b)
     n_ring = tl.load(lens + 2 * b + 1)
     _, write, index, new_quant, new_ring = _append_plan(n_quant, n_ring, T_cap, RING)
-
-    # -- append: the new token of every head -> ring row `index`
     if write:
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            mask = (h < H)[:, None] & d_ok[None, :]
-            k = tl.load(k_new + b64 * stride_kb + h[:, None] * stride_kh + d[None, :] * stride_kd,
-                        mask=mask)
-            v = tl.load(v_new + b64 * stride_vb + h[:, None] * stride_vh + d[None, :] * stride_vd,
-                        mask=mask)
-            dst = ((b64 * H + h[:, None]) * RING + index) * D + d[None, :]
-            tl.store(k_ring + dst, k, mask=mask)
-            tl.store(v_ring + dst, v, mask=mask)
+        _write_token(k_new, v_new, k_ring, v_ring, b64, index, stride_kb, stride_kh, stride_kd,
+                     stride_vb, stride_vh, stride_vd, H, D, RING, BLOCK_H, BLOCK_D)
+    _store_counters(lens, b, write, new_quant, new_ring)
 
-    # -- counters. Every thread loaded lens[b] above, and a thread of another warp may run ahead:
-    # the CTA barrier makes all those reads complete before any thread overwrites lens[b].
+
+@triton.jit
+def _store_counters(lens, b, write, new_quant, new_ring):
+    """``lens[b] = (new_quant, new_ring)`` where ``write``, after the CTA's reads of ``lens[b]``.
+
+    Every thread of the program loaded lens[b] (a value is held by several threads), and a
+    thread of another warp may run ahead: the CTA barrier makes all those reads complete before
+    any thread overwrites lens[b]."""
     tl.debug_barrier()
-    if write:
-        tl.store(lens + 2 * b, new_quant)
-        tl.store(lens + 2 * b + 1, new_ring)
+    tl.store(lens + 2 * b, new_quant, mask=write)
+    tl.store(lens + 2 * b + 1, new_ring, mask=write)
+
+
+# -- one decode step of every layer: the flushes and counters up front, the ring rows later ----
+#
+# The layers' buffers are separate allocations (their capacities differ under the pyramid
+# policy), so a launch over all layers reaches them through a table of addresses: row ``l`` holds
+# the data pointers of layer l's nine buffers in ``_CACHE_BUFFERS`` order, then its ``T_cap``.
+_TABLE_COLS = 10
+_LENS_COL = 8
+_CAP_COL = 9
+
+
+@triton.jit
+def _layer_ptr(table, layer, COL: tl.constexpr, DT: tl.constexpr):
+    return tl.load(table + layer * _TABLE_COLS + COL).to(tl.pointer_type(DT))
+
+
+@triton.jit
+def _flush_layers_kernel(
+    table, L, batch, H, D,
+    RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNKS: tl.constexpr, RING_DT: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+):
+    # Launch 1 of cache_begin_step: every full ring of every layer, as one list of work items.
+    # A (layer, slot) pair whose ring is full brings H * CHUNKS items (the programs of one
+    # layer's _flush_kernel); program p takes items p, p + P, p + 2P, ... of the list. Every
+    # program reads all the counters (from L2: 8 bytes a pair) and on the common step, with no
+    # full ring, that is all it does: a grid sized to the GPU, not to the possible work.
+    gdc.launch_dependents_then_wait(PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    per_pair = H * CHUNKS
+    pairs = L * batch
+    done = pid * 0  # full rings in the tiles of pairs before this one
+    for p0 in range(0, pairs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ok = p < pairs
+        layer = p // batch
+        slot = p % batch
+        lens = tl.load(table + layer * _TABLE_COLS + _LENS_COL, mask=ok, other=0)
+        lens = lens.to(tl.pointer_type(tl.int32))
+        n_quant = tl.load(lens + 2 * slot, mask=ok, other=0)
+        n_ring = tl.load(lens + 2 * slot + 1, mask=ok, other=0)
+        t_cap = tl.load(table + layer * _TABLE_COLS + _CAP_COL, mask=ok, other=0)
+        full = (ok & (n_ring == RING) & (n_quant + RING <= t_cap)).to(tl.int32)
+        rank = tl.cumsum(full, 0)           # full rings among pairs [p0, p]
+        count = tl.sum(full, 0)
+        lo = done * per_pair                # this tile's items: [lo, hi) of the list
+        hi = (done + count) * per_pair
+        for w in range(lo + (pid - lo % nprog + nprog) % nprog, hi, nprog):
+            r = w // per_pair - done        # the item's ring is the tile's r-th full one
+            at = tl.sum((rank <= r).to(tl.int32), 0)
+            pair = p0 + at
+            ly = pair // batch
+            item = w % per_pair
+            bh = ((pair % batch) * H + item // CHUNKS).to(tl.int64)
+            nq = tl.sum(tl.where(p == pair, n_quant, 0), 0)
+            cap = tl.load(table + ly * _TABLE_COLS + _CAP_COL)
+            k_ring = _layer_ptr(table, ly, 6, RING_DT)
+            v_ring = _layer_ptr(table, ly, 7, RING_DT)
+            if BITS == 16:
+                _flush_chunk(_layer_ptr(table, ly, 0, RING_DT), k_ring, k_ring,
+                             _layer_ptr(table, ly, 3, RING_DT), v_ring, v_ring, k_ring, v_ring,
+                             bh, nq, item % CHUNKS, D, cap, RING, BITS, G, SPLIT, BLOCK_DK,
+                             TOKENS, BLOCK_NG, BLOCK_D)
+            else:
+                _flush_chunk(_layer_ptr(table, ly, 0, tl.int32),
+                             _layer_ptr(table, ly, 1, tl.float16),
+                             _layer_ptr(table, ly, 2, tl.float16),
+                             _layer_ptr(table, ly, 3, tl.int32),
+                             _layer_ptr(table, ly, 4, tl.float16),
+                             _layer_ptr(table, ly, 5, tl.float16), k_ring, v_ring,
+                             bh, nq, item % CHUNKS, D, cap, RING, BITS, G, SPLIT, BLOCK_DK,
+                             TOKENS, BLOCK_NG, BLOCK_D)
+        done += count
+
+
+@triton.jit
+def _commit_kernel(table, ring_index, batch, RING: tl.constexpr, BLOCK_B: tl.constexpr,
+                   PDL: tl.constexpr):
+    # Launch 2 of cache_begin_step, after every flush program has read the counters: one program
+    # per layer advances its slots' counters and says where each slot's new token goes.
+    gdc.launch_dependents_then_wait(PDL)
+    layer = tl.program_id(0)
+    lens = _layer_ptr(table, layer, _LENS_COL, tl.int32)
+    t_cap = tl.load(table + layer * _TABLE_COLS + _CAP_COL)
+    b = tl.arange(0, BLOCK_B)
+    ok = b < batch
+    n_quant = tl.load(lens + 2 * b, mask=ok, other=0)
+    n_ring = tl.load(lens + 2 * b + 1, mask=ok, other=0)
+    _, write, index, new_quant, new_ring = _append_plan(n_quant, n_ring, t_cap, RING)
+    tl.store(ring_index + layer * batch + b, tl.where(write, index, -1), mask=ok)
+    _store_counters(lens, b, ok & write, new_quant, new_ring)
+
+
+@triton.jit
+def _write_ring_kernel(
+    k_new, v_new, k_ring, v_ring, ring_index,
+    stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+    H, D, RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    # cache_write_ring: one program per slot, all heads, to the row cache_begin_step gave it.
+    gdc.launch_dependents_then_wait(PDL)
+    b = tl.program_id(0)
+    index = tl.load(ring_index + b)
+    if index >= 0:
+        _write_token(k_new, v_new, k_ring, v_ring, b.to(tl.int64), index, stride_kb, stride_kh,
+                     stride_kd, stride_vb, stride_vh, stride_vd, H, D, RING, BLOCK_H, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,22 +357,70 @@ def _flush_tiles(R: int, D: int, bits: int, G: int) -> Tuple[int, int, int, int]
     return R // G * split, split, block_d // split, G // split
 
 
+def _flush_constants(R: int, D: int, bits: int, G: int) -> Tuple[int, dict]:
+    """(CHUNKS, the constexprs of ``_flush_chunk``) for rings of R x D tokens."""
+    chunks, split, block_dk, tokens = _flush_tiles(R, D, bits, G)
+    return chunks, dict(RING=R, BITS=bits, G=G, SPLIT=split, BLOCK_DK=block_dk, TOKENS=tokens,
+                        BLOCK_NG=triton.next_power_of_2(max(D // G, 1)),
+                        BLOCK_D=triton.next_power_of_2(D))
+
+
+def _write_constants(H: int, D: int) -> dict:
+    """BLOCK_H / BLOCK_D of ``_write_token``: all heads of a slot, ~_TILE_ELEMENTS at a time."""
+    block_d = triton.next_power_of_2(D)
+    return dict(BLOCK_H=max(1, min(triton.next_power_of_2(H), _TILE_ELEMENTS // block_d)),
+                BLOCK_D=block_d)
+
+
 def _cache_append_triton(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                          k_ring, v_ring, lens, bits: int, group_size: int) -> None:
     B, H, D = k_new.shape
-    R, T_cap, G = k_ring.shape[2], v_cache.shape[2], group_size
-    block_d = triton.next_power_of_2(D)
-    chunks, split, block_dk, tokens = _flush_tiles(R, D, bits, G)
+    R, T_cap = k_ring.shape[2], v_cache.shape[2]
+    chunks, flush = _flush_constants(R, D, bits, group_size)
     pdl = gdc.supported(k_new.device)
     _flush_kernel[(B, H, chunks)](
         k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, H, D, T_cap,
-        RING=R, BITS=bits, G=G, SPLIT=split, BLOCK_DK=block_dk, TOKENS=tokens,
-        BLOCK_NG=triton.next_power_of_2(max(D // G, 1)), BLOCK_D=block_d, PDL=pdl,
-        launch_pdl=pdl)
-    block_h = max(1, min(triton.next_power_of_2(H), _TILE_ELEMENTS // block_d))
+        PDL=pdl, launch_pdl=pdl, **flush)
     _append_kernel[(B,)](
         k_new, v_new, k_ring, v_ring, lens, *k_new.stride(), *v_new.stride(), H, D, T_cap,
-        RING=R, BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl)
+        RING=R, PDL=pdl, launch_pdl=pdl, **_write_constants(H, D))
+
+
+# The flush of cache_begin_step: programs per SM. Enough warps per SM to overlap the dependent
+# loads of the items when many rings are full at once (every layer of every slot that started
+# together), and one wave, so that the common step (nothing full) costs one launch of L2 reads.
+_FLUSH_PROGRAMS_PER_SM = 8
+_PAIRS_PER_TILE = 1024  # (layer, slot) counters a flush program holds at once
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _cache_begin_step_triton(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
+                             v_ring, lens, batch: int, bits: int, group_size: int
+                             ) -> torch.Tensor:
+    L = len(lens)
+    _, H, R, D = k_ring[0].shape
+    dev = table.device
+    ring_index = torch.empty(L, batch, dtype=torch.int32, device=dev)
+    chunks, flush = _flush_constants(R, D, bits, group_size)
+    pairs = L * batch
+    programs = min(_FLUSH_PROGRAMS_PER_SM * sm_count(dev), pairs * H * chunks)
+    pdl = gdc.supported(dev)
+    _flush_layers_kernel[(programs,)](
+        table, L, batch, H, D, CHUNKS=chunks, RING_DT=_TL_DTYPES[k_ring[0].dtype],
+        BLOCK_P=min(_PAIRS_PER_TILE, triton.next_power_of_2(pairs)), PDL=pdl, launch_pdl=pdl,
+        **flush)
+    _commit_kernel[(L,)](table, ring_index, batch, RING=R,
+                         BLOCK_B=triton.next_power_of_2(batch), PDL=pdl, num_warps=1,
+                         launch_pdl=pdl)
+    return ring_index
+
+
+def _cache_write_ring_triton(k_new, v_new, k_ring, v_ring, ring_index) -> None:
+    B, H, D = k_new.shape
+    pdl = gdc.supported(k_new.device)
+    _write_ring_kernel[(B,)](
+        k_new, v_new, k_ring, v_ring, ring_index, *k_new.stride(), *v_new.stride(), H, D,
+        RING=k_ring.shape[2], PDL=pdl, launch_pdl=pdl, **_write_constants(H, D))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,22 +448,49 @@ def _store_region(slot, start, k_tok, v_tok, k_cache, k_scale, k_zero, v_cache, 
     v_zero[slot, :, start:start + n] = zero[0]
 
 
+def _begin_slot_ref(b, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+                    bits: int, group_size: int) -> int:
+    """Slot ``b``'s flush (if its ring is full and the region has room) and counters for one new
+    token; returns the ring row the token goes to, or -1 (full ring, no room: no token)."""
+    R, T_cap = k_ring.shape[2], v_cache.shape[2]
+    n_quant, n_ring = lens[b].tolist()
+    flush = n_ring == R and n_quant + R <= T_cap
+    if not (n_ring < R or flush):
+        return -1
+    if flush:
+        _store_region(b, n_quant, k_ring[b], v_ring[b], k_cache, k_scale, k_zero, v_cache,
+                      v_scale, v_zero, bits, group_size, quantize_keys_ref, quantize_values_ref)
+        n_quant, n_ring = n_quant + R, 0
+    lens[b, 0] = n_quant
+    lens[b, 1] = n_ring + 1
+    return n_ring
+
+
+def cache_write_ring_ref(k_new, v_new, k_ring, v_ring, ring_index) -> None:
+    """Reference for :func:`cache_write_ring`."""
+    for b, index in enumerate(ring_index.tolist()):
+        if index >= 0:
+            k_ring[b, :, index] = k_new[b]
+            v_ring[b, :, index] = v_new[b]
+
+
 def cache_append_ref(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                      k_ring, v_ring, lens, bits: int, group_size: int) -> None:
     """Reference for :func:`cache_append`: the same per-slot plan, one slot at a time."""
-    R, T_cap = k_ring.shape[2], v_cache.shape[2]
-    for b, (n_quant, n_ring) in enumerate(lens[: k_new.shape[0]].tolist()):
-        flush = n_ring == R and n_quant + R <= T_cap
-        if not (n_ring < R or flush):
-            continue  # full ring, no room to flush: the slot is left untouched
-        if flush:
-            _store_region(b, n_quant, k_ring[b], v_ring[b], k_cache, k_scale, k_zero, v_cache,
-                          v_scale, v_zero, bits, group_size, quantize_keys_ref, quantize_values_ref)
-            n_quant, n_ring = n_quant + R, 0
-        k_ring[b, :, n_ring] = k_new[b]
-        v_ring[b, :, n_ring] = v_new[b]
-        lens[b, 0] = n_quant
-        lens[b, 1] = n_ring + 1
+    index = [_begin_slot_ref(b, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
+                             v_ring, lens, bits, group_size) for b in range(k_new.shape[0])]
+    cache_write_ring_ref(k_new, v_new, k_ring, v_ring, torch.tensor(index))
+
+
+def cache_begin_step_ref(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
+                         v_ring, lens, batch: int, bits: int, group_size: int) -> torch.Tensor:
+    """Reference for :func:`cache_begin_step` (lists of the layers' buffers; ``table`` unused)."""
+    ring_index = torch.empty(len(lens), batch, dtype=torch.int32, device=lens[0].device)
+    for layer, bufs in enumerate(zip(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
+                                     v_ring, lens)):
+        for b in range(batch):
+            ring_index[layer, b] = _begin_slot_ref(b, *bufs, bits, group_size)
+    return ring_index
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,6 +541,40 @@ def _cache_write_prefill_op(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
 def _(k_sel, v_sel, slot, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring,
       lens, bits, group_size):
     return None
+
+
+@torch.library.custom_op("minikv::cache_begin_step", mutates_args=_CACHE_BUFFERS[:6] + ("lens",))
+def _cache_begin_step_op(table: torch.Tensor, k_cache: List[torch.Tensor],
+                         k_scale: List[torch.Tensor], k_zero: List[torch.Tensor],
+                         v_cache: List[torch.Tensor], v_scale: List[torch.Tensor],
+                         v_zero: List[torch.Tensor], k_ring: List[torch.Tensor],
+                         v_ring: List[torch.Tensor], lens: List[torch.Tensor], batch: int,
+                         bits: int, group_size: int) -> torch.Tensor:
+    return cache_begin_step_ref(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
+                                k_ring, v_ring, lens, batch, bits, group_size)
+
+
+@_cache_begin_step_op.register_fake
+def _(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, batch,
+      bits, group_size):
+    return table.new_empty(len(lens), batch, dtype=torch.int32)
+
+
+_cache_begin_step_op.register_kernel("cuda")(_cache_begin_step_triton)
+
+
+@torch.library.custom_op("minikv::cache_write_ring", mutates_args=("k_ring", "v_ring"))
+def _cache_write_ring_op(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
+                         v_ring: torch.Tensor, ring_index: torch.Tensor) -> None:
+    cache_write_ring_ref(k_new, v_new, k_ring, v_ring, ring_index)
+
+
+@_cache_write_ring_op.register_fake
+def _(k_new, v_new, k_ring, v_ring, ring_index):
+    return None
+
+
+_cache_write_ring_op.register_kernel("cuda")(_cache_write_ring_triton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,16 +661,119 @@ def cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor
     2: one program per slot writes the new token of every head to the ring and advances
     ``lens``; it runs after the flush has read ring row 0 and the old counters.
     """
-    Bmax, H, T_cap, R, D = _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                                        k_ring, v_ring, lens, bits, group_size)
+    _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, bits,
+                 group_size)
+    _check_new_tokens(k_new, v_new, k_ring)
+    torch.ops.minikv.cache_append(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale,
+                                  v_zero, k_ring, v_ring, lens, bits, group_size)
+
+
+def _check_new_tokens(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor) -> None:
+    Bmax, H, _, D = k_ring.shape
     check_tensor("k_new", k_new, shape=(None, H, D), dtypes=(k_ring.dtype,), device=k_ring.device)
     check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_ring.dtype,),
                  device=k_ring.device)
     if not 0 < k_new.shape[0] <= Bmax:
         raise ValueError(f"k_new: expected 1 <= batch <= max_batch_size={Bmax}, "
                          f"got shape {tuple(k_new.shape)}")
-    torch.ops.minikv.cache_append(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale,
-                                  v_zero, k_ring, v_ring, lens, bits, group_size)
+
+
+def cache_table(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """The address table of :func:`cache_begin_step` for these layers' buffers.
+
+    Row ``l``: the data pointers of layer ``l``'s nine buffers (``k_cache ... lens``, the
+    argument order of :func:`cache_append`), then its capacity ``T_cap``; int64 on the buffers'
+    device. Build it once, after allocating the buffers and before capturing a graph: it is
+    valid while those same buffers live.
+    """
+    if not layers:
+        raise ValueError("layers: expected at least one layer's buffers, got none")
+    rows = []
+    for i, bufs in enumerate(layers):
+        if len(bufs) != len(_CACHE_BUFFERS):
+            raise ValueError(f"layers[{i}]: expected the {len(_CACHE_BUFFERS)} buffers "
+                             f"{_CACHE_BUFFERS}, got {len(bufs)}")
+        rows.append([t.data_ptr() for t in bufs] + [bufs[3].shape[2]])
+    return torch.tensor(rows, dtype=torch.int64, device=layers[0][8].device)
+
+
+def cache_begin_step(layers: Sequence[Sequence[torch.Tensor]], table: torch.Tensor, batch: int,
+                     bits: int, group_size: int) -> torch.Tensor:
+    """Start one decode step of every layer: flush full rings, advance the counters, and say
+    which ring row each slot's new token goes to. :func:`cache_write_ring` then writes the
+    token, layer by layer; the two together are :func:`cache_append` for every layer.
+
+    For every layer ``l`` and slot ``b < batch``, as :func:`cache_append` plans it: a full ring
+    with room in the region is quantized into it (``lens[b] = (n_quant + R, 0)``); then the slot
+    takes a token at ring row ``i = lens[b, 1]``, ``lens[b, 1] += 1``, and ``ring_index[l, b] =
+    i``. A full ring without room is left as it is and ``ring_index[l, b] = -1``. Slots ``>=
+    batch`` are not touched. Between this op and the ring writes, ``lens`` counts a token that
+    is not in the ring yet: write it before anything reads the ring.
+
+    Why: ``cache_append`` is two launches per layer, and the flush launch does nothing on 127
+    steps of 128 but still costs a launch on the step's critical path. Here every layer's
+    flushes and counters are two launches per step, and a layer keeps one small launch (the
+    ring write) or none (where the projection that produces k and v writes them itself).
+
+    Args:
+        layers: per layer, its nine buffers in :func:`cache_append`'s order (``k_cache ...
+            lens``); every layer with the same ``(Bmax, H, R, D)``, ring dtype and device (the
+            capacity ``T_cap`` may differ). Mutated in place: the regions and ``lens``.
+        table: ``cache_table(layers)`` of these same buffers (the kernels reach the layers
+            through it).
+        batch: slots ``[0, batch)`` take a token; ``1 <= batch <= Bmax``.
+        bits, group_size: as in :func:`cache_append`.
+
+    Returns:
+        ``ring_index (L, batch)`` int32: the ring row of each slot's new token, or -1.
+
+    On CUDA this is two launches. 1: the flushes of every layer as one list of work items (a
+    full ring brings the work of one layer-slot of ``cache_append``'s flush launch) over a grid
+    sized to the GPU; on a step with no full ring each program reads the counters and ends. 2:
+    one program per layer advances its counters after launch 1 has read them.
+    """
+    if not layers:
+        raise ValueError("layers: expected at least one layer's buffers, got none")
+    shapes = set()
+    for i, bufs in enumerate(layers):
+        if len(bufs) != len(_CACHE_BUFFERS):
+            raise ValueError(f"layers[{i}]: expected the {len(_CACHE_BUFFERS)} buffers "
+                             f"{_CACHE_BUFFERS}, got {len(bufs)}")
+        Bmax, H, _, R, D = _check_cache(*bufs, bits, group_size)
+        shapes.add((Bmax, H, R, D, bufs[6].dtype, bufs[6].device))
+    if len(shapes) > 1:
+        raise ValueError(f"layers: expected one (Bmax, H, R, D, ring dtype, device) for every "
+                         f"layer, got {sorted(shapes, key=str)}")
+    Bmax, _, _, _, _, dev = shapes.pop()
+    check_tensor("table", table, shape=(len(layers), _TABLE_COLS), dtypes=(torch.int64,),
+                 device=dev, contiguous=True)
+    if not (isinstance(batch, int) and 0 < batch <= Bmax):
+        raise ValueError(f"batch: expected an int in [1, max_batch_size={Bmax}], got {batch!r}")
+    columns = [list(c) for c in zip(*layers)]
+    return torch.ops.minikv.cache_begin_step(table, *columns, batch, bits, group_size)
+
+
+def cache_write_ring(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
+                     v_ring: torch.Tensor, ring_index: torch.Tensor) -> None:
+    """Write each slot's new k and v to the ring row :func:`cache_begin_step` gave it:
+    ``k_ring[b, :, i] = k_new[b]`` (and v) for ``i = ring_index[b] >= 0``; slots with -1 and
+    slots ``>= B`` are not touched.
+
+    Args:
+        k_new, v_new: ``(B, H, D)`` in the ring's dtype, ``B <= Bmax``, any strides.
+        k_ring, v_ring: one layer's rings ``(Bmax, H, R, D)``, contiguous, not views; mutated.
+        ring_index: ``(B,)`` int32, contiguous: that layer's row of ``cache_begin_step``'s
+            result (values in ``[-1, R)``).
+    """
+    check_tensor("k_ring", k_ring, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
+    check_tensor("v_ring", v_ring, shape=tuple(k_ring.shape), dtypes=(k_ring.dtype,),
+                 device=k_ring.device, contiguous=True)
+    for name, t in (("k_ring", k_ring), ("v_ring", v_ring)):
+        _check_base(name, t)
+    _check_new_tokens(k_new, v_new, k_ring)
+    check_tensor("ring_index", ring_index, shape=(k_new.shape[0],), dtypes=(torch.int32,),
+                 device=k_ring.device, contiguous=True)
+    torch.ops.minikv.cache_write_ring(k_new, v_new, k_ring, v_ring, ring_index)
 
 
 def cache_write_prefill(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,

@@ -71,7 +71,6 @@ argument and the benchmark's ``--variants`` compare both.)
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -82,6 +81,7 @@ import triton.language as tl
 from . import _gdc as gdc
 from ._checks import (FLOAT_DTYPES, check_choice, check_quant_params, check_tensor,
                       codes_per_word, compiled_major)
+from ._checks import sm_count as sm_count_of
 from . import decode_attention_gluon as dag
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
@@ -596,11 +596,6 @@ def _decode_attention_combine_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int) -> int:
     """Splits of the quantized region per (slot, KV head): a launch-time constant.
 
@@ -740,7 +735,7 @@ def _decode_attention_triton(
     h_kv = k_ring.shape[1]
     ring_cap = k_ring.shape[2]
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 1
+    sm_count = sm_count_of(q.device)
     dequant = _resolve_dequant(dequant, q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv,
                                capacity, sm_count)
     fragments = dequant == FRAGMENTS

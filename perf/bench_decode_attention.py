@@ -227,7 +227,7 @@ def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[object, ...]:
     da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
 
     dtype = getattr(torch, cfg.dtype)
-    sm_count = da._sm_count(torch.cuda.current_device())
+    sm_count = da.sm_count_of(torch.device("cuda"))
     dequant = da._resolve_dequant(override.get("dequant", "auto"), torch.device("cuda"), dtype,
                                   cfg.bits, cfg.group_size, cfg.D, cfg.B, cfg.H_q, cfg.H_kv,
                                   cfg.n_quant, sm_count)

@@ -1,4 +1,5 @@
-"""Benchmark the quantization ops and one cache_append decode step (with and without a flush).
+"""Benchmark the quantization ops and the cache writes of one decode step (with and without a
+flush).
 
     python -m minikv_compile.perf.bench_quant [--out results.json]
 
@@ -7,7 +8,9 @@ Rows:
   2 and 4 bit, G = 16;
 - cache_append for B = 8 slots, H_kv = 8, D = 128, ring R = 128, 2 bit: a step that only writes
   the new token, and a step where every slot flushes its full ring of 128 tokens first; once for
-  one layer and once for 32 layers in a row (a Llama-3-8B-sized decode step).
+  one layer and once for 32 layers in a row (a Llama-3-8B-sized decode step);
+- step / step_flush: the same work for 32 layers the way the engine's decode step does it,
+  ``cache_begin_step`` over every layer then ``cache_write_ring`` per layer.
 
 Each row gives the median time of an eager call (``triton.testing.do_bench``; includes Python and
 launch overhead) and of the same work replayed from a CUDA graph (how the engine runs the decode
@@ -35,7 +38,7 @@ RING = 128
 @dataclass(frozen=True)
 class ExperimentConfig:
     op: str                 # quantize_keys | quantize_values | dequantize_keys | dequantize_values
-                            # | append | append_flush
+                            # | append | append_flush | step | step_flush
     B: int = 8
     H: int = 8
     T: int = 4096           # tokens quantized (quant ops); unused by append rows (ring = RING)
@@ -47,7 +50,7 @@ class ExperimentConfig:
 
     @property
     def name(self) -> str:
-        if self.op.startswith("append"):
+        if self.op.startswith(("append", "step")):
             return f"{self.op} B{self.B} H{self.H} D{self.D} {self.bits}b x{self.layers} layers"
         return f"{self.op} ({self.B},{self.H},{self.T},{self.D}) {self.bits}b G{self.group_size}"
 
@@ -70,7 +73,8 @@ def get_configs() -> List[ExperimentConfig]:
                         "dequantize_values")]
     append = [ExperimentConfig(op, layers=layers)
               for layers in (1, 32) for op in ("append", "append_flush")]
-    return quant + append
+    step = [ExperimentConfig(op, layers=32) for op in ("step", "step_flush")]
+    return quant + append + step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def _append_bytes(cfg: ExperimentConfig) -> int:
     token = 2 * B * H * D * elem * 2             # k and v: read the new token, write the ring row
     counters = B * 2 * 4 * 2                     # lens: read by launch 1, rewritten by launch 2
     flush = 0
-    if cfg.op == "append_flush":
+    if cfg.op.endswith("_flush"):
         n = B * H * RING * D
         flush = 2 * (n * elem + n * cfg.bits // 8 + 2 * 2 * n // G)  # k and v: ring in, codes out
     return cfg.layers * (token + counters + flush)
@@ -174,7 +178,8 @@ def _run_append(cfg: ExperimentConfig, peak: Optional[float]) -> ExperimentResul
     T_cap = 4 * RING
     layers = [_layer_cache(cfg, T_cap) for _ in range(cfg.layers)]
     # Every slot holds 2 * RING quantized tokens; the ring is full (flush) or holds 5 tokens.
-    ring_fill = RING if cfg.op == "append_flush" else 5
+    flush = cfg.op.endswith("_flush")
+    ring_fill = RING if flush else 5
     lens0 = torch.tensor([[2 * RING, ring_fill]] * cfg.B, dtype=torch.int32, device="cuda")
     k_new = torch.randn(cfg.B, cfg.H, cfg.D, dtype=dtype, device="cuda")
     v_new = torch.randn_like(k_new)
@@ -183,13 +188,21 @@ def _run_append(cfg: ExperimentConfig, peak: Optional[float]) -> ExperimentResul
         for bufs in layers:
             bufs[8].copy_(lens0)
 
+    table = ops.cache_table(layers)
+
     def step():
-        for bufs in layers:
-            bufs[8].copy_(lens0)
-            ops.cache_append(k_new, v_new, *bufs, cfg.bits, cfg.group_size)
+        if cfg.op.startswith("append"):
+            for bufs in layers:
+                bufs[8].copy_(lens0)
+                ops.cache_append(k_new, v_new, *bufs, cfg.bits, cfg.group_size)
+            return
+        reset()
+        ring_index = ops.cache_begin_step(layers, table, cfg.B, cfg.bits, cfg.group_size)
+        for bufs, index in zip(layers, ring_index):
+            ops.cache_write_ring(k_new, v_new, bufs[6], bufs[7], index)
 
     step()
-    want = [3 * RING, 1] if cfg.op == "append_flush" else [2 * RING, ring_fill + 1]
+    want = [3 * RING, 1] if flush else [2 * RING, ring_fill + 1]
     if layers[0][8][0].tolist() != want:  # the timed step must do the work it is named for
         raise RuntimeError(f"{cfg.name}: expected lens {want} after one step, "
                            f"got {layers[0][8][0].tolist()}")
@@ -203,7 +216,7 @@ def _run_append(cfg: ExperimentConfig, peak: Optional[float]) -> ExperimentResul
 
 
 def run_experiment(cfg: ExperimentConfig, peak: Optional[float] = None) -> ExperimentResult:
-    if cfg.op.startswith("append"):
+    if cfg.op.startswith(("append", "step")):
         return _run_append(cfg, peak)
     return _run_quant(cfg, peak)
 
@@ -229,9 +242,13 @@ def flush_summary(results: List[ExperimentResult]) -> dict:
     by = {(r.config.op, r.config.layers): r for r in results}
     layers = max(r.config.layers for r in results if r.config.op.startswith("append"))
     flush_us = by["append_flush", layers].graph_us - by["append", layers].graph_us
+    step_flush_us = by["step_flush", layers].graph_us - by["step", layers].graph_us
     return {"layers": layers, "ring": RING, "flush_us": flush_us,
             "flush_us_per_step_amortized": flush_us / RING,
-            "append_us_per_step": by["append", layers].graph_us}
+            "append_us_per_step": by["append", layers].graph_us,
+            "step_flush_us": step_flush_us,
+            "step_flush_us_per_step_amortized": step_flush_us / RING,
+            "step_us_per_step": by["step", layers].graph_us}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -258,6 +275,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{summary['flush_us_per_step_amortized']:.2f} us per step on average "
           f"(the plain append of {summary['layers']} layers: "
           f"{summary['append_us_per_step']:.1f} us per step)")
+    print(f"the same as the engine's step runs it (cache_begin_step + cache_write_ring): flush "
+          f"{summary['step_flush_us']:.1f} us = {summary['step_flush_us_per_step_amortized']:.2f} "
+          f"us per step on average (no flush: {summary['step_us_per_step']:.1f} us per step)")
     if args.out:
         rows = [{**env, "peak_gbps": peak, **dataclasses.asdict(r)} for r in results]
         write_json(args.out, {"rows": rows, "flush_summary": {**env, **summary}})

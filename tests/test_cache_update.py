@@ -1,4 +1,5 @@
-"""minikv::cache_append and minikv::cache_write_prefill.
+"""minikv::cache_append, minikv::cache_write_prefill, and the all-layer step pair
+minikv::cache_begin_step + minikv::cache_write_ring.
 
 The semantics are checked against a Python model that keeps every slot's full token list and
 derives what each buffer must hold from it: the region = the quantization of the slot's first
@@ -11,9 +12,11 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
-from minikv_compile.ops import cache_append, cache_write_prefill
+from minikv_compile.ops import (cache_append, cache_begin_step, cache_table, cache_write_prefill,
+                                cache_write_ring)
 from minikv_compile.ops import cache_update
-from minikv_compile.ops.cache_update import _cache_append_triton, cache_append_ref
+from minikv_compile.ops.cache_update import (_cache_append_triton, _cache_begin_step_triton,
+                                             _cache_write_ring_triton, cache_append_ref)
 from minikv_compile.ops.quant import (dequantize_keys_ref, dequantize_values_ref,
                                       quantize_keys_ref, quantize_values_ref)
 
@@ -233,6 +236,151 @@ def test_triton_full_ring_without_room():
 
 
 # ----------------------------------------------------------------------------------------------
+# All layers at once: cache_begin_step, then cache_write_ring per layer
+# ----------------------------------------------------------------------------------------------
+
+
+def step_all_layers(layers, table, news, batch, bits, G, triton=False):
+    """One decode step of every layer through the all-layer pair; returns ring_index."""
+    if triton:
+        ring_index = _cache_begin_step_triton(table, *[list(c) for c in zip(*layers)], batch,
+                                              bits, G)
+    else:
+        ring_index = cache_begin_step(layers, table, batch, bits, G)
+    for bufs, (k_new, v_new), index in zip(layers, news, ring_index):
+        (_cache_write_ring_triton if triton else cache_write_ring)(k_new, v_new, bufs[6],
+                                                                   bufs[7], index)
+    return ring_index
+
+
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_begin_step_matches_token_model(bits):
+    # Three layers of different capacities (as under the pyramid policy), each slot with its own
+    # prefill length per layer, so rings fill at different steps in every layer and slot; slot 3
+    # of 4 is outside the batch and must never change.
+    Bmax, B, H, D, R, G = 4, 3, 2, 32, 32, 16
+    caps, dtype = (96, 160, 128), torch.float16
+    prefill = ((16, 5, 47), (40, 0, 31), (3, 64, 17))
+    layers = [make_cache(Bmax, H, cap, R, D, bits, G, dtype, seed=i) for i, cap in enumerate(caps)]
+    models = [SlotModel(bufs, R, bits, G) for bufs in layers]
+    g = torch.Generator().manual_seed(1)
+    for bufs, model, lengths in zip(layers, models, prefill):
+        for slot, n in enumerate(lengths):
+            k_sel, v_sel = (torch.randn(H, n, D, generator=g).to(dtype) for _ in range(2))
+            cache_write_prefill(k_sel, v_sel, slot, *bufs, bits, G)
+            model.prefill(slot, k_sel, v_sel)
+    table = cache_table(layers)
+    for step in range(40):   # every ring reaches R = 32 once
+        news = [new_tokens(B, H, D, dtype, g) for _ in layers]
+        want = [[m.n_ring(b) % R for b in range(B)] for m in models]   # row after any flush
+        ring_index = step_all_layers(layers, table, news, B, bits, G)
+        assert ring_index.dtype == torch.int32 and ring_index.tolist() == want, f"step {step}"
+        for layer, (bufs, model, (k_new, v_new)) in enumerate(zip(layers, models, news)):
+            model.append(k_new, v_new)
+            model.check(bufs, f"step {step} layer {layer}")
+
+
+def test_begin_step_full_ring_without_room():
+    Bmax, H, D, R, G, T_cap = 2, 2, 32, 32, 16, 64
+    layers = [make_cache(Bmax, H, T_cap, R, D, 2, G, torch.float16, seed=i) for i in range(2)]
+    layers[0][8].copy_(torch.tensor([[T_cap - 16, R], [T_cap - R, R]]))  # slot 0 has no room
+    layers[1][8].copy_(torch.tensor([[0, 3], [T_cap, R]]))               # slot 1 has no room
+    before = [clone_all(bufs) for bufs in layers]
+    news = [new_tokens(2, H, D, torch.float16, torch.Generator().manual_seed(i)) for i in range(2)]
+    ring_index = step_all_layers(layers, cache_table(layers), news, 2, 2, G)
+    assert ring_index.tolist() == [[-1, 0], [3, -1]]
+    assert layers[0][8].tolist() == [[T_cap - 16, R], [T_cap, 1]]
+    assert layers[1][8].tolist() == [[0, 4], [T_cap, R]]
+    for (bufs, was), slot in zip(zip(layers, before), (0, 1)):
+        for name, a, b in zip(NAMES, bufs, was):
+            if a.numel():
+                assert torch.equal(a[slot], b[slot]), name   # the slot without room: untouched
+
+
+def _layers_case(bits, D, G, dtype, device="cpu"):
+    """Four layers, Bmax = 4, batch 3: full rings (with and without room), a flush into a
+    non-empty region, rings that fill during the steps, and slot 3 (outside the batch) full."""
+    Bmax, H, R = 4, 3, 32
+    caps = (96, 64, 128, 64)
+    states = ([[0, R - 2], [32, R], [64, 3], [0, R]],
+              [[32, R], [64, R], [0, R - 1], [0, R]],
+              [[0, 0], [96, R], [16, R], [32, R]],
+              [[48, 5], [0, R], [32, R - 1], [0, R]])
+    layers = []
+    for i, (cap, state) in enumerate(zip(caps, states)):
+        bufs = make_cache(Bmax, H, cap, R, D, bits, G, dtype, device=device, seed=i)
+        bufs[8].copy_(torch.tensor(state, dtype=torch.int32))
+        layers.append(bufs)
+    return layers, 3, H
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("programs,pairs_per_tile", [(8, 1024), (1, 1024), (3, 4)])
+@pytest.mark.parametrize("bits,D,G", [(2, 64, 16), (4, 64, 32), (16, 64, 16), (2, 80, 16)])
+def test_triton_begin_step_matches_reference(bits, D, G, programs, pairs_per_tile, monkeypatch):
+    # On the CPU the grid has `programs` programs (8 per "SM", one SM), so each takes several work
+    # items; tiles of 4 (layer, slot) pairs make the full rings of a step span several tiles.
+    monkeypatch.setattr(cache_update, "_FLUSH_PROGRAMS_PER_SM", programs)
+    monkeypatch.setattr(cache_update, "_PAIRS_PER_TILE", pairs_per_tile)
+    dtype = torch.bfloat16
+    tri, B, H = _layers_case(bits, D, G, dtype)
+    ref = [clone_all(bufs) for bufs in tri]
+    table = cache_table(tri)
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        news = [new_tokens(B, H, D, dtype, g) for _ in tri]
+        if step == 2:   # strided input, as the q/k/v projection's views
+            news[0] = tuple(t.transpose(0, 1).contiguous().transpose(0, 1) for t in news[0])
+        want = [[int(bufs[8][b, 1]) % 32 if not (bufs[8][b, 1] == 32 and
+                                               bufs[8][b, 0] + 32 > bufs[3].shape[2]) else -1
+                 for b in range(B)] for bufs in ref]
+        ring_index = step_all_layers(tri, table, news, B, bits, G, triton=True)
+        assert ring_index.tolist() == want, f"step {step}"
+        for layer, (bufs, (k_new, v_new)) in enumerate(zip(ref, news)):
+            cache_append_ref(k_new, v_new, *bufs, bits, G)
+            assert_buffers_equal(tri[layer], bufs, f"step {step} layer {layer}")
+
+
+def test_begin_step_bad_inputs():
+    Bmax, H, D, R, G = 2, 2, 32, 32, 16
+    layers = [make_cache(Bmax, H, 64, R, D, 2, G, torch.float16, seed=i) for i in range(2)]
+    table = cache_table(layers)
+    with pytest.raises(ValueError, match="at least one layer"):
+        cache_begin_step([], table, 1, 2, G)
+    with pytest.raises(ValueError, match=r"layers\[1\]: expected the 9 buffers"):
+        cache_begin_step([layers[0], layers[1][:8]], table, 1, 2, G)
+    other = make_cache(Bmax, H + 1, 64, R, D, 2, G, torch.float16)
+    with pytest.raises(ValueError, match=r"expected one \(Bmax, H, R, D, ring dtype, device\)"):
+        cache_begin_step([layers[0], other], table, 1, 2, G)
+    with pytest.raises(ValueError, match="table: expected shape"):
+        cache_begin_step(layers, table[:1], 1, 2, G)
+    with pytest.raises(ValueError, match="table: expected dtype"):
+        cache_begin_step(layers, table.int(), 1, 2, G)
+    for batch in (0, Bmax + 1, 1.0):
+        with pytest.raises(ValueError, match="batch: expected an int in"):
+            cache_begin_step(layers, table, batch, 2, G)
+    with pytest.raises(ValueError, match="bits: expected one of"):
+        cache_begin_step(layers, table, 1, 3, G)
+    k_new, v_new = new_tokens(2, H, D, torch.float16, torch.Generator().manual_seed(0))
+    index = torch.zeros(2, dtype=torch.int32)
+    ring = layers[0][6]
+    with pytest.raises(ValueError, match="ring_index: expected dtype"):
+        cache_write_ring(k_new, v_new, ring, layers[0][7], index.long())
+    with pytest.raises(ValueError, match="ring_index: expected shape"):
+        cache_write_ring(k_new, v_new, ring, layers[0][7], index[:1])
+    with pytest.raises(ValueError, match="k_new: expected dtype"):
+        cache_write_ring(k_new.float(), v_new, ring, layers[0][7], index)
+    with pytest.raises(ValueError, match="v_ring: expected shape"):
+        cache_write_ring(k_new, v_new, ring, ring[:, :1].contiguous(), index)
+    with pytest.raises(ValueError, match="whole cache buffer"):
+        big = torch.zeros(2 * Bmax, H, R, D, dtype=torch.float16)
+        cache_write_ring(k_new, v_new, big[:Bmax], layers[0][7], index)
+    with pytest.raises(ValueError, match="batch <= max_batch_size=2"):
+        cache_write_ring(torch.cat([k_new] * 2), torch.cat([v_new] * 2), ring, layers[0][7],
+                         torch.zeros(4, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------
 # Prefill write
 # ----------------------------------------------------------------------------------------------
 
@@ -292,6 +440,48 @@ def test_compile_fullgraph_steps_across_flush():
         assert_buffers_equal(compiled_bufs, eager, f"step {i}")
     assert counter.frame_count == 1, "the step recompiled"
     assert eager[8][:B].tolist() == [[32, 3], [16, 13]]
+
+
+@pytest.mark.parametrize("bits", [2, 16])
+def test_opcheck_begin_step(bits):
+    layers, B, H = _layers_case(bits, 32, 16, torch.float16)
+    columns = [list(c) for c in zip(*layers)]
+    torch.library.opcheck(torch.ops.minikv.cache_begin_step.default,
+                          (cache_table(layers), *columns, B, bits, 16))
+    k_new, v_new = new_tokens(B, H, 32, torch.float16, torch.Generator().manual_seed(0))
+    torch.library.opcheck(torch.ops.minikv.cache_write_ring.default,
+                          (k_new, v_new, layers[0][6], layers[0][7],
+                           torch.tensor([0, -1, 5], dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compile_fullgraph_all_layer_steps_across_flush(device):
+    layers, B, H = _layers_case(2, 32, 16, torch.float16, device)
+    compiled_layers = [clone_all(bufs) for bufs in layers]
+    tables = cache_table(layers), cache_table(compiled_layers)
+
+    def step(layers, table, news):
+        ring_index = cache_begin_step(layers, table, B, 2, 16)
+        for bufs, (k_new, v_new), index in zip(layers, news, ring_index):
+            cache_write_ring(k_new, v_new, bufs[6], bufs[7], index)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    for i in range(4):    # flushes at steps 0 and 2
+        news = [tuple(t.to(device) for t in new_tokens(B, H, 32, torch.float16, g))
+                for _ in layers]
+        if i == 0:
+            _, (code,) = run_and_get_code(compiled, compiled_layers, tables[1], news)
+            # The ops mutate the caller's buffers in place (the kernels reach them through the
+            # table, so a copy would lose their writes): no clone of any buffer.
+            assert "minikv.cache_begin_step.default(" in code and "clone" not in code
+        else:
+            compiled(compiled_layers, tables[1], news)
+        step(layers, tables[0], news)
+        for layer, (got, want) in enumerate(zip(compiled_layers, layers)):
+            assert_buffers_equal(got, want, f"step {i} layer {layer}")
+    assert counter.frame_count == 1, "the step recompiled"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,3 +597,77 @@ def test_opcheck_gpu(bits):
                                                  torch.Generator().manual_seed(1)))
     torch.library.opcheck(torch.ops.minikv.cache_write_prefill.default,
                           (k_sel, v_sel, 7, *cuda, bits, G))
+
+
+def _gpu_layers(bits, dtype):
+    """Real sizes: 4 layers of different capacities, Bmax = 8 slots (6 active), 8 KV heads,
+    D = 128, R = 128; full rings with and without room, rings one token short, slot 7 full."""
+    Bmax, B, H, D, R, G = 8, 6, 8, 128, 128, 16
+    caps = (1024, 512, 2048, 1024)
+    layers = []
+    for i, cap in enumerate(caps):
+        bufs = make_cache(Bmax, H, cap, R, D, bits, G, dtype, device="cuda", seed=i)
+        state = [[0, R], [128, R - 1], [256, 5], [cap - R, R], [cap - 64, R], [0, 0], [0, 0],
+                 [0, R]]
+        bufs[8].copy_(torch.tensor(state[i:] + state[:i], dtype=torch.int32))
+        layers.append(bufs)
+    return layers, B, H, D, G
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_triton_begin_step_matches_reference_gpu(bits, dtype):
+    cuda, B, H, D, G = _gpu_layers(bits, dtype)
+    cpu = [[t.cpu() for t in bufs] for bufs in cuda]
+    table = cache_table(cuda)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        news = [new_tokens(B, H, D, dtype, g) for _ in cuda]
+        step_all_layers(cuda, table, [(k.cuda(), v.cuda()) for k, v in news], B, bits, G)
+        for layer, (bufs, (k_new, v_new)) in enumerate(zip(cpu, news)):
+            cache_append_ref(k_new, v_new, *bufs, bits, G)
+            assert_buffers_equal([t.cpu() for t in cuda[layer]], bufs, f"step {step} {layer}")
+
+
+@pytest.mark.gpu
+def test_begin_step_cuda_graph_replay_gpu():
+    # One captured all-layer step replayed across per-slot flushes must match eager stepping.
+    cuda, B, H, D, G = _gpu_layers(2, torch.bfloat16)
+    eager = [[t.clone() for t in bufs] for bufs in cuda]
+    tables = cache_table(cuda), cache_table(eager)
+    inputs = [(torch.zeros(B, H, D, dtype=torch.bfloat16, device="cuda"),
+               torch.zeros(B, H, D, dtype=torch.bfloat16, device="cuda")) for _ in cuda]
+    warm = [[t.clone() for t in bufs] for bufs in cuda]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                     # warm up (compile the kernels) off-graph
+        step_all_layers(warm, cache_table(warm), inputs, B, 2, G)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_all_layers(cuda, tables[0], inputs, B, 2, G)
+    g = torch.Generator().manual_seed(0)
+    for step in range(5):
+        news = [tuple(t.cuda() for t in new_tokens(B, H, D, torch.bfloat16, g)) for _ in cuda]
+        for (k_in, v_in), (k_new, v_new) in zip(inputs, news):
+            k_in.copy_(k_new)
+            v_in.copy_(v_new)
+        graph.replay()
+        step_all_layers(eager, tables[1], news, B, 2, G)
+        for layer, (got, want) in enumerate(zip(cuda, eager)):
+            assert_buffers_equal(got, want, f"replay {step} layer {layer}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 16])
+def test_opcheck_begin_step_gpu(bits):
+    cuda, B, H, D, G = _gpu_layers(bits, torch.bfloat16)
+    columns = [list(c) for c in zip(*cuda)]
+    torch.library.opcheck(torch.ops.minikv.cache_begin_step.default,
+                          (cache_table(cuda), *columns, B, bits, G))
+    k_new, v_new = (t.cuda() for t in new_tokens(B, H, D, torch.bfloat16,
+                                                  torch.Generator().manual_seed(0)))
+    index = torch.tensor([0, -1, 5, 127, 3, -1], dtype=torch.int32, device="cuda")
+    torch.library.opcheck(torch.ops.minikv.cache_write_ring.default,
+                          (k_new, v_new, cuda[0][6], cuda[0][7], index))

@@ -5,7 +5,8 @@ with the launches of one kind skipped (their outputs are then garbage: timing on
     cd /tmp/run && python /path/to/perf/gpu/ablate_step.py no_norm engine-vs-hf --out DIR ...
 
 Ablations: ``none``; ``no_norm`` (the ``rms_norm`` launches before q/k/v and gate/up);
-``no_flush`` (the flush launch of ``cache_append``); ``no_append`` (flush and append);
+``no_flush`` (the all-layer flush launch of ``cache_begin_step``); ``no_append`` (that, the
+counter launch and every layer's ``cache_write_ring``);
 ``no_combine`` (the decode-attention combine launch).
 """
 import importlib
@@ -30,8 +31,9 @@ def _skip(module: str, *kernels: str) -> None:
 ABLATIONS = {
     "none": [],
     "no_norm": [("minikv_compile.ops.linear", "_rms_norm_kernel")],
-    "no_flush": [("minikv_compile.ops.cache_update", "_flush_kernel")],
-    "no_append": [("minikv_compile.ops.cache_update", "_flush_kernel", "_append_kernel")],
+    "no_flush": [("minikv_compile.ops.cache_update", "_flush_layers_kernel")],
+    "no_append": [("minikv_compile.ops.cache_update", "_flush_layers_kernel", "_commit_kernel",
+                   "_write_ring_kernel")],
     "no_combine": [("minikv_compile.ops.decode_attention", "_decode_attention_combine_kernel")],
 }
 
