@@ -231,13 +231,15 @@ def _store_counters(lens, b, write, new_quant, new_ring):
 # policy), so a launch over all layers reaches them through a table of addresses: row ``l`` holds
 # the data pointers of layer l's nine buffers in ``_CACHE_BUFFERS`` order, then its ``T_cap``.
 _TABLE_COLS = 10
-_LENS_COL = 8
-_CAP_COL = 9
+# The same as kernel constants (a @triton.jit function reads only constexpr globals).
+_COLS = tl.constexpr(_TABLE_COLS)
+_LENS_COL = tl.constexpr(8)
+_CAP_COL = tl.constexpr(9)
 
 
 @triton.jit
 def _layer_ptr(table, layer, COL: tl.constexpr, DT: tl.constexpr):
-    return tl.load(table + layer * _TABLE_COLS + COL).to(tl.pointer_type(DT))
+    return tl.load(table + layer * _COLS + COL).to(tl.pointer_type(DT))
 
 
 @triton.jit
@@ -263,11 +265,11 @@ def _flush_layers_kernel(
         ok = p < pairs
         layer = p // batch
         slot = p % batch
-        lens = tl.load(table + layer * _TABLE_COLS + _LENS_COL, mask=ok, other=0)
+        lens = tl.load(table + layer * _COLS + _LENS_COL, mask=ok, other=0)
         lens = lens.to(tl.pointer_type(tl.int32))
         n_quant = tl.load(lens + 2 * slot, mask=ok, other=0)
         n_ring = tl.load(lens + 2 * slot + 1, mask=ok, other=0)
-        t_cap = tl.load(table + layer * _TABLE_COLS + _CAP_COL, mask=ok, other=0)
+        t_cap = tl.load(table + layer * _COLS + _CAP_COL, mask=ok, other=0)
         full = (ok & (n_ring == RING) & (n_quant + RING <= t_cap)).to(tl.int32)
         rank = tl.cumsum(full, 0)           # full rings among pairs [p0, p]
         count = tl.sum(full, 0)
@@ -281,7 +283,7 @@ def _flush_layers_kernel(
             item = w % per_pair
             bh = ((pair % batch) * H + item // CHUNKS).to(tl.int64)
             nq = tl.sum(tl.where(p == pair, n_quant, 0), 0)
-            cap = tl.load(table + ly * _TABLE_COLS + _CAP_COL)
+            cap = tl.load(table + ly * _COLS + _CAP_COL)
             k_ring = _layer_ptr(table, ly, 6, RING_DT)
             v_ring = _layer_ptr(table, ly, 7, RING_DT)
             if BITS == 16:
@@ -309,7 +311,7 @@ def _commit_kernel(table, ring_index, batch, RING: tl.constexpr, BLOCK_B: tl.con
     gdc.launch_dependents_then_wait(PDL)
     layer = tl.program_id(0)
     lens = _layer_ptr(table, layer, _LENS_COL, tl.int32)
-    t_cap = tl.load(table + layer * _TABLE_COLS + _CAP_COL)
+    t_cap = tl.load(table + layer * _COLS + _CAP_COL)
     b = tl.arange(0, BLOCK_B)
     ok = b < batch
     n_quant = tl.load(lens + 2 * b, mask=ok, other=0)
