@@ -18,7 +18,8 @@ at the start of step ``s + 1``, so the attention of step ``s`` still saw it in f
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import weakref
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import triton
@@ -402,6 +403,14 @@ def _cache_begin_step_triton(table, k_cache, k_scale, k_zero, v_cache, v_scale, 
     L = len(lens)
     _, H, R, D = k_ring[0].shape
     dev = table.device
+    rows = _table_rows(list(zip(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
+                                v_ring, lens)))
+    if _TABLES.get(table.data_ptr()) != rows:
+        # Not cache_table() of these very tensors: AOT tracing and torch.library.opcheck pass
+        # copies of the buffers, and the kernels must write the tensors the op was given. A
+        # table of their own (a host-to-device copy: not possible inside a graph capture, where
+        # the engine passes its cache's own table).
+        table = torch.tensor(rows, dtype=torch.int64, device=dev)
     ring_index = torch.empty(L, batch, dtype=torch.int32, device=dev)
     chunks, flush = _flush_constants(R, D, bits, group_size)
     pairs = L * batch
@@ -680,23 +689,39 @@ def _check_new_tokens(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Te
                          f"got shape {tuple(k_new.shape)}")
 
 
+def _layer_buffers(layers: Sequence[Sequence[torch.Tensor]]) -> None:
+    if not layers:
+        raise ValueError("layers: expected at least one layer's buffers, got none")
+    for i, bufs in enumerate(layers):
+        if len(bufs) != len(_CACHE_BUFFERS):
+            raise ValueError(f"layers[{i}]: expected the {len(_CACHE_BUFFERS)} buffers "
+                             f"{_CACHE_BUFFERS}, got {len(bufs)}")
+
+
+def _table_rows(layers) -> tuple:
+    """Per layer: its nine buffers' data pointers, then ``T_cap`` (``v_cache`` dim 2)."""
+    return tuple(tuple(t.data_ptr() for t in bufs) + (bufs[3].shape[2],) for bufs in layers)
+
+
+# data_ptr of every live table made by cache_table -> its rows (what the device holds), so that
+# a launch can tell, without reading the device, whether a table addresses the tensors it got.
+_TABLES: Dict[int, tuple] = {}
+
+
 def cache_table(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     """The address table of :func:`cache_begin_step` for these layers' buffers.
 
     Row ``l``: the data pointers of layer ``l``'s nine buffers (``k_cache ... lens``, the
     argument order of :func:`cache_append`), then its capacity ``T_cap``; int64 on the buffers'
-    device. Build it once, after allocating the buffers and before capturing a graph: it is
-    valid while those same buffers live.
+    device. Build it once, after allocating the buffers and before capturing a graph, and keep
+    it as long as the graph: the captured launches read it at every replay.
     """
-    if not layers:
-        raise ValueError("layers: expected at least one layer's buffers, got none")
-    rows = []
-    for i, bufs in enumerate(layers):
-        if len(bufs) != len(_CACHE_BUFFERS):
-            raise ValueError(f"layers[{i}]: expected the {len(_CACHE_BUFFERS)} buffers "
-                             f"{_CACHE_BUFFERS}, got {len(bufs)}")
-        rows.append([t.data_ptr() for t in bufs] + [bufs[3].shape[2]])
-    return torch.tensor(rows, dtype=torch.int64, device=layers[0][8].device)
+    _layer_buffers(layers)
+    rows = _table_rows(layers)
+    table = torch.tensor(rows, dtype=torch.int64, device=layers[0][8].device)
+    _TABLES[table.data_ptr()] = rows
+    weakref.finalize(table, _TABLES.pop, table.data_ptr(), None)
+    return table
 
 
 def cache_begin_step(layers: Sequence[Sequence[torch.Tensor]], table: torch.Tensor, batch: int,
@@ -721,8 +746,9 @@ def cache_begin_step(layers: Sequence[Sequence[torch.Tensor]], table: torch.Tens
         layers: per layer, its nine buffers in :func:`cache_append`'s order (``k_cache ...
             lens``); every layer with the same ``(Bmax, H, R, D)``, ring dtype and device (the
             capacity ``T_cap`` may differ). Mutated in place: the regions and ``lens``.
-        table: ``cache_table(layers)`` of these same buffers (the kernels reach the layers
-            through it).
+        table: ``cache_table(layers)`` of these same buffers: the kernels reach the layers
+            through it. (Given another table, or copies of the buffers, the launch makes a
+            table of its own first, which a graph capture does not allow.)
         batch: slots ``[0, batch)`` take a token; ``1 <= batch <= Bmax``.
         bits, group_size: as in :func:`cache_append`.
 
@@ -734,13 +760,9 @@ def cache_begin_step(layers: Sequence[Sequence[torch.Tensor]], table: torch.Tens
     sized to the GPU; on a step with no full ring each program reads the counters and ends. 2:
     one program per layer advances its counters after launch 1 has read them.
     """
-    if not layers:
-        raise ValueError("layers: expected at least one layer's buffers, got none")
+    _layer_buffers(layers)
     shapes = set()
-    for i, bufs in enumerate(layers):
-        if len(bufs) != len(_CACHE_BUFFERS):
-            raise ValueError(f"layers[{i}]: expected the {len(_CACHE_BUFFERS)} buffers "
-                             f"{_CACHE_BUFFERS}, got {len(bufs)}")
+    for bufs in layers:
         Bmax, H, _, R, D = _check_cache(*bufs, bits, group_size)
         shapes.add((Bmax, H, R, D, bufs[6].dtype, bufs[6].device))
     if len(shapes) > 1:

@@ -383,6 +383,22 @@ def test_all_layer_kernels_compile_for_sm90():
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.interpret
+def test_triton_begin_step_with_a_table_of_other_buffers():
+    # AOT tracing and opcheck hand the op copies of the buffers with the engine's table: the
+    # launch must still write the tensors it was given, and nothing else.
+    tri, B, H = _layers_case(2, 32, 16, torch.float16)
+    ref, other = [clone_all(bufs) for bufs in tri], [clone_all(bufs) for bufs in tri]
+    untouched = [clone_all(bufs) for bufs in other]
+    news = [new_tokens(B, H, 32, torch.float16, torch.Generator().manual_seed(i))
+            for i in range(len(tri))]
+    step_all_layers(tri, cache_table(other), news, B, 2, 16, triton=True)
+    for layer, (bufs, (k_new, v_new)) in enumerate(zip(ref, news)):
+        cache_append_ref(k_new, v_new, *bufs, 2, 16)
+        assert_buffers_equal(tri[layer], bufs, f"layer {layer}")
+        assert_buffers_equal(other[layer], untouched[layer], f"other layer {layer}")
+
+
 def test_begin_step_bad_inputs():
     Bmax, H, D, R, G = 2, 2, 32, 32, 16
     layers = [make_cache(Bmax, H, 64, R, D, 2, G, torch.float16, seed=i) for i in range(2)]
