@@ -3,8 +3,8 @@
 One step for a batch of ``B`` slots (``B`` = the bucket; a smaller request runs in it):
 
     tokens (Bmax,) -> minikv::cache_begin_step (every layer: per-slot flush every n_r, counters)
-                   -> embed -> per layer: qkv + RoPE at the logical position, the new k/v
-                      into the ring (in the q/k/v launch, or minikv::cache_write_ring after it)
+                   -> embed -> per layer: qkv + RoPE at the logical position
+                   -> minikv::cache_write_ring (the new k/v into the ring)
                    -> minikv::decode_attention (compressed cache + ring) -> o_proj, MLP
     -> norm, lm_head -> greedy or sampled token -> written into static output buffers
 
@@ -117,9 +117,10 @@ class DecodeRunner:
         ring_index = ops.cache_begin_step([lc.buffers() for lc in cache.layers], cache.table,
                                           batch, cache.bits, cache.group_size)  # (L, B)
         for layer, lc in enumerate(cache.layers):
-            # q (B, H_q, 1, D): a view into the q/k/v projection's output, read in place (a copy
-            # would be one more kernel per layer). The new k and v go to the rings on the way.
-            q, _, _ = a.qkv(layer, h, cos, sin, kv_ring=(lc.k_ring, lc.v_ring, ring_index[layer]))
+            q, k, v = a.qkv(layer, h, cos, sin)                   # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
+            # Views into the q/k/v projection's output, read in place by both ops (a copy
+            # would be one more kernel per tensor and layer).
+            ops.cache_write_ring(k[:, :, 0], v[:, :, 0], lc.k_ring, lc.v_ring, ring_index[layer])
             o = ops.decode_attention(q[:, :, 0], *lc.buffers(), a.scale,
                                      cache.bits, cache.group_size)  # (B, H_q, D)
             h = a.finish_layer(layer, h, o.reshape(batch, 1, -1))

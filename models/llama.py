@@ -8,8 +8,6 @@ own: the engine owns the cache and the attention.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,33 +65,21 @@ class LlamaFamilyAdapter:
         """positions (B, S) int64, *logical* positions -> cos, sin (B, S, D) in h's dtype."""
         return self.decoder.rotary_emb(h, positions)
 
-    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_ring: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
-        """Pre-norm, projections, optional q/k norm, RoPE. Keys are returned after RoPE.
-
-        ``kv_ring = (k_ring, v_ring, ring_index)`` (decode steps, ``S == 1``): also write each
-        row's new k and v into the layer's rings at ``ring_index`` (``ops.cache_write_ring``):
-        inside the projection's launch where RoPE is there too, with a launch after it
-        otherwise."""
+    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Pre-norm, projections, optional q/k norm, RoPE. Keys are returned after RoPE."""
         block = self.layers[layer]
         attn = block.self_attn
         B, S, _ = h.shape
-        if kv_ring is not None and S != 1:
-            raise ValueError(f"kv_ring: expected a decode step (one position), got {S}")
         nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         rotated = False
         if self._fused_rows(h):
             w, b = self.fused[layer]["qkv"]
-            # RoPE of q and k in the same launch, unless a q/k norm (Qwen3) comes before it;
-            # then the ring write can be there as well.
+            # RoPE of q and k in the same launch, unless a q/k norm (Qwen3) comes before it.
             rotated = not self.has_qk_norm
             rope = (dict(rope_cos=cos[:, 0], rope_sin=sin[:, 0], rope_rows=nq + nkv)
                     if rotated else {})
-            ring = dict(kv_ring=kv_ring) if rotated and kv_ring is not None else {}
             x, norm = _norm_prologue(block.input_layernorm, h[:, 0])
-            qkv = ops.fused_linear(x, w, b, **norm, **rope, **ring)
-            if ring:
-                kv_ring = None  # written
+            qkv = ops.fused_linear(x, w, b, **norm, **rope)
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
         elif self.fused is not None:
             w, b = self.fused[layer]["qkv"]
@@ -111,8 +97,6 @@ class LlamaFamilyAdapter:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if kv_ring is not None:
-            ops.cache_write_ring(k[:, :, 0], v[:, :, 0], *kv_ring)
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

@@ -48,14 +48,6 @@ def check_tensor(
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
-def check_whole_buffer(name: str, t: torch.Tensor) -> None:
-    """A cache buffer that an op mutates must be the whole allocation, not a view: the kernels
-    index the buffer's own layout from its first element."""
-    if t._base is not None:
-        raise ValueError(f"{name}: expected a whole cache buffer, got a view of shape "
-                         f"{tuple(t.shape)} into a {tuple(t._base.shape)} tensor")
-
-
 def check_choice(name: str, value, choices: Iterable) -> None:
     choices = tuple(choices)
     if value not in choices:

@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import (FLOAT_DTYPES, check_choice, check_tensor, check_whole_buffer,
-                      codes_per_word, sm_count)
+from ._checks import FLOAT_DTYPES, check_choice, check_tensor, codes_per_word, sm_count
 from .quant import (_quantize_key_block, _quantize_value_block, quantize_keys, quantize_keys_ref,
                     quantize_values, quantize_values_ref)
 
@@ -594,6 +593,13 @@ _cache_write_ring_op.register_kernel("cuda")(_cache_write_ring_triton)
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_base(name: str, t: torch.Tensor) -> None:
+    # A mutating op must see the whole allocation, not a view: kernels index the base layout.
+    if t._base is not None:
+        raise ValueError(f"{name}: expected a whole cache buffer, got a view of shape "
+                         f"{tuple(t.shape)} into a {tuple(t._base.shape)} tensor")
+
+
 def _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
                  bits: int, group_size: int):
     """Validate one layer's buffers against the layout contract; return (Bmax, H, T_cap, R, D)."""
@@ -637,7 +643,7 @@ def _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_r
                          device=dev, contiguous=True)
     for name, t in zip(_CACHE_BUFFERS, (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                                         k_ring, v_ring, lens)):
-        check_whole_buffer(name, t)
+        _check_base(name, t)
     return Bmax, H, T_cap, R, D
 
 
@@ -787,7 +793,7 @@ def cache_write_ring(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Ten
     check_tensor("v_ring", v_ring, shape=tuple(k_ring.shape), dtypes=(k_ring.dtype,),
                  device=k_ring.device, contiguous=True)
     for name, t in (("k_ring", k_ring), ("v_ring", v_ring)):
-        check_whole_buffer(name, t)
+        _check_base(name, t)
     _check_new_tokens(k_new, v_new, k_ring)
     check_tensor("ring_index", ring_index, shape=(k_new.shape[0],), dtypes=(torch.int32,),
                  device=k_ring.device, contiguous=True)

@@ -38,7 +38,7 @@ weight columns asked into L2 before the PDL wait; there the norm is best left to
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,7 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import FLOAT_DTYPES, check_tensor, check_whole_buffer
-from .cache_update import cache_write_ring_ref
+from ._checks import FLOAT_DTYPES, check_tensor
 
 PROLOGUES = ("none", "rmsnorm")  # the kernel's PROLOGUE is the index in this tuple
 
@@ -101,25 +100,6 @@ def _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF: tl.con
 
 
 @triton.jit
-def _store_kv_ring(y, k_ring, v_ring, ring_index, rows, m_ok, cols, mask, N, H, D, RING):
-    """The new k and v of each row into its slot's ring: columns [N - 2 H D, N - H D) are the k
-    heads, [N - H D, N) the v heads; row ``m`` goes to ring row ``ring_index[m]`` of slot ``m``
-    (nothing where it is -1)."""
-    HD = H * D
-    off = cols - (N - 2 * HD)
-    is_kv = off >= 0
-    off = tl.where(is_kv, off, 0)
-    is_v = off >= HD
-    head_col = off % HD
-    index = tl.load(ring_index + rows, mask=m_ok, other=-1)
-    dst = ((rows.to(tl.int64)[:, None] * H + (head_col // D)[None, :]) * RING
-           + index[:, None]) * D + (head_col % D)[None, :]
-    ok = mask & is_kv[None, :] & (index >= 0)[:, None]
-    tl.store(k_ring + dst, y, mask=ok & ~is_v[None, :])
-    tl.store(v_ring + dst, y, mask=ok & is_v[None, :])
-
-
-@triton.jit
 def _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
     """1 / RMS of each row of x, in fp32 (every program reads its rows whole, from L2)."""
     BLOCK_M: tl.constexpr = rows.shape[0]
@@ -159,11 +139,11 @@ def _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE: tl.constexpr
 
 @triton.jit
 def _fused_linear_kernel(
-    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, y_ptr, kr_ptr, vr_ptr, ri_ptr,
-    M, N, K, eps, ROPE_ROWS, KV_HEADS, KV_DIM, RING_LEN,
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, y_ptr,
+    M, N, K, eps, ROPE_ROWS,
     stride_xm, stride_wn, stride_rm, stride_cm, stride_ym,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr, KV_RING: tl.constexpr,
+    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr, LINE: tl.constexpr,
@@ -236,9 +216,6 @@ def _fused_linear_kernel(
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        if KV_RING:
-            _store_kv_ring(y, kr_ptr, vr_ptr, ri_ptr, rows, m_ok, cols, mask, N, KV_HEADS,
-                           KV_DIM, RING_LEN)
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
 
 
@@ -295,18 +272,6 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return y
 
 
-def fused_linear_kv_ring_ref(x, weight, bias, rms_weight, rope_cos, rope_sin, rope_rows: int,
-                             prologue: str, eps: float, k_ring, v_ring, ring_index) -> torch.Tensor:
-    """``fused_linear_ref`` whose last ``2 H D`` columns, the new k and v heads, also go to the
-    rings (``cache_write_ring``)."""
-    y = fused_linear_ref(x, weight, bias, rms_weight, None, rope_cos, rope_sin, rope_rows,
-                         prologue, eps)
-    (M, N), (_, H, _, D) = y.shape, k_ring.shape
-    kv = y[:, N - 2 * H * D:].view(M, 2, H, D)
-    cache_write_ring_ref(kv[:, 0], kv[:, 1], k_ring, v_ring, ring_index)
-    return y
-
-
 # ----------------------------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------------------------
@@ -351,7 +316,6 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                          rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                          rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
                          rope_rows: int, prologue: str, eps: float, glu_out: bool = False,
-                         kv_ring: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                          **override) -> torch.Tensor:
     M = x.shape[0]
     N, K = weight.shape
@@ -374,20 +338,17 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     per_program = cfg["BLOCK_N"] // 2 if glu_out else cfg["BLOCK_N"]  # output columns
     grid = (triton.cdiv(y.shape[1], per_program), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
-    k_ring, v_ring, ring_index = kv_ring if kv_ring is not None else (dummy, dummy, dummy)
-    _, kv_heads, ring_len, kv_dim = k_ring.shape if kv_ring is not None else (0, 0, 0, 0)
     _fused_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         rms_weight if rms_weight is not None else dummy,
         residual if residual is not None else dummy,
-        rope_cos if rope else dummy, rope_sin if rope else dummy, y, k_ring, v_ring, ring_index,
-        M, N, K, eps, rope_rows, kv_heads, kv_dim, ring_len,
+        rope_cos if rope else dummy, rope_sin if rope else dummy, y,
+        M, N, K, eps, rope_rows,
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0,
         rope_cos.stride(0) if rope else 0, y.stride(0),
         PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, ROPE=rope,
         HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, GLU_OUT=glu_out,
-        KV_RING=kv_ring is not None,
         FP32_DOT=x.dtype == torch.float32, PDL=pdl, LINE=128 // weight.element_size(),
         num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
@@ -430,29 +391,6 @@ def _(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows, prol
 _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
 
 
-@torch.library.custom_op("minikv::fused_linear_kv_ring", mutates_args=("k_ring", "v_ring"))
-def _fused_linear_kv_ring_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             rms_weight: Optional[torch.Tensor], rope_cos: Optional[torch.Tensor],
-                             rope_sin: Optional[torch.Tensor], rope_rows: int, prologue: str,
-                             eps: float, k_ring: torch.Tensor, v_ring: torch.Tensor,
-                             ring_index: torch.Tensor) -> torch.Tensor:
-    return fused_linear_kv_ring_ref(x, weight, bias, rms_weight, rope_cos, rope_sin, rope_rows,
-                                    prologue, eps, k_ring, v_ring, ring_index)
-
-
-@_fused_linear_kv_ring_op.register_fake
-def _(x, weight, bias, rms_weight, rope_cos, rope_sin, rope_rows, prologue, eps, k_ring, v_ring,
-      ring_index):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-@_fused_linear_kv_ring_op.register_kernel("cuda")
-def _(x, weight, bias, rms_weight, rope_cos, rope_sin, rope_rows, prologue, eps, k_ring, v_ring,
-      ring_index):
-    return _fused_linear_triton(x, weight, bias, rms_weight, None, rope_cos, rope_sin, rope_rows,
-                                prologue, eps, kv_ring=(k_ring, v_ring, ring_index))
-
-
 @torch.library.custom_op("minikv::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
@@ -475,13 +413,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                  residual: Optional[torch.Tensor] = None,
                  rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
-                 rope_rows: int = 0, glu_out: bool = False,
-                 kv_ring: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-                 ) -> torch.Tensor:
+                 rope_rows: int = 0, glu_out: bool = False) -> torch.Tensor:
     """``[residual +] linear(prologue(x), weight, bias)``, or its first ``rope_rows`` columns
     rotated, or ``silu(gate) * up`` of its two halves, in one launch (module docstring).
-    With ``kv_ring`` the same launch also writes the new k and v of a decode step into the
-    cache's rings (what ``cache_write_ring`` does after it otherwise).
 
     Args:
         x: ``(M, K)`` fp16/bf16/fp32, unit stride along the last dim.
@@ -495,12 +429,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         rope_rows: a positive multiple of D, at most N, when rope_cos is given.
         glu_out: the weight is [gate; up] (N even): return ``silu(y[:, :N/2]) * y[:, N/2:]``
             (no residual, no RoPE).
-        kv_ring: ``(k_ring, v_ring, ring_index)``: one layer's rings ``(Bmax, H, R, D)`` in x's
-            dtype (contiguous, not views; mutated) and ``ring_index (M,)`` int32 from
-            ``cache_begin_step``. The last ``2 H D`` output columns are the k heads then the v
-            heads of row ``m`` (slot ``m``), after RoPE: they also go to ring row
-            ``ring_index[m]`` of slot m (nothing where it is -1). Not with ``residual`` or
-            ``glu_out``; ``M <= Bmax``.
 
     Returns:
         ``(M, N)`` (``(M, N / 2)`` with ``glu_out``) in x's dtype, contiguous.
@@ -537,14 +465,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             raise ValueError(f"weight: expected an even number of rows ([gate; up]) with "
                              f"glu_out, got {N}")
     prologue = "rmsnorm" if rms_weight is not None else "none"
-    if kv_ring is not None:
-        if residual is not None or glu_out:
-            raise ValueError("expected kv_ring without a residual or glu_out, got "
-                             + ("a residual" if residual is not None else "glu_out"))
-        _check_kv_ring(kv_ring, M, N, dt, dev)
-        return torch.ops.minikv.fused_linear_kv_ring(x, weight, bias, rms_weight, rope_cos,
-                                                     rope_sin, int(rope_rows), prologue,
-                                                     float(eps), *kv_ring)
     return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, rope_cos,
                                          rope_sin, int(rope_rows), prologue, float(eps),
                                          bool(glu_out))
@@ -579,25 +499,6 @@ def _check_unit_last_stride(name: str, t: torch.Tensor) -> None:
     if t.stride(1) != 1:
         raise ValueError(f"{name}: expected unit stride along the last dim, got strides "
                          f"{t.stride()}")
-
-
-def _check_kv_ring(kv_ring, M, N, dt, dev) -> None:
-    if not (isinstance(kv_ring, (tuple, list)) and len(kv_ring) == 3):
-        raise ValueError(f"kv_ring: expected (k_ring, v_ring, ring_index), got {kv_ring!r}")
-    k_ring, v_ring, ring_index = kv_ring
-    check_tensor("k_ring", k_ring, ndim=4, dtypes=(dt,), device=dev, contiguous=True)
-    Bmax, H, _, D = k_ring.shape
-    check_tensor("v_ring", v_ring, shape=tuple(k_ring.shape), dtypes=(dt,), device=dev,
-                 contiguous=True)
-    check_whole_buffer("k_ring", k_ring)
-    check_whole_buffer("v_ring", v_ring)
-    if 2 * H * D > N:
-        raise ValueError(f"kv_ring: expected the last 2 * H * D = {2 * H * D} output columns to "
-                         f"be k and v, got N={N}")
-    if M > Bmax:
-        raise ValueError(f"kv_ring: expected at most Bmax={Bmax} rows, got {M}")
-    check_tensor("ring_index", ring_index, shape=(M,), dtypes=(torch.int32,), device=dev,
-                 contiguous=True)
 
 
 def _check_rope(cos, sin, rows, residual, M, N, dt, dev) -> None:

@@ -287,19 +287,6 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
         assert fused._fused_rows(step)
         for a, b in zip(plain.qkv(1, step, c, s), fused.qkv(1, step, c, s)):
             assert torch.equal(a, b)
-        # The decode step's ring write: inside the fused launch (llama, qwen2) or after it
-        # (qwen3, the plain adapter). Slot 1 has no room this step (-1): its rows stay.
-        n = step.shape[0]
-        index = torch.tensor([3, -1, 0, 5, 7, 2][:n], dtype=torch.int32)
-        want = [torch.randn(8, plain.num_kv_heads, 8, plain.head_dim) for _ in range(2)]
-        rings = [[t.clone() for t in want] for _ in range(2)]
-        q, k, v = plain.qkv(1, step, c, s, kv_ring=(*rings[0], index))
-        fused.qkv(1, step, c, s, kv_ring=(*rings[1], index))
-        for i, row in enumerate(index.tolist()):
-            if row >= 0:
-                want[0][i, :, row], want[1][i, :, row] = k[i, :, 0], v[i, :, 0]
-        for got in rings:
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(plain.finish_layer(1, step, a_out), fused.finish_layer(1, step, a_out))
     assert not fused._fused_rows(h[0, :, None].expand(9, 1, -1))  # above FUSED_MAX_ROWS = 8
     assert torch.equal(model(x).logits, before)  # the HF model is untouched by the fusion

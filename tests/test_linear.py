@@ -149,74 +149,6 @@ def test_triton_glu_epilogue(M, cfg, dtype):
     torch.testing.assert_close(out, run_ref(x, w, a, "rmsnorm"), rtol=2e-3, atol=2e-3)
 
 
-def _kv_ring_case(M, dtype, heads=2, D=16, rope=True, device="cpu"):
-    """q/k/v of a decode step: 3 q heads then `heads` k and v heads of D, RoPE on q and k, and
-    rings of 4 slots x 6 tokens holding garbage; slot 1 has no room (-1)."""
-    N = (3 + 2 * heads) * D
-    kw = dict(rope_dim=D, rope_heads=3 + heads) if rope else {}
-    x, w, a = make_case(M, N, 40, "rmsnorm", dtype, device, bias=True, **kw)
-    g = torch.Generator().manual_seed(7)
-    rings = [torch.randn(4, heads, 6, D, generator=g).to(device=device, dtype=dtype)
-             for _ in range(2)]
-    index = torch.tensor([5, -1, 0, 2][:M], dtype=torch.int32, device=device)
-    return x, w, a, (*rings, index)
-
-
-def assert_ring_holds(out, before, kv_ring):
-    """Ring row ring_index[m] of slot m = output row m's k and v columns, to the bit; every other
-    ring row as before."""
-    k_ring, v_ring, index = kv_ring
-    want = [t.clone() for t in before]
-    _, H, _, D = k_ring.shape
-    kv = out[:, out.shape[1] - 2 * H * D:].view(out.shape[0], 2, H, D)
-    for m, row in enumerate(index.tolist()):
-        if row >= 0:
-            want[0][m, :, row], want[1][m, :, row] = kv[m, 0], kv[m, 1]
-    assert torch.equal(k_ring, want[0]) and torch.equal(v_ring, want[1])
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("M,rope,cfg", [
-    (1, True, {}),
-    (3, True, {}),
-    (4, False, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2,
-                    num_warps=4)),
-])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_triton_kv_ring_epilogue(M, rope, cfg, dtype):
-    x, w, a, kv_ring = _kv_ring_case(M, dtype, rope=rope)
-    before = [t.clone() for t in kv_ring[:2]]
-    out = _fused_linear_triton(x, w, *_operands(a), "rmsnorm", 1e-5, kv_ring=kv_ring, **cfg)
-    assert_within_2x(out, x, w, a, "rmsnorm")
-    assert_ring_holds(out, before, kv_ring)
-
-
-def test_kv_ring_public_op_opcheck_and_compile():
-    x, w, a, kv_ring = _kv_ring_case(3, torch.float32)
-    before = [t.clone() for t in kv_ring[:2]]
-    out = fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"], eps=1e-5,
-                       rope_cos=a["rope_cos"], rope_sin=a["rope_sin"], rope_rows=a["rope_rows"],
-                       kv_ring=kv_ring)
-    assert torch.equal(out, run_ref(x, w, a, "rmsnorm"))
-    assert_ring_holds(out, before, kv_ring)
-    torch.library.opcheck(torch.ops.minikv.fused_linear_kv_ring.default,
-                          (x, w, a["bias"], a["rms_weight"], a["rope_cos"], a["rope_sin"],
-                           a["rope_rows"], "rmsnorm", 1e-5, *kv_ring))
-
-    def step(x, kv_ring):
-        return fused_linear(x, w, a["bias"], rms_weight=a["rms_weight"], eps=1e-5,
-                            rope_cos=a["rope_cos"], rope_sin=a["rope_sin"],
-                            rope_rows=a["rope_rows"], kv_ring=kv_ring)
-
-    from torch._inductor.utils import run_and_get_code
-
-    x2 = torch.randn_like(x)
-    before = [t.clone() for t in kv_ring[:2]]
-    out, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), x2, kv_ring)
-    assert "clone" not in code   # the rings are written in place
-    assert_ring_holds(out, before, kv_ring)
-
-
 def test_launch_rule():
     assert launch_config(1, 4096, 4096, torch.bfloat16)["USE_DOT"] is False
     assert launch_config(8, 4096, 4096, torch.bfloat16)["USE_DOT"] is True
@@ -256,14 +188,6 @@ def _bad(change):
 _COS = torch.ones(2, 8)
 
 
-def _ring(bmax, d, dtype=torch.float32, index=None, view=False):
-    """kv_ring for the (2, 24) x (24, 32) case: 2 KV heads of d channels, a ring of 4 tokens."""
-    k_ring = torch.zeros(2 * bmax if view else bmax, 2, 4, d, dtype=dtype)
-    k_ring = k_ring[:bmax] if view else k_ring
-    ring_index = torch.zeros(2, dtype=torch.int32) if index is None else index
-    return (k_ring, torch.zeros(bmax, 2, 4, d, dtype=dtype), ring_index)
-
-
 def _rope(**kw):
     return lambda x, w, kw0: (x, w, {**{k: v for k, v in kw0.items() if k != "residual"},
                                      "rope_cos": _COS, "rope_sin": _COS, "rope_rows": 16, **kw})
@@ -294,18 +218,6 @@ def _rope(**kw):
     (_rope(glu_out=True), "expected glu_out without a residual or RoPE, got RoPE"),
     (lambda x, w, kw: (x, w[:23], {"glu_out": True}),
      "weight: expected an even number of rows"),
-    (lambda x, w, kw: (x, w, {**kw, "kv_ring": _ring(2, 3)}),
-     "expected kv_ring without a residual or glu_out, got a residual"),
-    (lambda x, w, kw: (x, w, {"kv_ring": _ring(2, 3)[:2]}),
-     r"kv_ring: expected \(k_ring, v_ring, ring_index\)"),
-    (lambda x, w, kw: (x, w, {"kv_ring": _ring(2, 8)}),
-     r"kv_ring: expected the last 2 \* H \* D = 32 output columns to be k and v, got N=24"),
-    (lambda x, w, kw: (x, w, {"kv_ring": _ring(1, 3)}), "kv_ring: expected at most Bmax=1 rows"),
-    (lambda x, w, kw: (x, w, {"kv_ring": _ring(2, 3, index=torch.zeros(2))}),
-     "ring_index: expected dtype"),
-    (lambda x, w, kw: (x, w, {"kv_ring": _ring(2, 3, dtype=torch.float16)}),
-     "k_ring: expected dtype"),
-    (lambda x, w, kw: (x, w, {"kv_ring": _ring(2, 3, view=True)}), "whole cache buffer"),
 ])
 def test_bad_inputs_raise(change, message):
     x, w, kw = _bad(change)
@@ -437,27 +349,3 @@ def test_gpu_fp32_bias_opcheck_and_graph_capture():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, run()) and not torch.equal(out, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8])
-def test_gpu_llama_qkv_kv_ring(M):
-    # The engine's q/k/v launch: 32 q + 8 k heads rotated, 8 v heads, the new k/v of each row
-    # into a ring of 128 tokens of 8 slots.
-    x, w, a = make_case(M, 6144, 4096, "rmsnorm", torch.bfloat16, "cuda", outliers=True,
-                        rope_dim=128, rope_heads=40)
-    prologue = "rmsnorm"
-    if M > 1:  # the adapter's several-row path: ops.rms_norm first
-        x = rms_norm(x, a["rms_weight"], 1e-5)
-        a["rms_weight"], prologue = None, "none"
-    rings = [torch.randn(8, 8, 128, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    index = torch.tensor([5, -1, 0, 127, 64, 3, 9, 100][:M], dtype=torch.int32, device="cuda")
-    before = [t.clone() for t in rings]
-    out = fused_linear(x, w, rms_weight=a["rms_weight"], eps=1e-5, rope_cos=a["rope_cos"],
-                       rope_sin=a["rope_sin"], rope_rows=a["rope_rows"],
-                       kv_ring=(*rings, index))
-    assert_within_2x(out, x, w, a, prologue)
-    assert_ring_holds(out, before, (*rings, index))
-    torch.library.opcheck(torch.ops.minikv.fused_linear_kv_ring.default,
-                          (x, w, None, a["rms_weight"], a["rope_cos"], a["rope_sin"],
-                           a["rope_rows"], prologue, 1e-5, *rings, index))
