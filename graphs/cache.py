@@ -14,7 +14,8 @@ ring of ``R`` tokens, ``b`` bits, group ``G``)::
     lens     (Bmax, 2)                       int32: [quantized tokens, ring tokens] per slot
 
 With ``bits=16`` the quantized region is a plain ``(Bmax, H_kv, T_cap, D)`` buffer in the model
-dtype and the scale/zero buffers are empty.
+dtype and the scale/zero buffers are empty. ``table`` holds every layer's buffer addresses for
+the decode step's all-layer launch (``ops.cache_begin_step``); it lives as long as the cache.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Writes into the static cache of one layer: the per-step ring append (with its flush) and the
-end-of-prefill write.
+"""Writes into the static cache: the per-step ring append of one layer (with its flush), the same
+for every layer of a decode step at once (``cache_begin_step``, then ``cache_write_ring`` per
+layer), and the end-of-prefill write.
 
 Buffers (``Bmax`` slots, ``T_cap`` quantized tokens per slot, ring of ``R`` tokens, ``P = 32 /
 bits`` codes per int32, group ``G``; the layout of :mod:`.quant`)::
@@ -14,7 +15,8 @@ scale/zero tensors are empty and ignored. Slot ``b`` holds, in order, region tok
 ``[0, lens[b, 0])`` then ring tokens ``[0, lens[b, 1])``.
 
 ``cache_append`` flushes lazily: a ring that became full at step ``s`` is quantized into the region
-at the start of step ``s + 1``, so the attention of step ``s`` still saw it in full precision.
+at the start of step ``s + 1``, so the attention of step ``s`` still saw it in full precision;
+``cache_begin_step`` does the same for every layer.
 """
 from __future__ import annotations
 

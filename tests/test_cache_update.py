@@ -659,7 +659,8 @@ def test_opcheck_gpu(bits):
 
 def _gpu_layers(bits, dtype):
     """Real sizes: 4 layers of different capacities, Bmax = 8 slots (6 active), 8 KV heads,
-    D = 128, R = 128; full rings with and without room, rings one token short, slot 7 full."""
+    D = 128, R = 128; full rings with and without room, rings one token short, empty rings,
+    the states rotated by one slot per layer."""
     Bmax, B, H, D, R, G = 8, 6, 8, 128, 128, 16
     caps = (1024, 512, 2048, 1024)
     layers = []
