@@ -70,22 +70,20 @@ def compiled_major(device: torch.device) -> int:
     and under ``TRITON_INTERPRET=1``. Asked at every launch of some kernels, so cached."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
-    return _major(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return _properties(device).major
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the GPU of ``device`` (1 on the CPU): sizes grids that should
     fill the GPU once. Asked at every launch of some kernels, so cached."""
-    if device.type != "cuda":
-        return 1
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _properties(device: torch.device):
+    return _properties_of(device.index if device.index is not None
+                          else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties_of(index: int):
+    return torch.cuda.get_device_properties(index)

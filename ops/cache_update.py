@@ -250,7 +250,8 @@ def _flush_layers_kernel(
     table, L, batch, H, D,
     RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNKS: tl.constexpr, RING_DT: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+    CHUNKS: tl.constexpr, RING_DT: tl.constexpr, CODE_DT: tl.constexpr, BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Launch 1 of cache_begin_step: every full ring of every layer, as one list of work items.
     # A (layer, slot) pair whose ring is full brings H * CHUNKS items (the programs of one
@@ -287,22 +288,13 @@ def _flush_layers_kernel(
             bh = ((pair % batch) * H + item // CHUNKS).to(tl.int64)
             nq = tl.sum(tl.where(p == pair, n_quant, 0), 0)
             cap = tl.load(table + ly * _COLS + _CAP_COL)
-            k_ring = _layer_ptr(table, ly, 6, RING_DT)
-            v_ring = _layer_ptr(table, ly, 7, RING_DT)
-            if BITS == 16:
-                _flush_chunk(_layer_ptr(table, ly, 0, RING_DT), k_ring, k_ring,
-                             _layer_ptr(table, ly, 3, RING_DT), v_ring, v_ring, k_ring, v_ring,
-                             bh, nq, item % CHUNKS, D, cap, RING, BITS, G, SPLIT, BLOCK_DK,
-                             TOKENS, BLOCK_NG, BLOCK_D)
-            else:
-                _flush_chunk(_layer_ptr(table, ly, 0, tl.int32),
-                             _layer_ptr(table, ly, 1, tl.float16),
-                             _layer_ptr(table, ly, 2, tl.float16),
-                             _layer_ptr(table, ly, 3, tl.int32),
-                             _layer_ptr(table, ly, 4, tl.float16),
-                             _layer_ptr(table, ly, 5, tl.float16), k_ring, v_ring,
-                             bh, nq, item % CHUNKS, D, cap, RING, BITS, G, SPLIT, BLOCK_DK,
-                             TOKENS, BLOCK_NG, BLOCK_D)
+            # (with bits == 16 the scale/zero pointers are those of empty buffers, never read)
+            _flush_chunk(_layer_ptr(table, ly, 0, CODE_DT), _layer_ptr(table, ly, 1, tl.float16),
+                         _layer_ptr(table, ly, 2, tl.float16), _layer_ptr(table, ly, 3, CODE_DT),
+                         _layer_ptr(table, ly, 4, tl.float16), _layer_ptr(table, ly, 5, tl.float16),
+                         _layer_ptr(table, ly, 6, RING_DT), _layer_ptr(table, ly, 7, RING_DT),
+                         bh, nq, item % CHUNKS, D, cap, RING, BITS, G, SPLIT, BLOCK_DK, TOKENS,
+                         BLOCK_NG, BLOCK_D)
         done += count
 
 
@@ -418,8 +410,10 @@ def _cache_begin_step_triton(table, k_cache, k_scale, k_zero, v_cache, v_scale, 
     pairs = L * batch
     programs = min(_FLUSH_PROGRAMS_PER_SM * sm_count(dev), pairs * H * chunks)
     pdl = gdc.supported(dev)
+    ring_dt = _TL_DTYPES[k_ring[0].dtype]
     _flush_layers_kernel[(programs,)](
-        table, L, batch, H, D, CHUNKS=chunks, RING_DT=_TL_DTYPES[k_ring[0].dtype],
+        table, L, batch, H, D, CHUNKS=chunks, RING_DT=ring_dt,
+        CODE_DT=ring_dt if bits == 16 else tl.int32,
         BLOCK_P=min(_PAIRS_PER_TILE, triton.next_power_of_2(pairs)), PDL=pdl, launch_pdl=pdl,
         **flush)
     _commit_kernel[(L,)](table, ring_index, batch, RING=R,

@@ -80,8 +80,7 @@ import triton.language as tl
 
 from . import _gdc as gdc
 from ._checks import (FLOAT_DTYPES, check_choice, check_quant_params, check_tensor,
-                      codes_per_word, compiled_major)
-from ._checks import sm_count as sm_count_of
+                      codes_per_word, compiled_major, sm_count as sm_count_of)
 from . import decode_attention_gluon as dag
 from .quant import dequantize_keys_ref, dequantize_values_ref
 

@@ -356,7 +356,8 @@ for bits in (2, 16):
     chunks, flush = cu._flush_constants(128, 128, bits, 16)
     build(cu._flush_layers_kernel,
           {"table": "*i64", "L": "i32", "batch": "i32", "H": "i32", "D": "i32"},
-          dict(flush, CHUNKS=chunks, RING_DT=tl.bfloat16, BLOCK_P=256, PDL=True))
+          dict(flush, CHUNKS=chunks, RING_DT=tl.bfloat16,
+               CODE_DT=tl.bfloat16 if bits == 16 else tl.int32, BLOCK_P=256, PDL=True))
 build(cu._commit_kernel, {"table": "*i64", "ring_index": "*i32", "batch": "i32"},
       dict(RING=128, BLOCK_B=8, PDL=True))
 build(cu._write_ring_kernel,
