@@ -116,14 +116,15 @@ class DecodeRunner:
         # Every layer's flushes and counters at once; each layer then only writes its new k/v.
         ring_index = ops.cache_begin_step([lc.buffers() for lc in cache.layers], cache.table,
                                           batch, cache.bits, cache.group_size)  # (L, B)
+        normed = None  # the next input norm's share done by the launch before (the adapter's)
         for layer, lc in enumerate(cache.layers):
-            q, k, v = a.qkv(layer, h, cos, sin)                   # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
+            q, k, v = a.qkv(layer, h, cos, sin, normed)           # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
             # Views into the q/k/v projection's output, read in place by both ops (a copy
             # would be one more kernel per tensor and layer).
             ops.cache_write_ring(k[:, :, 0], v[:, :, 0], lc.k_ring, lc.v_ring, ring_index[layer])
             o = ops.decode_attention(q[:, :, 0], *lc.buffers(), a.scale,
                                      cache.bits, cache.group_size)  # (B, H_q, D)
-            h = a.finish_layer(layer, h, o.reshape(batch, 1, -1))
+            h, normed = a.finish_layer_normed(layer, h, o.reshape(batch, 1, -1))
         logits = a.logits(h[:, 0])                                 # (B, V) fp32
         # The step index never passes the last column, whatever ran before (a warm-up, a
         # request longer than the buffers were told about): an out-of-range scatter would fault.

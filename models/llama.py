@@ -8,6 +8,8 @@ own: the engine owns the cache and the attention.
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,10 @@ from minikv_compile import ops
 
 # Decode steps of up to this many rows run ``ops.fused_linear`` (``_fused_rows``).
 FUSED_MAX_ROWS = 8
+
+# What a several-row decode step hands from one launch to the next in place of an RMSNorm:
+# (norm weight * h, the sums of squares of h's rows in column blocks), see ``_norm_prologue``.
+Normed = Tuple[torch.Tensor, torch.Tensor]
 
 # The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
 # what ``ops.fused_linear`` computes in front of a projection (and ``ops.rms_norm`` on its own).
@@ -65,8 +71,13 @@ class LlamaFamilyAdapter:
         """positions (B, S) int64, *logical* positions -> cos, sin (B, S, D) in h's dtype."""
         return self.decoder.rotary_emb(h, positions)
 
-    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Pre-norm, projections, optional q/k norm, RoPE. Keys are returned after RoPE."""
+    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            normed: Optional[Normed] = None):
+        """Pre-norm, projections, optional q/k norm, RoPE. Keys are returned after RoPE.
+
+        ``normed``: what the layer before returned with ``h`` (``finish_layer_normed``), the
+        input norm split over the two launches; None runs the norm here.
+        """
         block = self.layers[layer]
         attn = block.self_attn
         B, S, _ = h.shape
@@ -78,7 +89,7 @@ class LlamaFamilyAdapter:
             rotated = not self.has_qk_norm
             rope = (dict(rope_cos=cos[:, 0], rope_sin=sin[:, 0], rope_rows=nq + nkv)
                     if rotated else {})
-            x, norm = _norm_prologue(block.input_layernorm, h[:, 0])
+            x, norm = _norm_prologue(block.input_layernorm, h[:, 0], normed)
             qkv = ops.fused_linear(x, w, b, **norm, **rope)
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
         elif self.fused is not None:
@@ -103,28 +114,48 @@ class LlamaFamilyAdapter:
         """attn_out (B, S, H_q * D) -> the layer's output h (B, S, hidden)."""
         S, chunk = h.shape[1], self.prefill_chunk
         if S <= chunk:
-            return self._finish(layer, h, attn_out)
+            return self._finish(layer, h, attn_out, False)[0]
         out = torch.empty_like(h)
         for i in range(0, S, chunk):
-            out[:, i: i + chunk] = self._finish(layer, h[:, i: i + chunk], attn_out[:, i: i + chunk])
+            out[:, i: i + chunk] = self._finish(layer, h[:, i: i + chunk],
+                                                attn_out[:, i: i + chunk], False)[0]
         return out
 
-    def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def finish_layer_normed(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor
+                            ) -> tuple[torch.Tensor, Optional[Normed]]:
+        """A decode step's ``finish_layer``, returning with ``h`` what ``qkv(layer + 1, h,
+        normed=...)`` takes (None where the step does not split the norm: one row, the last
+        layer, or not the fused path)."""
+        return self._finish(layer, h, attn_out, layer + 1 < self.num_layers)
+
+    def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, normed: bool
+                ) -> tuple[torch.Tensor, Optional[Normed]]:
         block = self.layers[layer]
         if self._fused_rows(h):
             o, down = block.self_attn.o_proj, block.mlp.down_proj
-            x = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0])
+            post = block.post_attention_layernorm
             w, b = self.fused[layer]["gate_up"]
-            a, norm = _norm_prologue(block.post_attention_layernorm, x)
+            if h.shape[0] > 1:  # the norm split over o_proj and gate/up (``_norm_prologue``)
+                x, *xn = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0],
+                                          norm_out=post.weight)
+                a, norm = _norm_prologue(post, x, xn)
+            else:
+                x = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0])
+                a, norm = _norm_prologue(post, x)
             act = ops.fused_linear(a, w, b, **norm, glu_out=True)  # silu(gate) * up
-            return ops.fused_linear(act, down.weight, down.bias, residual=x)[:, None]
+            if normed and h.shape[0] > 1:
+                nxt = self.layers[layer + 1].input_layernorm
+                out, *xn = ops.fused_linear(act, down.weight, down.bias, residual=x,
+                                            norm_out=nxt.weight)
+                return out[:, None], tuple(xn)
+            return ops.fused_linear(act, down.weight, down.bias, residual=x)[:, None], None
         h = h + block.self_attn.o_proj(attn_out)
         x = block.post_attention_layernorm(h)
         if self.fused is None:
-            return h + block.mlp(x)
+            return h + block.mlp(x), None
         w, b = self.fused[layer]["gate_up"]
         gate, up = F.linear(x, w, b).chunk(2, dim=-1)
-        return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up)
+        return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up), None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (B, hidden) of the last position -> logits (B, vocab) in fp32."""
@@ -140,21 +171,26 @@ class LlamaFamilyAdapter:
         return self.fused_decode and h.shape[0] <= FUSED_MAX_ROWS and h.shape[1] == 1
 
 
-def _norm_prologue(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = None
+                   ) -> tuple[torch.Tensor, dict]:
     """The input and RMSNorm arguments of an ``ops.fused_linear`` behind ``norm``.
 
     One row: the norm runs inside the projection (each program normalizes the row itself).
-    Several rows: ``ops.rms_norm`` runs first, once. Inside, every program would normalize all
-    the rows (16 with the tensor-core padding) of every K tile again, and the normalized tile
-    would go through registers instead of the compiler's shared-memory pipeline: at 8 rows the
-    gate/up projection took 72-87 us that way against 62 us for the norm + cuBLAS chain
-    (``linear_sweep_b8_61fdd92.txt``). ``ops.rms_norm`` rather than the module: its launch
-    takes part in PDL, so the projection's programs start and prefetch their weights while it
-    runs (a compiled module's kernel would wait for the launch before it and hold back the one
-    after it).
+    Several rows: inside, every program would normalize all the rows (16 with the tensor-core
+    padding) of every K tile again, and the normalized tile would go through registers instead
+    of the compiler's shared-memory pipeline: at 8 rows the gate/up projection took 72-87 us
+    that way against 62 us for the norm + cuBLAS chain (``linear_sweep_b8_61fdd92.txt``). So
+    the launch before hands over ``normed`` = (``norm.weight * x``, x's sums of squares) and the
+    projection scales its product by the 1 / RMS (``fused_linear``'s ``norm_out`` and
+    ``rms_sumsq``): no launch for the norm. Without ``normed`` (the first layer), ``ops.rms_norm``
+    runs first, a PDL launch, so the projection's programs start and prefetch their weights
+    while it runs.
     """
     if x.shape[0] == 1:
         return x, dict(rms_weight=norm.weight, eps=norm.variance_epsilon)
+    if normed is not None:
+        x_scaled, sumsq = normed
+        return x_scaled, dict(rms_sumsq=sumsq, eps=norm.variance_epsilon)
     return ops.rms_norm(x, norm.weight, norm.variance_epsilon), {}
 
 

@@ -7,6 +7,7 @@ computes, for ``x (M, K)`` and ``weight (N, K)``::
     a = x                                                          (no prologue)
     a = rms_weight * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)   (RMSNorm)
     y = (a @ weight.T + bias).to(x.dtype)
+    y = (x @ weight.T * rsqrt(sum(rms_sumsq) / K + eps) + bias).to(x.dtype)   (prescaled)
     then at most one of
     y = y + residual                                    (in x's dtype)
     y[:, :R] = rope(y[:, :R], cos, sin)                 (the q and k heads)
@@ -16,7 +17,8 @@ with the roundings of the HF modules it replaces (``LlamaRMSNorm``, ``nn.Linear`
 ``act_fn(gate) * up`` with SiLU, ``h + ...``): each intermediate the module chain would hold in
 the model dtype is rounded to it here too. Only the sum over K runs in another order (fp32
 accumulation over tiles), so results match the module chain to the last bit of the model
-dtype, not exactly. ``rope`` rotates each head of ``D = cos.shape[1]`` columns the way HF's
+dtype, not exactly (the "prescaled" split of the norm moves its roundings, see below).
+``rope`` rotates each head of ``D = cos.shape[1]`` columns the way HF's
 Llama does (``y * cos + rotate_half(y) * sin``, halves ``[0, D/2)`` and ``[D/2, D)``), in fp32
 from the rounded ``y``, rounded once, as the compiled decode step computes it.
 
@@ -33,12 +35,17 @@ Kernel: one program per ``BLOCK_N`` weight rows and ``BLOCK_M`` rows of x, the w
 loop (no split-K, so no reduction launch and no atomics). The weight tile is the only large
 stream. One row: FMA, the next weight tile prefetched into registers. Several rows: tensor-core
 tiles of 16 (padded) rows, staged through shared memory by the compiler's pipeline, the first
-weight columns asked into L2 before the PDL wait; there the norm is best left to the caller:
-``rms_norm`` is the prologue as a launch of its own (see the adapter's ``_norm_prologue``).
+weight columns asked into L2 before the PDL wait. There a norm inside costs every program a
+pass over every K tile of 16 rows, so the norm is split over two launches instead: the launch
+that writes h also writes ``norm_weight * h`` and the sums of squares of h's rows over its
+column blocks (``norm_out``), and the projection reads those as its input (``rms_sumsq``,
+prologue "prescaled"), multiplying its fp32 product by the 1 / RMS before the bias: the main
+loop stays a plain GEMM from the pipelined shared memory. Or ``rms_norm`` runs the prologue as a
+launch of its own (see the adapter's ``_norm_prologue``).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +55,10 @@ import triton.language as tl
 from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_tensor
 
-PROLOGUES = ("none", "rmsnorm")  # the kernel's PROLOGUE is the index in this tuple
+# The kernel's PROLOGUE is the index in this tuple. "prescaled": x is already the norm's weight
+# times the rows h it normalizes (``norm_out``'s ``y_scaled``), and the 1 / RMS of h, from the
+# partial sums of squares ``rms_sumsq``, scales the product instead of the input.
+PROLOGUES = ("none", "rmsnorm", "prescaled")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,26 +136,39 @@ def _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH: tl.constexpr, LINE
 
 
 @triton.jit
-def _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE: tl.constexpr,
-                    PDL: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rstd_of_sums(ss_ptr, rows, m_ok, P, stride_sm, K, eps, BLOCK_P: tl.constexpr):
+    """1 / RMS of each row from its ``P`` partial sums of squares (one load, from L2)."""
+    p = tl.arange(0, BLOCK_P)
+    ss = tl.load(ss_ptr + rows[:, None] * stride_sm + p[None, :],
+                 mask=m_ok[:, None] & (p < P)[None, :], other=0.0)
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
+def _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
+                    PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
     """Let the next kernel launch and wait for the one that wrote x (PDL), then the RMSNorm's
     1 / RMS of the rows (zeros without the norm)."""
     gdc.launch_dependents_then_wait(PDL)
     rstd = tl.zeros([rows.shape[0]], dtype=tl.float32)
     if PROLOGUE == 1:
-        rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
+        rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_R)
+    if PROLOGUE == 2:
+        rstd = _rstd_of_sums(ss_ptr, rows, m_ok, P, stride_sm, K, eps, BLOCK_P)
     return rstd
 
 
 @triton.jit
 def _fused_linear_kernel(
-    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, y_ptr,
-    M, N, K, eps, ROPE_ROWS,
-    stride_xm, stride_wn, stride_rm, stride_cm, stride_ym,
+    x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, cos_ptr, sin_ptr, ss_ptr, g_ptr, y_ptr, ys_ptr, so_ptr,
+    M, N, K, P, eps, ROPE_ROWS,
+    stride_xm, stride_wn, stride_rm, stride_cm, stride_sm, stride_ym, stride_ysm, stride_som,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr,
+    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -173,7 +196,8 @@ def _fused_linear_kernel(
     if USE_DOT:  # tensor-core tiles, loads pipelined over NUM_STAGES by the compiler
         if PDL and K_PREFETCH > 0:  # the first tiles toward L2 before the wait
             _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH, LINE)
-        rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
+        rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
+                               PROLOGUE, PDL, BLOCK_R, BLOCK_P)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -187,7 +211,8 @@ def _fused_linear_kernel(
         # The weights are never written during a step: the first tile loads before waiting for
         # the kernel that produced x (PDL), so it streams during that kernel's last wave.
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
-        rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, PROLOGUE, PDL, BLOCK_K)
+        rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
+                               PROLOGUE, PDL, BLOCK_R, BLOCK_P)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -197,6 +222,8 @@ def _fused_linear_kernel(
             w = w_next
         acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_M, BLOCK_N))
 
+    if PROLOGUE == 2:  # x was the norm's weight times h: the norm's 1 / RMS scales the product
+        acc = acc * rstd[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
@@ -217,6 +244,12 @@ def _fused_linear_kernel(
             r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
+        if NORM_OUT:  # what the next RMSNorm needs of y: y * its weight, and y's squares summed
+            yf = tl.where(mask, y.to(tl.float32), 0.0)
+            g = tl.load(g_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(ys_ptr + rows[:, None] * stride_ysm + cols[None, :],
+                     (g[None, :] * yf).to(y.dtype), mask=mask)
+            tl.store(so_ptr + rows * stride_som + pid_n, tl.sum(yf * yf, axis=1), mask=m_ok)
 
 
 @triton.jit
@@ -225,7 +258,7 @@ def _rms_norm_kernel(x_ptr, nw_ptr, y_ptr, K, eps, stride_xm, stride_ym,
     # The fused_linear prologue on its own: one row per program, the same roundings.
     rows = tl.program_id(0) + tl.arange(0, 1)
     m_ok = rows >= 0  # one row, in range by construction of the grid
-    rstd = _wait_then_rstd(x_ptr, rows, m_ok, K, stride_xm, eps, 1, PDL, BLOCK_K)
+    rstd = _wait_then_rstd(x_ptr, x_ptr, rows, m_ok, K, 1, stride_xm, 0, eps, 1, PDL, BLOCK_K, 1)
     kk = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
@@ -251,12 +284,18 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                      rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
                      rope_rows: int, prologue: str, eps: float,
-                     glu_out: bool = False) -> torch.Tensor:
+                     glu_out: bool = False,
+                     rms_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The module chain in plain PyTorch (what the kernel computes; the CPU implementation)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
-    a = rms_norm_ref(x, rms_weight, eps) if prologue == "rmsnorm" else x
-    y = F.linear(a, weight, bias)
+    if prologue == "prescaled":  # the product in fp32, then 1 / RMS, bias, one rounding
+        rstd = torch.rsqrt(rms_sumsq.sum(-1, keepdim=True) / x.shape[1] + eps)
+        y = F.linear(x.float(), weight.float()) * rstd
+        y = (y + bias.float() if bias is not None else y).to(x.dtype)
+    else:
+        a = rms_norm_ref(x, rms_weight, eps) if prologue == "rmsnorm" else x
+        y = F.linear(a, weight, bias)
     if glu_out:
         gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -270,6 +309,26 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         heads = heads * rope_cos[:, None] + rotated * rope_sin[:, None]
         y = torch.cat((heads.reshape(M, rope_rows), y[:, rope_rows:]), dim=1)
     return y
+
+
+def norm_out_blocks(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(P, width)``: ``fused_linear(norm_out=...)`` sums the squares of each output row over
+    ``P`` blocks of ``width`` columns (the launch's ``BLOCK_N``: one sum per program)."""
+    width = launch_config(M, N, K, dtype)["BLOCK_N"]
+    return triton.cdiv(N, width), width
+
+
+def fused_linear_norm_out_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                              residual: Optional[torch.Tensor], norm_weight: torch.Tensor
+                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``y = [residual +] linear(x, weight, bias)``, ``norm_weight * y`` (rounded as HF's RMSNorm
+    rounds that product) and the sums of ``y.float() ** 2`` over the column blocks of
+    ``norm_out_blocks`` (the CPU implementation)."""
+    y = fused_linear_ref(x, weight, bias, None, residual, None, None, 0, "none", 0.0)
+    M, N = y.shape
+    P, width = norm_out_blocks(M, N, x.shape[1], x.dtype)
+    sq = F.pad(y.float() ** 2, (0, P * width - N))
+    return y, norm_weight * y, sq.view(M, P, width).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +375,9 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                          rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                          rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
                          rope_rows: int, prologue: str, eps: float, glu_out: bool = False,
-                         **override) -> torch.Tensor:
+                         rms_sumsq: Optional[torch.Tensor] = None,
+                         norm_out: Optional[torch.Tensor] = None, **override):
+    """The launch behind both ops: returns ``y``, or ``(y, y_scaled, sumsq)`` with ``norm_out``."""
     M = x.shape[0]
     N, K = weight.shape
     y = x.new_empty(M, N // 2 if glu_out else N)
@@ -335,24 +396,45 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             num_warps = cfg.pop("num_warps")
             block_n = min(cfg["BLOCK_N"], block_n)
         cfg["BLOCK_N"] = block_n
+    # The norm's pass over the rows: one load of a whole row where it fits (one row: 4096
+    # columns are 32 fp32 per thread), so the rows cost one L2 round trip after the PDL wait.
+    cfg.setdefault("BLOCK_R", min(triton.next_power_of_2(K), 4096) if cfg["BLOCK_M"] == 1
+                   else cfg["BLOCK_K"])
     per_program = cfg["BLOCK_N"] // 2 if glu_out else cfg["BLOCK_N"]  # output columns
     grid = (triton.cdiv(y.shape[1], per_program), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
+    if norm_out is not None:
+        y_scaled = torch.empty_like(y)
+        sumsq = x.new_empty(M, grid[0], dtype=torch.float32)
+    else:
+        y_scaled, sumsq = dummy, dummy
+    P = rms_sumsq.shape[1] if rms_sumsq is not None else 1
     _fused_linear_kernel[grid](
         x, weight, bias if bias is not None else dummy,
         rms_weight if rms_weight is not None else dummy,
         residual if residual is not None else dummy,
-        rope_cos if rope else dummy, rope_sin if rope else dummy, y,
-        M, N, K, eps, rope_rows,
+        rope_cos if rope else dummy, rope_sin if rope else dummy,
+        rms_sumsq if rms_sumsq is not None else dummy,
+        norm_out if norm_out is not None else dummy, y, y_scaled, sumsq,
+        M, N, K, P, eps, rope_rows,
         x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0,
-        rope_cos.stride(0) if rope else 0, y.stride(0),
+        rope_cos.stride(0) if rope else 0,
+        rms_sumsq.stride(0) if rms_sumsq is not None else 0, y.stride(0),
+        y_scaled.stride(0) if norm_out is not None else 0,
+        sumsq.stride(0) if norm_out is not None else 0,
         PROLOGUE=PROLOGUES.index(prologue), HAS_BIAS=bias is not None, ROPE=rope,
         HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, GLU_OUT=glu_out,
+        NORM_OUT=norm_out is not None, BLOCK_P=triton.next_power_of_2(P),
         FP32_DOT=x.dtype == torch.float32, PDL=pdl, LINE=128 // weight.element_size(),
         num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
-    return y
+    return (y, y_scaled, sumsq) if norm_out is not None else y
+
+
+def _fused_linear_norm_out_triton(x, weight, bias, residual, norm_weight, **override):
+    return _fused_linear_triton(x, weight, bias, None, residual, None, None, 0, "none", 0.0,
+                                norm_out=norm_weight, **override)
 
 
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -377,18 +459,37 @@ def _fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                      rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
                      rope_rows: int, prologue: str, eps: float,
-                     glu_out: bool = False) -> torch.Tensor:
+                     glu_out: bool = False,
+                     rms_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     return fused_linear_ref(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows,
-                            prologue, eps, glu_out)
+                            prologue, eps, glu_out, rms_sumsq)
 
 
 @_fused_linear_op.register_fake
 def _(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows, prologue, eps,
-      glu_out=False):
+      glu_out=False, rms_sumsq=None):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu_out else weight.shape[0])
 
 
 _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
+
+
+@torch.library.custom_op("minikv::fused_linear_norm_out", mutates_args=())
+def _fused_linear_norm_out_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                              residual: Optional[torch.Tensor], norm_weight: torch.Tensor
+                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, y_scaled, sumsq = fused_linear_norm_out_ref(x, weight, bias, residual, norm_weight)
+    return y, y_scaled, sumsq
+
+
+@_fused_linear_norm_out_op.register_fake
+def _(x, weight, bias, residual, norm_weight):
+    (M, K), N = x.shape, weight.shape[0]
+    P, _ = norm_out_blocks(M, N, K, x.dtype)
+    return x.new_empty(M, N), x.new_empty(M, N), x.new_empty(M, P, dtype=torch.float32)
+
+
+_fused_linear_norm_out_op.register_kernel("cuda")(_fused_linear_norm_out_triton)
 
 
 @torch.library.custom_op("minikv::rms_norm", mutates_args=())
@@ -410,12 +511,21 @@ _rms_norm_op.register_kernel("cuda")(_rms_norm_triton)
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                 rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 rms_weight: Optional[torch.Tensor] = None,
+                 rms_sumsq: Optional[torch.Tensor] = None, eps: float = 1e-6,
                  residual: Optional[torch.Tensor] = None,
                  rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
-                 rope_rows: int = 0, glu_out: bool = False) -> torch.Tensor:
+                 rope_rows: int = 0, glu_out: bool = False,
+                 norm_out: Optional[torch.Tensor] = None):
     """``[residual +] linear(prologue(x), weight, bias)``, or its first ``rope_rows`` columns
     rotated, or ``silu(gate) * up`` of its two halves, in one launch (module docstring).
+
+    An RMSNorm between two projections can also be split over them, so that it costs no launch
+    of its own at several rows: the first projection (``norm_out=`` the norm's weight) returns,
+    beside its output ``h``, ``norm_weight * h`` and partial sums of ``h ** 2``; the second takes
+    those as ``x`` and ``rms_sumsq`` and scales its product by the 1 / RMS of h. That is the
+    norm's math with its roundings moved: ``rms_weight * round(h / rms(h))`` becomes
+    ``round(rms_weight * h) / rms(h)``, each one rounding of the model dtype from the exact value.
 
     Args:
         x: ``(M, K)`` fp16/bf16/fp32, unit stride along the last dim.
@@ -423,19 +533,27 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             weight).
         bias: ``(N,)`` or None.
         rms_weight: ``(K,)``: apply RMSNorm with this weight and ``eps`` to x first.
+        rms_sumsq: ``(M, P)`` fp32, the sums of squares of the rows of the ``h`` that ``x`` was
+            made from, in any ``P`` blocks (``norm_out``'s third output): ``x`` is
+            ``norm_weight * h`` and the product is scaled by ``rsqrt(sum / K + eps)`` before the
+            bias (not with ``rms_weight``).
         residual: ``(M, N)`` added to the output (unit stride along N).
         rope_cos, rope_sin: ``(M, D)`` (row ``m``'s position), unit stride along D, D even:
             rotate output columns ``[0, rope_rows)`` as heads of D (not with ``residual``).
         rope_rows: a positive multiple of D, at most N, when rope_cos is given.
         glu_out: the weight is [gate; up] (N even): return ``silu(y[:, :N/2]) * y[:, N/2:]``
             (no residual, no RoPE).
+        norm_out: ``(N,)``, the weight of the RMSNorm that the output goes through next: also
+            return what ``rms_sumsq`` needs (no prologue, RoPE or ``glu_out``).
 
     Returns:
-        ``(M, N)`` (``(M, N / 2)`` with ``glu_out``) in x's dtype, contiguous.
+        ``y (M, N)`` (``(M, N / 2)`` with ``glu_out``) in x's dtype, contiguous; with
+        ``norm_out``, ``(y, norm_out * y, sumsq)``: ``sumsq (M, P)`` fp32 sums ``y ** 2`` over
+        ``P`` blocks of columns (``norm_out_blocks``).
 
     Raises:
-        ValueError: inconsistent shapes, dtypes or devices, or more than one of RoPE, residual
-            and ``glu_out``.
+        ValueError: inconsistent shapes, dtypes or devices, more than one of RoPE, residual
+            and ``glu_out``, or ``norm_out`` / ``rms_sumsq`` with what they exclude.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -453,6 +571,13 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if rms_weight is not None:
         check_tensor("rms_weight", rms_weight, shape=(K,), dtypes=(dt,), device=dev,
                      contiguous=True)
+    if rms_sumsq is not None:
+        if rms_weight is not None:
+            raise ValueError("expected rms_weight (a norm of x) or rms_sumsq (x already "
+                             "scaled by the norm's weight), got both")
+        check_tensor("rms_sumsq", rms_sumsq, ndim=2, dtypes=(torch.float32,), device=dev)
+        check_tensor("rms_sumsq", rms_sumsq, shape=(M, None))
+        _check_unit_last_stride("rms_sumsq", rms_sumsq)
     if residual is not None:
         check_tensor("residual", residual, shape=(M, N), dtypes=(dt,), device=dev)
         _check_unit_last_stride("residual", residual)
@@ -464,10 +589,20 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         if N % 2:
             raise ValueError(f"weight: expected an even number of rows ([gate; up]) with "
                              f"glu_out, got {N}")
-    prologue = "rmsnorm" if rms_weight is not None else "none"
+    if norm_out is not None:
+        given = [name for name, t in (("rms_weight", rms_weight), ("rms_sumsq", rms_sumsq),
+                                      ("RoPE", rope_cos)) if t is not None]
+        given += ["glu_out"] if glu_out else []
+        if given:
+            raise ValueError(f"expected norm_out without a prologue, RoPE or glu_out, got "
+                             f"{', '.join(given)}")
+        check_tensor("norm_out", norm_out, shape=(N,), dtypes=(dt,), device=dev, contiguous=True)
+        return torch.ops.minikv.fused_linear_norm_out(x, weight, bias, residual, norm_out)
+    prologue = ("rmsnorm" if rms_weight is not None else
+                "prescaled" if rms_sumsq is not None else "none")
     return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, rope_cos,
                                          rope_sin, int(rope_rows), prologue, float(eps),
-                                         bool(glu_out))
+                                         bool(glu_out), rms_sumsq)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

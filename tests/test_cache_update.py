@@ -19,6 +19,7 @@ from minikv_compile.ops.cache_update import (_cache_append_triton, _cache_begin_
                                              _cache_write_ring_triton, cache_append_ref)
 from minikv_compile.ops.quant import (dequantize_keys_ref, dequantize_values_ref,
                                       quantize_keys_ref, quantize_values_ref)
+from aot import compile_for_sm90
 
 NAMES = ("k_cache", "k_scale", "k_zero", "v_cache", "v_scale", "v_zero", "k_ring", "v_ring",
          "lens")
@@ -341,16 +342,8 @@ def test_triton_begin_step_matches_reference(bits, D, G, programs, pairs_per_til
             assert_buffers_equal(tri[layer], bufs, f"step {step} layer {layer}")
 
 
-_AOT_SCRIPT = """
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_AOT_BODY = """
 from minikv_compile.ops import cache_update as cu
-
-def build(kernel, sig, consts):
-    sig = dict(sig, **{k: "constexpr" for k in consts})
-    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
-                   target=GPUTarget("cuda", 90, 32))
 
 for bits in (2, 16):
     chunks, flush = cu._flush_constants(128, 128, bits, 16)
@@ -365,23 +358,12 @@ build(cu._write_ring_kernel,
             "ring_index": "*i32", "H": "i32", "D": "i32"},
            **{f"stride_{t}{d}": "i32" for t in "kv" for d in "bhd"}),
       dict(RING=128, PDL=True, **cu._write_constants(8, 128)))
-print("compiled")
 """
 
 
 def test_all_layer_kernels_compile_for_sm90():
-    # The interpreter runs kernels as Python and misses what only the compiler rejects (a
-    # non-constexpr global, a type error in a branch the tests do not take): compile the
-    # all-layer kernels for an H100/H200 here, without a GPU, in a process without the
-    # interpreter.
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    # The all-layer kernels for an H100/H200, without a GPU (tests/aot.py says why).
+    compile_for_sm90(_AOT_BODY)
 
 
 @pytest.mark.interpret

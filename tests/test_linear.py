@@ -5,8 +5,11 @@ import pytest
 import torch
 
 from minikv_compile.ops import fused_linear, rms_norm
-from minikv_compile.ops.linear import (_fused_linear_triton, _rms_norm_triton, fused_linear_ref,
-                                       launch_config, rms_norm_ref)
+from minikv_compile.ops.linear import (_fused_linear_norm_out_triton, _fused_linear_triton,
+                                       _rms_norm_triton, fused_linear_norm_out_ref,
+                                       fused_linear_ref, launch_config, norm_out_blocks,
+                                       rms_norm_ref)
+from aot import compile_for_sm90
 
 PROLOGUES = ["none", "rmsnorm"]
 
@@ -218,11 +221,178 @@ def _rope(**kw):
     (_rope(glu_out=True), "expected glu_out without a residual or RoPE, got RoPE"),
     (lambda x, w, kw: (x, w[:23], {"glu_out": True}),
      "weight: expected an even number of rows"),
+    (lambda x, w, kw: (x, w, {**kw, "norm_out": torch.ones(24), "rms_weight": torch.ones(32)}),
+     "expected norm_out without a prologue, RoPE or glu_out, got rms_weight"),
+    (lambda x, w, kw: (x, w, {"norm_out": torch.ones(24), "glu_out": True}),
+     "expected norm_out without a prologue, RoPE or glu_out, got glu_out"),
+    (lambda x, w, kw: (x, w, {**kw, "norm_out": torch.ones(32)}), r"norm_out: expected shape \(24\)"),
+    (lambda x, w, kw: (x, w, {**kw, "norm_out": torch.ones(24).half()}), "norm_out: expected dtype"),
+    (lambda x, w, kw: (x, w, {**kw, "rms_sumsq": torch.ones(2, 3), "rms_weight": torch.ones(32)}),
+     "expected rms_weight .* or rms_sumsq .*, got both"),
+    (lambda x, w, kw: (x, w, {**kw, "rms_sumsq": torch.ones(2, 3).half()}),
+     "rms_sumsq: expected dtype"),
+    (lambda x, w, kw: (x, w, {**kw, "rms_sumsq": torch.ones(3, 3)}),
+     r"rms_sumsq: expected shape \(2, \*\)"),
+    (lambda x, w, kw: (x, w, {**kw, "rms_sumsq": torch.ones(3, 2).t()}),
+     "rms_sumsq: expected unit stride"),
 ])
 def test_bad_inputs_raise(change, message):
     x, w, kw = _bad(change)
     with pytest.raises(ValueError, match=message):
         fused_linear(x, w, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# The norm split over two launches: norm_out (the launch before) and rms_sumsq (the projection)
+# ----------------------------------------------------------------------------------------------
+
+
+def split_norm_case(M, N, N2, dtype, device="cpu", K=40):
+    """A producer (x (M, K) -> h (M, N) with a residual), the RMSNorm weight after it and a
+    consumer projection (N2, N) with a bias; h's channel 3 is an outlier (x 30)."""
+    g = torch.Generator().manual_seed(M * 100 + N + N2)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    r = torch.randn(M, N, generator=g)
+    r[:, 3] *= 30
+    nw = torch.rand(N, generator=g) + 0.5
+    w2 = torch.randn(N2, N, generator=g) / N ** 0.5
+    b2 = torch.randn(N2, generator=g)
+    return [t.to(device=device, dtype=dtype) for t in (x, w, r, nw, w2, b2)]
+
+
+def assert_split_norm_within_2x(out, h, nw, w2, b2, consumer, eps=1e-5):
+    """The consumer's output against HF's chain (norm, then the projection and its epilogue) in
+    fp64, within twice the error of that chain in h's precision (+ a hair for exact cases)."""
+    chain = lambda *t: consumer(rms_norm_ref(t[0], t[1], eps), *t[2:])  # noqa: E731
+    oracle = chain(h.double(), nw.double(), w2.double(), b2.double())
+    err = (out.double() - oracle).abs().max().item()
+    base_err = (chain(h, nw, w2, b2).double() - oracle).abs().max().item()
+    assert err <= 2 * base_err + 1e-5, f"split-norm error {err:.3g} vs chain {base_err:.3g}"
+
+
+def _plain(a, w, b):
+    return torch.nn.functional.linear(a, w, b)
+
+
+def _glu(a, w, b):
+    y = torch.nn.functional.linear(a, w, b)
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def test_norm_out_reference_and_the_prescaled_projection():
+    x, w, r, nw, w2, b2 = split_norm_case(3, 40, 24, torch.bfloat16)
+    h, h_scaled, sumsq = fused_linear_norm_out_ref(x, w, None, r, nw)
+    assert torch.equal(h, fused_linear_ref(x, w, None, None, r, None, None, 0, "none", 0.0))
+    assert torch.equal(h_scaled, nw * h)  # HF's RMSNorm rounds its weight product this way
+    P, width = norm_out_blocks(3, 40, 40, torch.bfloat16)
+    assert sumsq.shape == (3, P) and sumsq.dtype == torch.float32 and P > 1
+    hf = h.float() ** 2
+    for p in range(P):
+        torch.testing.assert_close(sumsq[:, p], hf[:, p * width: (p + 1) * width].sum(1))
+    for glu, consumer in ((False, _plain), (True, _glu)):
+        out = fused_linear(h_scaled, w2, b2, rms_sumsq=sumsq, eps=1e-5, glu_out=glu)
+        assert_split_norm_within_2x(out, h, nw, w2, b2, consumer)
+    # In fp32 it is the chain up to the order of roundings.
+    x, w, r, nw, w2, b2 = split_norm_case(2, 40, 24, torch.float32)
+    h, h_scaled, sumsq = fused_linear(x, w, residual=r, norm_out=nw)
+    want = _plain(rms_norm(h, nw, 1e-5), w2, b2)
+    torch.testing.assert_close(fused_linear(h_scaled, w2, b2, rms_sumsq=sumsq, eps=1e-5), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_split_norm_opcheck_and_compile():
+    x, w, r, nw, w2, b2 = split_norm_case(3, 40, 24, torch.float32)
+    torch.library.opcheck(torch.ops.minikv.fused_linear_norm_out.default, (x, w, None, r, nw))
+    torch.library.opcheck(torch.ops.minikv.fused_linear_norm_out.default, (x, w, w[:, 0], None, nw))
+    h, h_scaled, sumsq = fused_linear(x, w, residual=r, norm_out=nw)
+    torch.library.opcheck(torch.ops.minikv.fused_linear.default,
+                          (h_scaled, w2, b2, None, None, None, None, 0, "prescaled", 1e-5, False,
+                           sumsq))
+
+    def two_launches(x):
+        h, h_scaled, sumsq = fused_linear(x, w, residual=r, norm_out=nw)
+        return h, fused_linear(h_scaled, w2, b2, rms_sumsq=sumsq, eps=1e-5)
+
+    f = torch.compile(two_launches, fullgraph=True, backend="eager")
+    for a, b in zip(f(x), two_launches(x)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("M,cfg", [
+    (1, {}),
+    (3, {}),
+    (3, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_split_norm_matches_reference(M, cfg, dtype):
+    # 40 and 72 columns: not multiples of the blocks, so the last block of sums is partly masked.
+    x, w, r, nw, w2, b2 = split_norm_case(M, 40, 72, dtype)
+    h, h_scaled, sumsq = _fused_linear_norm_out_triton(x, w, None, r, nw, **cfg)
+    ref = fused_linear_norm_out_ref(x, w, None, r, nw)
+    torch.testing.assert_close(h, ref[0], rtol=2e-3, atol=2e-3)
+    assert torch.equal(h_scaled, nw * h)
+    width = cfg.get("BLOCK_N", norm_out_blocks(M, 40, 40, dtype)[1])
+    assert sumsq.shape == (M, -(-40 // width))
+    hf = h.float() ** 2
+    for p in range(sumsq.shape[1]):
+        torch.testing.assert_close(sumsq[:, p], hf[:, p * width: (p + 1) * width].sum(1))
+    for glu, consumer in ((False, _plain), (True, _glu)):
+        out = _fused_linear_triton(h_scaled, w2, b2, None, None, None, None, 0, "prescaled", 1e-5,
+                                   glu, rms_sumsq=sumsq, **cfg)
+        assert_split_norm_within_2x(out, h, nw, w2, b2, consumer)
+        want = fused_linear_ref(h_scaled, w2, b2, None, None, None, None, 0, "prescaled", 1e-5,
+                                glu, sumsq)
+        torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("M", [1, 3])
+def test_triton_prescaled_with_rope(M):
+    # The q/k/v launch of a several-row step: the split norm, then RoPE over 3 heads of 16.
+    x, w, a = make_case(M, 3 * 16 + 24, 40, "none", torch.float16, bias=True, rope_dim=16,
+                        rope_heads=3)
+    nw = torch.rand(40, generator=torch.Generator().manual_seed(3)).half() + 0.5
+    sumsq = (x.float() ** 2).view(M, 4, 10).sum(-1)  # any blocks of columns will do
+    out = _fused_linear_triton(nw * x, w, a["bias"], None, None, a["rope_cos"], a["rope_sin"],
+                               a["rope_rows"], "prescaled", 1e-5, rms_sumsq=sumsq)
+    assert_within_2x(out, x, w, {**a, "rms_weight": nw}, "rmsnorm")
+
+
+_AOT_BODY = """
+import torch
+from minikv_compile.ops import linear as lin
+
+SIG = {name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "nw_ptr", "r_ptr", "cos_ptr",
+                                  "sin_ptr", "g_ptr", "y_ptr", "ys_ptr")}
+SIG.update(ss_ptr="*fp32", so_ptr="*fp32", eps="fp32")
+for name in lin._fused_linear_kernel.arg_names:
+    SIG.setdefault(name, "i32")
+
+def fused(M, N, K, prologue, **kw):
+    cfg = lin.launch_config(M, N, K, torch.bfloat16)
+    cfg.pop("num_warps")
+    flags = dict(PROLOGUE=lin.PROLOGUES.index(prologue), HAS_BIAS=False, HAS_RESIDUAL=False,
+                 ROPE=False, HEAD_DIM=128, GLU_OUT=False, NORM_OUT=False, FP32_DOT=False,
+                 PDL=True, LINE=64, BLOCK_R=min(K, 4096) if M == 1 else cfg["BLOCK_K"],
+                 BLOCK_P=128)
+    consts = dict(cfg, **flags)
+    consts.update(kw)
+    build(lin._fused_linear_kernel, {k: v for k, v in SIG.items() if k not in consts}, consts)
+
+for M in (1, 8):   # the engine's launches of a Llama-3.1-8B layer
+    fused(M, 6144, 4096, "prescaled" if M > 1 else "rmsnorm", ROPE=True)
+    fused(M, 4096, 4096, "none", HAS_RESIDUAL=True, NORM_OUT=True)
+    fused(M, 28672, 4096, "prescaled" if M > 1 else "rmsnorm", GLU_OUT=True)
+    fused(M, 4096, 14336, "none", HAS_RESIDUAL=True, NORM_OUT=M > 1)
+"""
+
+
+def test_fused_linear_kernels_compile_for_sm90():
+    # The engine's launches for an H100/H200, without a GPU (tests/aot.py says why).
+    compile_for_sm90(_AOT_BODY)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,3 +519,29 @@ def test_gpu_fp32_bias_opcheck_and_graph_capture():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(out, run()) and not torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_split_norm_llama_layers(M, dtype):
+    # o_proj handing the post-attention norm's share to gate/up (SiLU-gate epilogue), and
+    # q/k/v (RoPE epilogue) taking the input norm's share from the down projection before it.
+    x, w, r, nw, w2, b2 = split_norm_case(M, 4096, 28672, dtype, "cuda", K=4096)
+    h, h_scaled, sumsq = fused_linear(x, w, residual=r, norm_out=nw)
+    ref = fused_linear_norm_out_ref(x, w, None, r, nw)
+    torch.testing.assert_close(h, ref[0], rtol=1e-2, atol=1e-2)
+    assert torch.equal(h_scaled, nw * h) and sumsq.shape == ref[2].shape
+    torch.testing.assert_close(sumsq.sum(1), (h.float() ** 2).sum(1), rtol=1e-5, atol=0)
+    out = fused_linear(h_scaled, w2, b2, rms_sumsq=sumsq, eps=1e-5, glu_out=True)
+    assert_split_norm_within_2x(out, h, nw, w2, b2, _glu)
+    torch.library.opcheck(torch.ops.minikv.fused_linear_norm_out.default, (x, w, None, r, nw))
+    x, w, a = make_case(M, 6144, 4096, "none", dtype, "cuda", outliers=True, rope_dim=128,
+                        rope_heads=40)
+    nw = nw[:4096]
+    sumsq = (x.float() ** 2).view(M, 128, 32).sum(-1)
+    args = (nw * x, w, None, None, None, a["rope_cos"], a["rope_sin"], a["rope_rows"],
+            "prescaled", 1e-5, False, sumsq)
+    assert_within_2x(torch.ops.minikv.fused_linear(*args), x, w, {**a, "rms_weight": nw},
+                     "rmsnorm")
+    torch.library.opcheck(torch.ops.minikv.fused_linear.default, args)
