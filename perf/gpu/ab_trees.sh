@@ -3,8 +3,10 @@
 # Usage (after check.sh installed this tree into /tmp/mk):
 #   perf/gpu/ab_trees.sh OUTDIR OLD_TREE ROUNDS [perf args...]
 # OLD_TREE (e.g. a git-ignored `git archive` export carried to the machine) is installed into
-# /tmp/mk_old; round i runs `python -m minikv_compile.perf ARGS --out OUTDIR/ab_{new,old}_i`
-# with each tree, new first. Prints each run's decode rows (ms per token, x floor).
+# /tmp/mk_old; round i runs `python -m minikv_compile.perf ARGS` with each tree, new first, each
+# tree with an inductor cache of its own (a graph cached by one tree calls ops by the schema of
+# that tree). Keeps OUTDIR/ab_{new,old}_i.{log,json} (few files: the transfer back counts them)
+# and prints each run's decode rows (ms per token, x floor).
 set -uo pipefail
 OUT=${1:?usage}; OLD=${2:?usage}; ROUNDS=${3:?usage}; shift 3
 rm -rf /tmp/mk_old && pip install -q --no-deps --no-build-isolation --target /tmp/mk_old "$OLD" 2>&1 | tail -3
@@ -13,12 +15,14 @@ for i in $(seq 1 "$ROUNDS"); do
   for tree in new old; do
     site=/tmp/mk; [ "$tree" = old ] && site=/tmp/mk_old
     echo "== $tree $i"
-    (cd /tmp/run && PYTHONPATH=$site PYTHONUNBUFFERED=1 timeout 200 python -m minikv_compile.perf "$@" \
-      --out "$OUT/ab_${tree}_$i" 2>&1) > "$OUT/ab_${tree}_$i.log"
-    python - "$OUT/ab_${tree}_$i" "$tree" <<'PY'
+    run=/tmp/ab/${tree}_$i; rm -rf "$run"
+    (cd /tmp/run && PYTHONPATH=$site PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$tree \
+      timeout 200 python -m minikv_compile.perf "$@" --out "$run" 2>&1) > "$OUT/ab_${tree}_$i.log"
+    cp "$run"/*.json "$OUT/ab_${tree}_$i.json" 2>/dev/null
+    python - "$OUT/ab_${tree}_$i.json" "$tree" <<'PY'
 import json, pathlib, sys
-out, tree = pathlib.Path(sys.argv[1]), sys.argv[2]
-for path in sorted(out.glob("*.json")):
+path, tree = pathlib.Path(sys.argv[1]), sys.argv[2]
+if path.exists():
     for r in json.loads(path.read_text()).get("results", []):
         if r.get("experiment") == "decode" and "ms_per_token" in r:
             print(f"{tree} {r['method']} {r['batch']}x{r['prompt_len']} "
