@@ -146,14 +146,14 @@ def _rstd_of_sums(ss_ptr, rows, m_ok, P, stride_sm, K, eps, BLOCK_P: tl.constexp
 
 @triton.jit
 def _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
-                    PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_P: tl.constexpr):
     """Let the next kernel launch and wait for the one that wrote x (PDL), then the RMSNorm's
     1 / RMS of the rows (zeros without the norm)."""
     gdc.launch_dependents_then_wait(PDL)
     rstd = tl.zeros([rows.shape[0]], dtype=tl.float32)
     if PROLOGUE == 1:
-        rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_R)
+        rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
     if PROLOGUE == 2:
         rstd = _rstd_of_sums(ss_ptr, rows, m_ok, P, stride_sm, K, eps, BLOCK_P)
     return rstd
@@ -168,8 +168,7 @@ def _fused_linear_kernel(
     ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, GLU_OUT: tl.constexpr, NORM_OUT: tl.constexpr,
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -197,7 +196,7 @@ def _fused_linear_kernel(
         if PDL and K_PREFETCH > 0:  # the first tiles toward L2 before the wait
             _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH, LINE)
         rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
-                               PROLOGUE, PDL, BLOCK_R, BLOCK_P)
+                               PROLOGUE, PDL, BLOCK_K, BLOCK_P)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -212,7 +211,7 @@ def _fused_linear_kernel(
         # the kernel that produced x (PDL), so it streams during that kernel's last wave.
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
         rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
-                               PROLOGUE, PDL, BLOCK_R, BLOCK_P)
+                               PROLOGUE, PDL, BLOCK_K, BLOCK_P)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -396,10 +395,6 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             num_warps = cfg.pop("num_warps")
             block_n = min(cfg["BLOCK_N"], block_n)
         cfg["BLOCK_N"] = block_n
-    # The norm's pass over the rows: one load of a whole row where it fits (one row: 4096
-    # columns are 32 fp32 per thread), so the rows cost one L2 round trip after the PDL wait.
-    cfg.setdefault("BLOCK_R", min(triton.next_power_of_2(K), 4096) if cfg["BLOCK_M"] == 1
-                   else cfg["BLOCK_K"])
     per_program = cfg["BLOCK_N"] // 2 if glu_out else cfg["BLOCK_N"]  # output columns
     grid = (triton.cdiv(y.shape[1], per_program), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
