@@ -8,7 +8,7 @@ own: the engine owns the cache and the attention.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ FUSED_MAX_ROWS = 8
 
 # What a several-row decode step hands from one launch to the next in place of an RMSNorm:
 # (norm weight * h, the sums of squares of h's rows in column blocks), see ``_norm_prologue``.
-Normed = Tuple[torch.Tensor, torch.Tensor]
+Normed = tuple[torch.Tensor, torch.Tensor]
 
 # The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
 # what ``ops.fused_linear`` computes in front of a projection (and ``ops.rms_norm`` on its own).
@@ -128,14 +128,17 @@ class LlamaFamilyAdapter:
         layer, or not the fused path)."""
         return self._finish(layer, h, attn_out, layer + 1 < self.num_layers)
 
-    def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, normed: bool
+    def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, hand_on: bool
                 ) -> tuple[torch.Tensor, Optional[Normed]]:
+        """The layer's output, and with ``hand_on`` (several rows, fused path) the next layer's
+        input norm share (``_norm_prologue``)."""
         block = self.layers[layer]
         if self._fused_rows(h):
             o, down = block.self_attn.o_proj, block.mlp.down_proj
             post = block.post_attention_layernorm
             w, b = self.fused[layer]["gate_up"]
-            if h.shape[0] > 1:  # the norm split over o_proj and gate/up (``_norm_prologue``)
+            several = h.shape[0] > 1
+            if several:  # the norm split over o_proj and gate/up
                 x, *xn = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0],
                                           norm_out=post.weight)
                 a, norm = _norm_prologue(post, x, xn)
@@ -143,7 +146,7 @@ class LlamaFamilyAdapter:
                 x = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0])
                 a, norm = _norm_prologue(post, x)
             act = ops.fused_linear(a, w, b, **norm, glu_out=True)  # silu(gate) * up
-            if normed and h.shape[0] > 1:
+            if hand_on and several:
                 nxt = self.layers[layer + 1].input_layernorm
                 out, *xn = ops.fused_linear(act, down.weight, down.bias, residual=x,
                                             norm_out=nxt.weight)

@@ -59,6 +59,7 @@ from ._checks import FLOAT_DTYPES, check_tensor
 # times the rows h it normalizes (``norm_out``'s ``y_scaled``), and the 1 / RMS of h, from the
 # partial sums of squares ``rms_sumsq``, scales the product instead of the input.
 PROLOGUES = ("none", "rmsnorm", "prescaled")
+MAX_SUMS = 4096  # partial sums of squares per row that a "prescaled" launch takes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -573,6 +574,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         check_tensor("rms_sumsq", rms_sumsq, ndim=2, dtypes=(torch.float32,), device=dev)
         check_tensor("rms_sumsq", rms_sumsq, shape=(M, None))
         _check_unit_last_stride("rms_sumsq", rms_sumsq)
+        if not 1 <= rms_sumsq.shape[1] <= MAX_SUMS:  # each program loads a row's sums at once
+            raise ValueError(f"rms_sumsq: expected 1 to {MAX_SUMS} sums per row, got "
+                             f"{rms_sumsq.shape[1]}")
     if residual is not None:
         check_tensor("residual", residual, shape=(M, N), dtypes=(dt,), device=dev)
         _check_unit_last_stride("residual", residual)

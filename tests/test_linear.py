@@ -12,6 +12,12 @@ from minikv_compile.ops.linear import (_fused_linear_norm_out_triton, _fused_lin
 from aot import compile_for_sm90
 
 PROLOGUES = ["none", "rmsnorm"]
+# One row (FMA), a few rows on the default tiles, and on tiles small enough for several of them.
+ROWS_AND_TILES = [
+    (1, {}),
+    (3, {}),
+    (3, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
+]
 
 
 def make_case(M, N, K, prologue, dtype, device="cpu", bias=False, residual=False, outliers=False,
@@ -135,11 +141,7 @@ def test_triton_rope_epilogue(M, D, cfg, dtype):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("M,cfg", [
-    (1, {}),
-    (3, {}),
-    (3, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
-])
+@pytest.mark.parametrize("M,cfg", ROWS_AND_TILES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_triton_glu_epilogue(M, cfg, dtype):
     # 2 x 36 rows ([gate; up]): output columns j pair weight rows j and 36 + j; 36 is not a
@@ -235,6 +237,10 @@ def _rope(**kw):
      r"rms_sumsq: expected shape \(2, \*\)"),
     (lambda x, w, kw: (x, w, {**kw, "rms_sumsq": torch.ones(3, 2).t()}),
      "rms_sumsq: expected unit stride"),
+    (lambda x, w, kw: (x, w, {**kw, "rms_sumsq": torch.ones(2, 4097)}),
+     "rms_sumsq: expected 1 to 4096 sums per row, got 4097"),
+    (lambda x, w, kw: (x, w, {**kw, "rms_sumsq": torch.ones(2, 0)}),
+     "rms_sumsq: expected 1 to 4096 sums per row, got 0"),
 ])
 def test_bad_inputs_raise(change, message):
     x, w, kw = _bad(change)
@@ -321,11 +327,7 @@ def test_split_norm_opcheck_and_compile():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("M,cfg", [
-    (1, {}),
-    (3, {}),
-    (3, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
-])
+@pytest.mark.parametrize("M,cfg", ROWS_AND_TILES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_triton_split_norm_matches_reference(M, cfg, dtype):
     # 40 and 72 columns: not multiples of the blocks, so the last block of sums is partly masked.
