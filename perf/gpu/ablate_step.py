@@ -4,7 +4,8 @@ with the launches of one kind skipped (their outputs are then garbage: timing on
 
     cd /tmp/run && python /path/to/perf/gpu/ablate_step.py no_norm engine-vs-hf --out DIR ...
 
-Ablations: ``none``; ``no_norm`` (the ``rms_norm`` launches before q/k/v and gate/up);
+Ablations: ``none``; ``no_norm`` (the ``rms_norm`` launches: since 4dc6959 only the one before
+the first layer's q/k/v at several rows, the other norms being split over the projections);
 ``no_flush`` (the all-layer flush launch of ``cache_begin_step``); ``no_append`` (that, the
 counter launch and every layer's ``cache_write_ring``);
 ``no_combine`` (the decode-attention combine launch).
