@@ -124,21 +124,21 @@ class LlamaFamilyAdapter:
     def finish_layer_normed(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor
                             ) -> tuple[torch.Tensor, Optional[Normed]]:
         """A decode step's ``finish_layer``, returning with ``h`` what ``qkv(layer + 1, h,
-        normed=...)`` takes (None where the step does not split the norm: one row, the last
-        layer, or not the fused path)."""
+        normed=...)`` takes (None where the step does not split the norm: one row, fp16, the
+        last layer, or not the fused path)."""
         return self._finish(layer, h, attn_out, layer + 1 < self.num_layers)
 
     def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, hand_on: bool
                 ) -> tuple[torch.Tensor, Optional[Normed]]:
-        """The layer's output, and with ``hand_on`` (several rows, fused path) the next layer's
+        """The layer's output, and with ``hand_on`` (where ``_split_norm``) the next layer's
         input norm share (``_norm_prologue``)."""
         block = self.layers[layer]
         if self._fused_rows(h):
             o, down = block.self_attn.o_proj, block.mlp.down_proj
             post = block.post_attention_layernorm
             w, b = self.fused[layer]["gate_up"]
-            several = h.shape[0] > 1
-            if several:  # the norm split over o_proj and gate/up
+            split = _split_norm(h)
+            if split:  # the norm split over o_proj and gate/up
                 x, *xn = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0],
                                           norm_out=post.weight)
                 a, norm = _norm_prologue(post, x, xn)
@@ -146,7 +146,7 @@ class LlamaFamilyAdapter:
                 x = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0])
                 a, norm = _norm_prologue(post, x)
             act = ops.fused_linear(a, w, b, **norm, glu_out=True)  # silu(gate) * up
-            if hand_on and several:
+            if hand_on and split:
                 nxt = self.layers[layer + 1].input_layernorm
                 out, *xn = ops.fused_linear(act, down.weight, down.bias, residual=x,
                                             norm_out=nxt.weight)
@@ -185,16 +185,24 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = 
     that way against 62 us for the norm + cuBLAS chain (``linear_sweep_b8_61fdd92.txt``). So
     the launch before hands over ``normed`` = (``norm.weight * x``, x's sums of squares) and the
     projection scales its product by the 1 / RMS (``fused_linear``'s ``norm_out`` and
-    ``rms_sumsq``): no launch for the norm. Without ``normed`` (the first layer), ``ops.rms_norm``
-    runs first, a PDL launch, so the projection's programs start and prefetch their weights
-    while it runs.
+    ``rms_sumsq``): no launch for the norm. Without ``normed`` (the first layer, fp16),
+    ``ops.rms_norm`` runs first, a PDL launch, so the projection's programs start and prefetch
+    their weights while it runs.
     """
     if x.shape[0] == 1:
         return x, dict(rms_weight=norm.weight, eps=norm.variance_epsilon)
-    if normed is not None:
+    if normed is not None:  # only from a launch that split it (``_split_norm``)
         x_scaled, sumsq = normed
         return x_scaled, dict(rms_sumsq=sumsq, eps=norm.variance_epsilon)
     return ops.rms_norm(x, norm.weight, norm.variance_epsilon), {}
+
+
+def _split_norm(h: torch.Tensor) -> bool:
+    """Whether the fused path splits the norms of these rows over the projections
+    (``_norm_prologue``): several rows, and not fp16, where ``norm.weight * h`` rounded before
+    the division could overflow (a residual stream of 3e4 and a weight of 4 would); fp16 models
+    run ``ops.rms_norm`` instead."""
+    return h.shape[0] > 1 and h.dtype != torch.float16
 
 
 def _fusable(block: nn.Module, config) -> bool:

@@ -150,7 +150,8 @@ def _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
                     PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_P: tl.constexpr):
     """Let the next kernel launch and wait for the one that wrote x (PDL), then the RMSNorm's
-    1 / RMS of the rows (zeros without the norm)."""
+    1 / RMS of the rows: from x itself ("rmsnorm"), from the partial sums of squares
+    ("prescaled"), zeros without a norm."""
     gdc.launch_dependents_then_wait(PDL)
     rstd = tl.zeros([rows.shape[0]], dtype=tl.float32)
     if PROLOGUE == 1:
@@ -287,8 +288,7 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      glu_out: bool = False,
                      rms_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The module chain in plain PyTorch (what the kernel computes; the CPU implementation)."""
-    if prologue not in PROLOGUES:
-        raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
+    _check_prologue(prologue, rms_weight, rms_sumsq)
     if prologue == "prescaled":  # the product in fp32, then 1 / RMS, bias, one rounding
         rstd = torch.rsqrt(rms_sumsq.sum(-1, keepdim=True) / x.shape[1] + eps)
         y = F.linear(x.float(), weight.float()) * rstd
@@ -378,6 +378,7 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                          rms_sumsq: Optional[torch.Tensor] = None,
                          norm_out: Optional[torch.Tensor] = None, **override):
     """The launch behind both ops: returns ``y``, or ``(y, y_scaled, sumsq)`` with ``norm_out``."""
+    _check_prologue(prologue, rms_weight, rms_sumsq)
     M = x.shape[0]
     N, K = weight.shape
     y = x.new_empty(M, N // 2 if glu_out else N)
@@ -530,9 +531,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         bias: ``(N,)`` or None.
         rms_weight: ``(K,)``: apply RMSNorm with this weight and ``eps`` to x first.
         rms_sumsq: ``(M, P)`` fp32, the sums of squares of the rows of the ``h`` that ``x`` was
-            made from, in any ``P`` blocks (``norm_out``'s third output): ``x`` is
-            ``norm_weight * h`` and the product is scaled by ``rsqrt(sum / K + eps)`` before the
-            bias (not with ``rms_weight``).
+            made from, in any ``1 <= P <= MAX_SUMS`` blocks (``norm_out``'s third output): ``x``
+            is ``norm_weight * h`` and the product is scaled by ``rsqrt(sum / K + eps)`` before
+            the bias (not with ``rms_weight``). ``norm_weight * h`` is rounded to the model
+            dtype before the norm divides it: in fp16 it must stay under 65504 (HF's order,
+            divide first, has no such bound), so fp16 models may prefer ``rms_norm``.
         residual: ``(M, N)`` added to the output (unit stride along N).
         rope_cos, rope_sin: ``(M, D)`` (row ``m``'s position), unit stride along D, D even:
             rotate output columns ``[0, rope_rows)`` as heads of D (not with ``residual``).
@@ -549,7 +552,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
     Raises:
         ValueError: inconsistent shapes, dtypes or devices, more than one of RoPE, residual
-            and ``glu_out``, or ``norm_out`` / ``rms_sumsq`` with what they exclude.
+            and ``glu_out``, ``norm_out`` / ``rms_sumsq`` with what they exclude, or more sums
+            per row than ``MAX_SUMS``.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -596,6 +600,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             raise ValueError(f"expected norm_out without a prologue, RoPE or glu_out, got "
                              f"{', '.join(given)}")
         check_tensor("norm_out", norm_out, shape=(N,), dtypes=(dt,), device=dev, contiguous=True)
+        P, width = norm_out_blocks(M, N, K, dt)
+        if P > MAX_SUMS:
+            raise ValueError(f"norm_out: expected at most {MAX_SUMS} column blocks of sums per "
+                             f"row (what a prescaled launch takes), got {P} ({N} columns in "
+                             f"blocks of {width})")
         return torch.ops.minikv.fused_linear_norm_out(x, weight, bias, residual, norm_out)
     prologue = ("rmsnorm" if rms_weight is not None else
                 "prescaled" if rms_sumsq is not None else "none")
@@ -627,6 +636,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     check_tensor("weight", weight, shape=(x.shape[1],), dtypes=(x.dtype,), device=x.device,
                  contiguous=True)
     return torch.ops.minikv.rms_norm(x, weight, float(eps))
+
+
+def _check_prologue(prologue: str, rms_weight, rms_sumsq) -> None:
+    """The op's ``prologue`` names the operand it reads: "rmsnorm" ``rms_weight``, "prescaled"
+    ``rms_sumsq``, "none" neither (the public wrapper derives it; the op may be called as is)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
+    given = tuple(name for name, t in (("rms_weight", rms_weight), ("rms_sumsq", rms_sumsq))
+                  if t is not None)
+    want = {"none": (), "rmsnorm": ("rms_weight",), "prescaled": ("rms_sumsq",)}[prologue]
+    if given != want:
+        raise ValueError(f"prologue {prologue!r}: expected the operands {list(want)}, got "
+                         f"{list(given)}")
 
 
 def _check_unit_last_stride(name: str, t: torch.Tensor) -> None:

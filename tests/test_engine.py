@@ -265,6 +265,13 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
     from minikv_compile.models import get_adapter
 
     model = tiny(kind)
+    # Norm weights and eps of their own per norm (HF initializes them all alike), so that a
+    # norm's share handed to the wrong launch shows.
+    g = torch.Generator().manual_seed(5)
+    for i, block in enumerate(model.model.layers):
+        for j, norm in enumerate((block.input_layernorm, block.post_attention_layernorm)):
+            norm.weight.data = torch.rand(norm.weight.shape, generator=g) + 0.5
+            norm.variance_epsilon = 0.01 * (1 + 2 * i + j)
     x = torch.randint(0, 101, (1, 9))
     before = model(x).logits
     plain, fused = get_adapter(model, 64), get_adapter(model, 64, fuse_projections=True)
@@ -301,6 +308,10 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert fused.finish_layer_normed(1, step, a_out)[1] is None  # the last layer
     assert not fused._fused_rows(h[0, :, None].expand(9, 1, -1))  # above FUSED_MAX_ROWS = 8
+    # fp16 keeps ops.rms_norm: norm.weight * h, rounded before the division, could overflow.
+    half = get_adapter(tiny(kind, dtype=torch.float16), 64, fuse_projections=True)
+    step, a_out = h[0, 2:8, None].half(), attn[0, 2:8, None].half()
+    assert half._fused_rows(step) and half.finish_layer_normed(0, step, a_out)[1] is None
     assert torch.equal(model(x).logits, before)  # the HF model is untouched by the fusion
 
 
