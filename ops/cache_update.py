@@ -736,7 +736,7 @@ def cache_begin_step(layers: Sequence[Sequence[torch.Tensor]], table: torch.Tens
     Why: ``cache_append`` is two launches per layer, and the flush launch does nothing on 127
     steps of 128 but still costs a launch on the step's critical path. Here every layer's
     flushes and counters are two launches per step, and a layer keeps one small launch (the
-    ring write) or none (where the projection that produces k and v writes them itself).
+    ring write).
 
     Args:
         layers: per layer, its nine buffers in :func:`cache_append`'s order (``k_cache ...

@@ -475,8 +475,7 @@ _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
 def _fused_linear_norm_out_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                               residual: Optional[torch.Tensor], norm_weight: torch.Tensor
                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, y_scaled, sumsq = fused_linear_norm_out_ref(x, weight, bias, residual, norm_weight)
-    return y, y_scaled, sumsq
+    return fused_linear_norm_out_ref(x, weight, bias, residual, norm_weight)
 
 
 @_fused_linear_norm_out_op.register_fake
