@@ -286,14 +286,15 @@ def _attend_values(vw_s, vs_s, vz_s, base, probs, acc, LANES: gl.constexpr,
 
 
 @gluon.jit
-def _softmax_step(s_acc, valid, qk_scale, m_i, l_i):
-    """Online softmax (log2 domain) over the valid rows of scores^T s_acc (rows x 8): returns
-    the new running max, the factor alpha that rescales what was accumulated so far, the
-    probabilities (0 on invalid rows) and the updated denominator."""
-    s_acc = gl.where(valid[:, None], s_acc * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s_acc, axis=0))
+def _softmax_step(s_acc, qk_scale, m_i, l_i):
+    """Online softmax (log2 domain) over scores^T s_acc (rows x 8, unscaled; rows to leave out
+    hold -inf): returns the new running max, the factor alpha that rescales what was accumulated
+    so far, the probabilities and the updated denominator. The max is taken before scaling
+    (qk_scale > 0 and rounding is monotonic: the same value), so that scale and shift are one
+    fma per score."""
+    m_new = gl.maximum(m_i, gl.max(s_acc, axis=0) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
-    probs = gl.exp2(s_acc - m_new[None, :])
+    probs = gl.exp2(s_acc * qk_scale - m_new[None, :])
     return m_new, alpha, probs, l_i * alpha + gl.sum(probs, axis=0)
 
 
@@ -326,7 +327,8 @@ def _attend_ring(q_row, stride_qh, h, kr_plane, vr_plane, n_ring, qk_scale, m_i,
         k_n, v_n = _load_ring_step(kr_plane, vr_plane, start + 16, n_ring, ROWS)
         s_acc = mma_v2(gl.convert_layout(k, A_LAYOUT), q_t,
                        gl.zeros([16, 8], gl.float32, layout=MMA))
-        m_i, alpha, probs, l_i = _softmax_step(s_acc, start + rows < n_ring, qk_scale, m_i, l_i)
+        s_acc = gl.where((start + rows < n_ring)[:, None], s_acc, float("-inf"))
+        m_i, alpha, probs, l_i = _softmax_step(s_acc, qk_scale, m_i, l_i)
         # p is rounded to the model dtype, as in any fp16/bf16 flash attention
         acc = mma_v2(gl.convert_layout(gl.permute(v, (1, 0)), A_LAYOUT),
                      gl.convert_layout(probs.to(elem), B_LAYOUT), acc * alpha[None, :])
@@ -429,8 +431,9 @@ def _decode_attention_fragments_kernel(
                                             WORDS, PAIRS)
             # -- scores^T = K q^T, then the online softmax (log2 domain) over the valid tokens
             s_acc = _scores(kw, ks2, kz2, q0, q1, q2, q3, q4, q5, q6, q7, MMA, A_LAYOUT)
-            m_i, alpha, probs, l_i = _softmax_step(s_acc, start + row_token < hi_tok, qk_scale,
-                                                   m_i, l_i)
+            if start + BLOCK > hi_tok:  # the split's last block, partly past its end
+                s_acc = gl.where((start + row_token < hi_tok)[:, None], s_acc, float("-inf"))
+            m_i, alpha, probs, l_i = _softmax_step(s_acc, qk_scale, m_i, l_i)
             acc = acc * alpha[None, :]
             # -- acc^T += V^T p^T, one K-step (16 tokens) at a time
             async_copy.wait_group(1)  # this block's values (the next block's may still be copying)
