@@ -650,14 +650,17 @@ def _splits(fragments: bool, batch: int, h_kv: int, capacity: int, block_n: int,
             sm_count: int) -> int:
     """NUM_SPLITS of a launch. The Gluon kernel's one-warp programs (9 fit per SM): at least one
     wave of ~8 per SM; where there is more work, up to ~24 per SM as long as each program keeps
-    >= 8 blocks; never below 2 blocks per program; at most 128. On the H200 this picks the best
-    of the measured splits at batch 1 x 16k / 128k, 8 x 4k / 16k, 32 and 64 x 16k within 4%."""
+    >= 8 blocks; never below 2 blocks per program; at most 128; then as few as cover a full
+    plane with the same blocks per split (a split past the end would be an empty program: 17 at
+    batch 8 x 16k gave 16 of 8 blocks and one empty). On the H200 this picks the best of the
+    measured splits at batch 1 x 16k / 128k, 8 x 4k / 16k, 32 and 64 x 16k within 4%."""
     if fragments:
         blocks = max(1, capacity // dag.BLOCK_TOKENS)
         planes = batch * h_kv
         fill = triton.cdiv(8 * sm_count, planes)
         deep = min(blocks // 8, triton.cdiv(24 * sm_count, planes))
-        return max(1, min(max(fill, deep), max(1, blocks // 2), MAX_SPLITS))
+        splits = max(1, min(max(fill, deep), max(1, blocks // 2), MAX_SPLITS))
+        return triton.cdiv(blocks, triton.cdiv(blocks, splits))
     return _num_splits(batch, h_kv, capacity, block_n, sm_count)
 
 

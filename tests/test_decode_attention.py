@@ -429,12 +429,14 @@ def test_fragments_refuses_what_it_does_not_cover(bits, group_size, d, gqa, dtyp
 
 @pytest.mark.parametrize("batch,capacity,pays_off,splits", [
     # the cases measured on the H200 (132 SMs; perf/NOTES.md), 8 KV heads
-    (1, 16384, False, 64), (8, 4096, False, 16), (8, 16384, True, 17), (1, 131072, True, 128),
+    (1, 16384, False, 64), (8, 4096, False, 16), (8, 16384, True, 16), (1, 131072, True, 128),
     (32, 16384, True, 13), (64, 16384, True, 7),
 ])
 def test_fragments_launch_heuristics(batch, capacity, pays_off, splits):
     assert da_module._fragments_pay_off(batch, 8, capacity, 132) == pays_off
     assert da_module._splits(True, batch, 8, capacity, 64, 132) == splits
+    blocks_per_split = -(-(capacity // 128) // splits)
+    assert (splits - 1) * blocks_per_split < capacity // 128  # a full plane leaves no split empty
 
 
 def test_bits16_requires_empty_scales():
