@@ -42,9 +42,9 @@ Every relabelling (joins, permutes, reshapes of the unpacked values) is checked 
 move no data (``convert_layout(..., assert_trivial=True)``). The probabilities go from the
 accumulator layout to the B operand layout (a 16 x 8 transpose within the warp) once per step.
 
-Where it stands (H200, triton 3.6; ``perf/NOTES.md``): 2.4 instructions per cached value in the
-compiled sm_90 loop (the Triton kernel: 3.7), 224 registers (9 programs per SM), latency bound
-at ~45% of issue slots. Faster than the Triton kernel from about 32 blocks per SM (batch 8 x 16k:
+Where it stands (H200, triton 3.6; ``perf/NOTES.md``): 2.3 instructions per cached value in the
+compiled sm_90 loop on a full block (the Triton kernel: 3.7), 224 registers (9 programs per SM),
+latency bound at ~45% of issue slots. Faster than the Triton kernel from about 32 blocks per SM (batch 8 x 16k:
 1.23x; batch 32 x 64k: 1.47x), slower on short launches (batch 1 x 16k: 0.85x), where one warp
 per scheduler runs each block's chain alone. Gluon kernels do not run under
 ``TRITON_INTERPRET``: the GPU tests hold this one to the fp64 oracle.
