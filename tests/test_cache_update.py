@@ -592,13 +592,23 @@ def _gpu_case(bits, dtype):
 @pytest.mark.parametrize("bits", [2, 4, 16])
 def test_triton_matches_reference_gpu(bits, dtype):
     cuda, B, H, D, G = _gpu_case(bits, dtype)
-    cpu = [t.cpu() for t in cuda]
+    _assert_steps_match_reference(   # CUDA: the Triton kernels
+        [cuda], B, H, D, dtype, bits, G,
+        lambda news: cache_append(*news[0], *cuda, bits, G))
+
+
+def _assert_steps_match_reference(cuda_layers, B, H, D, dtype, bits, G, step_cuda):
+    """Three steps: ``step_cuda`` gets each layer's new (k, v) on the GPU and steps the CUDA
+    buffers; ``cache_append_ref`` steps a CPU copy of each layer; the buffers must be equal."""
+    cpu = [[t.cpu() for t in bufs] for bufs in cuda_layers]
     g = torch.Generator().manual_seed(0)
     for step in range(3):
-        k_new, v_new = new_tokens(B, H, D, dtype, g)
-        cache_append(k_new.cuda(), v_new.cuda(), *cuda, bits, G)   # CUDA: the Triton kernels
-        cache_append_ref(k_new, v_new, *cpu, bits, G)
-        assert_buffers_equal([t.cpu() for t in cuda], cpu, f"step {step}")
+        news = [new_tokens(B, H, D, dtype, g) for _ in cuda_layers]
+        step_cuda([(k.cuda(), v.cuda()) for k, v in news])
+        for layer, (bufs, (k_new, v_new)) in enumerate(zip(cpu, news)):
+            cache_append_ref(k_new, v_new, *bufs, bits, G)
+            assert_buffers_equal([t.cpu() for t in cuda_layers[layer]], bufs,
+                                 f"step {step} layer {layer}")
 
 
 @pytest.mark.gpu
@@ -661,15 +671,9 @@ def _gpu_layers(bits, dtype):
 @pytest.mark.parametrize("bits", [2, 4, 16])
 def test_triton_begin_step_matches_reference_gpu(bits, dtype):
     cuda, B, H, D, G = _gpu_layers(bits, dtype)
-    cpu = [[t.cpu() for t in bufs] for bufs in cuda]
     table = cache_table(cuda)
-    g = torch.Generator().manual_seed(0)
-    for step in range(3):
-        news = [new_tokens(B, H, D, dtype, g) for _ in cuda]
-        step_all_layers(cuda, table, [(k.cuda(), v.cuda()) for k, v in news], B, bits, G)
-        for layer, (bufs, (k_new, v_new)) in enumerate(zip(cpu, news)):
-            cache_append_ref(k_new, v_new, *bufs, bits, G)
-            assert_buffers_equal([t.cpu() for t in cuda[layer]], bufs, f"step {step} {layer}")
+    _assert_steps_match_reference(cuda, B, H, D, dtype, bits, G,
+                                  lambda news: step_all_layers(cuda, table, news, B, bits, G))
 
 
 @pytest.mark.gpu
