@@ -95,19 +95,45 @@ def _halves(y):
 
 
 @triton.jit
-def _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF: tl.constexpr,
-          HEAD_DIM: tl.constexpr):
+def _rope(y, c, s, offs_n, HALF: tl.constexpr):
     """Rotate a (BLOCK_M, 2 * HALF) tile whose columns are [j .. j+HALF) and their partners
-    [j + D/2 ..): ``y * cos - partner * sin`` on the first half, ``+`` on the second."""
+    [j + D/2 ..): ``y * cos - partner * sin`` on the first half, ``+`` on the second. c, s: the
+    cos and sin of each element's row and column (``_epilogue_operands``)."""
     BLOCK_M: tl.constexpr = y.shape[0]
     yf = y.to(tl.float32)
     first, second = _halves(yf)
     partner = tl.reshape(tl.permute(tl.join(second, first), (0, 2, 1)), (BLOCK_M, 2 * HALF))
-    d = (cols % HEAD_DIM)[None, :]
-    c = tl.load(cos_ptr + rows[:, None] * stride_cm + d, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + rows[:, None] * stride_cm + d, mask=mask, other=0.0).to(tl.float32)
     sign = tl.where(offs_n < HALF, -1.0, 1.0)[None, :]
-    return (yf * c + sign * partner * s).to(y.dtype)
+    return (yf * c.to(tl.float32) + sign * partner * s.to(tl.float32)).to(y.dtype)
+
+
+@triton.jit
+def _epilogue_operands(b_ptr, cos_ptr, sin_ptr, r_ptr, g_ptr, rows, cols, m_ok, n_ok, stride_cm,
+                       stride_rm, HAS_BIAS: tl.constexpr, ROPE: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       NORM_OUT: tl.constexpr):
+    """What the epilogue reads besides the product: bias, cos and sin, residual, the next norm's
+    weight (0.0 for those a launch has not; every program of a RoPE launch loads cos and sin,
+    the few that do not rotate included). Loaded after the PDL wait and before the main loop,
+    so that their round trip to L2 hides under the weight stream instead of following it: in a
+    launch of one wave, a load after the loop is on the launch's tail."""
+    mask = m_ok[:, None] & n_ok[None, :]
+    bias = 0.0
+    c = 0.0
+    s = 0.0
+    r = 0.0
+    g = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=n_ok, other=0.0)
+    if ROPE:
+        d = rows[:, None] * stride_cm + (cols % HEAD_DIM)[None, :]
+        c = tl.load(cos_ptr + d, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + d, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+    if NORM_OUT:
+        g = tl.load(g_ptr + cols, mask=n_ok, other=0.0)
+    return bias, c, s, r, g
 
 
 @triton.jit
@@ -199,6 +225,9 @@ def _fused_linear_kernel(
             _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH, LINE)
         rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
                                PROLOGUE, PDL, BLOCK_K, BLOCK_P)
+        bias, c, s, r, g = _epilogue_operands(b_ptr, cos_ptr, sin_ptr, r_ptr, g_ptr, rows, cols,
+                                              m_ok, n_ok, stride_cm, stride_rm, HAS_BIAS,
+                                              ROPE, HEAD_DIM, HAS_RESIDUAL, NORM_OUT)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -214,6 +243,9 @@ def _fused_linear_kernel(
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
         rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
                                PROLOGUE, PDL, BLOCK_K, BLOCK_P)
+        bias, c, s, r, g = _epilogue_operands(b_ptr, cos_ptr, sin_ptr, r_ptr, g_ptr, rows, cols,
+                                              m_ok, n_ok, stride_cm, stride_rm, HAS_BIAS,
+                                              ROPE, HEAD_DIM, HAS_RESIDUAL, NORM_OUT)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -226,7 +258,7 @@ def _fused_linear_kernel(
     if PROLOGUE == 2:  # x was the norm's weight times h: the norm's 1 / RMS scales the product
         acc = acc * rstd[:, None]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias.to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
     if GLU_OUT:  # silu(gate) * up, each rounded as the module chain rounds it
         gate, up = _halves(y)
@@ -239,17 +271,14 @@ def _fused_linear_kernel(
         mask = m_ok[:, None] & n_ok[None, :]
         if ROPE:
             if rotate:
-                y = _rope(y, cos_ptr, sin_ptr, rows, cols, offs_n, mask, stride_cm, HALF,
-                          HEAD_DIM)
+                y = _rope(y, c, s, offs_n, HALF)
         if HAS_RESIDUAL:
-            r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=mask)
         if NORM_OUT:  # what the next RMSNorm needs of y: y * its weight, and y's squares summed
             yf = tl.where(mask, y.to(tl.float32), 0.0)
-            g = tl.load(g_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(ys_ptr + rows[:, None] * stride_ysm + cols[None, :],
-                     (g[None, :] * yf).to(y.dtype), mask=mask)
+                     (g.to(tl.float32)[None, :] * yf).to(y.dtype), mask=mask)
             tl.store(so_ptr + rows * stride_som + pid_n, tl.sum(yf * yf, axis=1), mask=m_ok)
 
 
