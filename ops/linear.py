@@ -114,9 +114,10 @@ def _epilogue_operands(b_ptr, cos_ptr, sin_ptr, r_ptr, g_ptr, rows, cols, m_ok, 
                        NORM_OUT: tl.constexpr):
     """What the epilogue reads besides the product: bias, cos and sin, residual, the next norm's
     weight (0.0 for those a launch has not; every program of a RoPE launch loads cos and sin,
-    the few that do not rotate included). Loaded after the PDL wait and before the main loop,
-    so that their round trip to L2 hides under the weight stream instead of following it: in a
-    launch of one wave, a load after the loop is on the launch's tail."""
+    the few that do not rotate included). The tensor-core path loads them after the PDL wait and
+    before the main loop, so that their round trip to L2 hides under the weight stream instead of
+    following it: its launches are one wave of one program per SM, and a load after the loop is
+    on the launch's tail (o and down at 8 rows: 0.3-0.4 us faster on the H200)."""
     mask = m_ok[:, None] & n_ok[None, :]
     bias = 0.0
     c = 0.0
@@ -243,9 +244,6 @@ def _fused_linear_kernel(
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
         rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
                                PROLOGUE, PDL, BLOCK_K, BLOCK_P)
-        bias, c, s, r, g = _epilogue_operands(b_ptr, cos_ptr, sin_ptr, r_ptr, g_ptr, rows, cols,
-                                              m_ok, n_ok, stride_cm, stride_rm, HAS_BIAS,
-                                              ROPE, HEAD_DIM, HAS_RESIDUAL, NORM_OUT)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -254,6 +252,11 @@ def _fused_linear_kernel(
             acc2 += w.to(tl.float32) * a.to(tl.float32)                  # a is (1, BLOCK_K)
             w = w_next
         acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_M, BLOCK_N))
+        # After the loop here: its launches run many short programs per SM, whose tails hide
+        # under each other's loops; before it, q/k/v took 18.5 us instead of 17.2 on the H200.
+        bias, c, s, r, g = _epilogue_operands(b_ptr, cos_ptr, sin_ptr, r_ptr, g_ptr, rows, cols,
+                                              m_ok, n_ok, stride_cm, stride_rm, HAS_BIAS,
+                                              ROPE, HEAD_DIM, HAS_RESIDUAL, NORM_OUT)
 
     if PROLOGUE == 2:  # x was the norm's weight times h: the norm's 1 / RMS scales the product
         acc = acc * rstd[:, None]
