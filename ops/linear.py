@@ -164,31 +164,28 @@ def _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH: tl.constexpr, LINE
 
 
 @triton.jit
-def _rstd_of_sums(ss, K, eps):
-    """1 / RMS of each row from its partial sums of squares ss (BLOCK_M, BLOCK_P)."""
+def _rstd_of_sums(ss_ptr, rows, m_ok, P, stride_sm, K, eps, BLOCK_P: tl.constexpr):
+    """1 / RMS of each row from its ``P`` partial sums of squares (one load, from L2)."""
+    p = tl.arange(0, BLOCK_P)
+    ss = tl.load(ss_ptr + rows[:, None] * stride_sm + p[None, :],
+                 mask=m_ok[:, None] & (p < P)[None, :], other=0.0)
     return 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
 
 
 @triton.jit
-def _wait_then_prologue(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
-                        PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_P: tl.constexpr):
-    """Let the next kernel launch and wait for the one that wrote x (PDL), then what the
-    prologue needs: ``(rstd, ss)``. "rmsnorm": rstd, the 1 / RMS of the rows from x itself (the
-    main loop scales its input by it). "prescaled": ss, the rows' partial sums of squares,
-    loaded (one load, from L2) but not added up: only the epilogue needs their sum, and adding
-    them up here would hold the warp on that load before it asks for its first weight tiles.
-    Zeros where a prologue does not need them."""
+def _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
+                    PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
+    """Let the next kernel launch and wait for the one that wrote x (PDL), then the RMSNorm's
+    1 / RMS of the rows: from x itself ("rmsnorm"), from the partial sums of squares
+    ("prescaled"), zeros without a norm."""
     gdc.launch_dependents_then_wait(PDL)
     rstd = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    ss = 0.0
     if PROLOGUE == 1:
         rstd = _rstd(x_ptr, rows, m_ok, K, stride_xm, eps, BLOCK_K)
     if PROLOGUE == 2:
-        p = tl.arange(0, BLOCK_P)
-        ss = tl.load(ss_ptr + rows[:, None] * stride_sm + p[None, :],
-                     mask=m_ok[:, None] & (p < P)[None, :], other=0.0)
-    return rstd, ss
+        rstd = _rstd_of_sums(ss_ptr, rows, m_ok, P, stride_sm, K, eps, BLOCK_P)
+    return rstd
 
 
 @triton.jit
@@ -227,8 +224,8 @@ def _fused_linear_kernel(
     if USE_DOT:  # tensor-core tiles, loads pipelined over NUM_STAGES by the compiler
         if PDL and K_PREFETCH > 0:  # the first tiles toward L2 before the wait
             _prefetch_l2(w_ptr, cols, n_ok, K, stride_wn, K_PREFETCH, LINE)
-        rstd, ss = _wait_then_prologue(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm,
-                                       eps, PROLOGUE, PDL, BLOCK_K, BLOCK_P)
+        rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
+                               PROLOGUE, PDL, BLOCK_K, BLOCK_P)
         bias, c, s, r, g = _epilogue_operands(b_ptr, cos_ptr, sin_ptr, r_ptr, g_ptr, rows, cols,
                                               m_ok, n_ok, stride_cm, stride_rm, HAS_BIAS,
                                               ROPE, HEAD_DIM, HAS_RESIDUAL, NORM_OUT)
@@ -245,8 +242,8 @@ def _fused_linear_kernel(
         # The weights are never written during a step: the first tile loads before waiting for
         # the kernel that produced x (PDL), so it streams during that kernel's last wave.
         w = _load_weights(w_ptr, cols, n_ok, kk, K, stride_wn)
-        rstd, ss = _wait_then_prologue(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm,
-                                       eps, PROLOGUE, PDL, BLOCK_K, BLOCK_P)
+        rstd = _wait_then_rstd(x_ptr, ss_ptr, rows, m_ok, K, P, stride_xm, stride_sm, eps,
+                               PROLOGUE, PDL, BLOCK_K, BLOCK_P)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K after the loop
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
@@ -262,7 +259,7 @@ def _fused_linear_kernel(
                                               ROPE, HEAD_DIM, HAS_RESIDUAL, NORM_OUT)
 
     if PROLOGUE == 2:  # x was the norm's weight times h: the norm's 1 / RMS scales the product
-        acc = acc * _rstd_of_sums(ss, K, eps)[:, None]
+        acc = acc * rstd[:, None]
     if HAS_BIAS:
         acc += bias.to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
@@ -294,8 +291,7 @@ def _rms_norm_kernel(x_ptr, nw_ptr, y_ptr, K, eps, stride_xm, stride_ym,
     # The fused_linear prologue on its own: one row per program, the same roundings.
     rows = tl.program_id(0) + tl.arange(0, 1)
     m_ok = rows >= 0  # one row, in range by construction of the grid
-    rstd, _ = _wait_then_prologue(x_ptr, x_ptr, rows, m_ok, K, 1, stride_xm, 0, eps, 1, PDL,
-                                  BLOCK_K, 1)
+    rstd = _wait_then_rstd(x_ptr, x_ptr, rows, m_ok, K, 1, stride_xm, 0, eps, 1, PDL, BLOCK_K, 1)
     kk = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
