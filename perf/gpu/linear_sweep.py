@@ -36,13 +36,15 @@ def row_configs():  # one row, FMA
         yield dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=1, num_warps=w)
 
 
-def dot_configs():  # several rows: tensor-core tiles of 16 (padded) rows
+def dot_configs(warps=(4,)):  # several rows: tensor-core tiles of 16 (padded) rows
     # Deep pipelines win (the 95b9f44 sweep: BLOCK_K 512 x 4 stages best on o and down);
     # (BLOCK_N + 16) x BLOCK_K x stages bf16 must fit in shared memory.
     for bn, bk, st in ((32, 512, 4), (16, 512, 4), (64, 256, 4), (64, 256, 5), (128, 128, 4),
                        (32, 256, 4), (16, 256, 4), (16, 256, 6), (64, 128, 4), (32, 128, 8),
                        (64, 256, 3), (64, 128, 6), (128, 128, 3), (32, 256, 6)):
-        yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st, num_warps=4)
+        for w in warps:
+            yield dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=st,
+                       num_warps=w)
 
 
 def timed(fn, ws) -> float:
@@ -76,6 +78,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--quick", action="store_true", help="default config only")
+    ap.add_argument("--warps", default="4", help="warps per program of the tensor-core "
+                    "configs (comma-separated); with --quick, the default tile at each")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     copy = copy_bandwidth()
@@ -110,6 +114,9 @@ def main() -> None:
             # The default without PDL: each launch then waits for the previous one to finish;
             # and with other amounts of its weights prefetched toward L2 before its PDL wait.
             cfgs = [default, {**default, "pdl": False}]
+            warps = tuple(int(w) for w in args.warps.split(","))
+            if M > 1:
+                cfgs += [{**default, "num_warps": w} for w in warps if w != default["num_warps"]]
             if M > 1:  # the tensor-core path's L2 prefetch (the one-row path has none)
                 cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
                          if k != default["K_PREFETCH"]]
@@ -120,7 +127,7 @@ def main() -> None:
             if outside:
                 cfgs += [{**default, "norm_inside": True}, {**default, "norm_compiled": True}]
             if not args.quick:
-                cfgs += list(row_configs() if M == 1 else dot_configs())
+                cfgs += list(row_configs() if M == 1 else dot_configs(warps))
             normc = torch.compile(lin.rms_norm_ref, fullgraph=True, dynamic=False)
             plain = (None, None, r, cos, sin, rows, "none", 1e-5, glu_out)
 
