@@ -198,7 +198,6 @@ def _fused_linear_kernel(
     USE_DOT: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr, NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr, LINE: tl.constexpr,
-    EVEN: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -233,12 +232,8 @@ def _fused_linear_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + kk
-            if EVEN:  # K and N divide the tiles (the launcher's check): no mask but the rows'
-                a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, kk >= 0, stride_xm, rstd, PROLOGUE)
-                w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :])
-            else:
-                a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, rstd, PROLOGUE)
-                w = _load_weights(w_ptr, cols, n_ok, k, K, stride_wn)
+            a = _load_input(x_ptr, nw_ptr, rows, m_ok, k, k < K, stride_xm, rstd, PROLOGUE)
+            w = _load_weights(w_ptr, cols, n_ok, k, K, stride_wn)
             if FP32_DOT:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
@@ -408,13 +403,6 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
                 num_warps=4, K_PREFETCH=prefetch)
 
 
-def even_tiles(cfg: dict, N: int, K: int) -> bool:
-    """Whether a tensor-core launch's weight tiles are all whole (BLOCK_K divides K, BLOCK_N
-    divides N): its loop then loads them without masks (q/k/v at 8 rows: 155 instead of 179
-    instructions per K step in the sm_90 SASS)."""
-    return bool(cfg["USE_DOT"]) and K % cfg["BLOCK_K"] == 0 and N % cfg["BLOCK_N"] == 0
-
-
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                          rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
@@ -442,7 +430,6 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             block_n = min(cfg["BLOCK_N"], block_n)
         cfg["BLOCK_N"] = block_n
     per_program = cfg["BLOCK_N"] // 2 if glu_out else cfg["BLOCK_N"]  # output columns
-    cfg.setdefault("EVEN", even_tiles(cfg, N, K))
     grid = (triton.cdiv(y.shape[1], per_program), triton.cdiv(M, cfg["BLOCK_M"]))
     dummy = weight  # any pointer for the operands a launch does not read
     if norm_out is not None:

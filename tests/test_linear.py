@@ -8,7 +8,7 @@ import torch
 
 from minikv_compile.ops import fused_linear, rms_norm
 from minikv_compile.ops.linear import (_fused_linear_norm_out_triton, _fused_linear_triton,
-                                       _rms_norm_triton, even_tiles, fused_linear_norm_out_ref,
+                                       _rms_norm_triton, fused_linear_norm_out_ref,
                                        fused_linear_ref, launch_config, norm_out_blocks,
                                        rms_norm_ref)
 from aot import compile_for_sm90
@@ -119,25 +119,6 @@ def test_triton_matches_reference(prologue, M, dtype):
 def test_triton_block_configs_span_several_k_tiles(cfg):
     x, w, a = make_case(1, 24, 100, "rmsnorm", torch.float16, residual=True)  # 4 K tiles of 32
     assert_within_2x(run_kernel(x, w, a, "rmsnorm", **cfg), x, w, a, "rmsnorm")
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("epilogue", ["residual", "rope", "glu"])
-def test_triton_even_tiles_load_without_masks(epilogue):
-    # K and N divide the tiles: the launcher takes the loop without masks (EVEN), which must
-    # give bit for bit what the masked loop gives on the same tiles, and the reference's result.
-    tiles = dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)
-    rope = epilogue == "rope"
-    x, w, a = make_case(3, 64, 96, "rmsnorm", torch.float16, residual=epilogue == "residual",
-                        rope_dim=16 if rope else 0, rope_heads=2 if rope else 0)
-    a["glu_out"] = epilogue == "glu"
-    assert even_tiles(tiles, 64, 96) and not even_tiles(dict(tiles, BLOCK_K=64), 64, 96)
-    even = run_kernel(x, w, a, "rmsnorm", **tiles)
-    masked = run_kernel(x, w, a, "rmsnorm", EVEN=False, **tiles)
-    assert torch.equal(even, masked)
-    assert_within_2x(even, x, w, a, "rmsnorm")
-    odd = dict(tiles, BLOCK_K=64)  # the second K tile half masked
-    assert_within_2x(run_kernel(x, w, a, "rmsnorm", **odd), x, w, a, "rmsnorm")
 
 
 @pytest.mark.interpret
@@ -430,7 +411,7 @@ def fused(M, N, K, prologue, **kw):
     cfg.pop("num_warps")
     flags = dict(PROLOGUE=lin.PROLOGUES.index(prologue), HAS_BIAS=False, HAS_RESIDUAL=False,
                  ROPE=False, HEAD_DIM=128, GLU_OUT=False, NORM_OUT=False, FP32_DOT=False,
-                 PDL=True, LINE=64, BLOCK_P=128, EVEN=cfg["USE_DOT"])
+                 PDL=True, LINE=64, BLOCK_P=128)
     consts = dict(cfg, **flags)
     consts.update(kw)
     build(lin._fused_linear_kernel, {k: v for k, v in SIG.items() if k not in consts}, consts)

@@ -117,8 +117,6 @@ def main() -> None:
             warps = tuple(int(w) for w in args.warps.split(","))
             if M > 1:
                 cfgs += [{**default, "num_warps": w} for w in warps if w != default["num_warps"]]
-            if M > 1:  # the tensor-core loop with its masks (EVEN off where the tiles divide)
-                cfgs += [{**default, "EVEN": False}]
             if M > 1:  # the tensor-core path's L2 prefetch (the one-row path has none)
                 cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
                          if k != default["K_PREFETCH"]]
