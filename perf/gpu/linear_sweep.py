@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--warps", default="4", help="warps per program of the tensor-core "
                     "configs (comma-separated); with --quick, the default tile at each")
     args = ap.parse_args()
+    warps = tuple(int(w) for w in args.warps.split(","))
     dev, dt = torch.device("cuda"), torch.bfloat16
     copy = copy_bandwidth()
     env = environment()
@@ -114,10 +115,8 @@ def main() -> None:
             # The default without PDL: each launch then waits for the previous one to finish;
             # and with other amounts of its weights prefetched toward L2 before its PDL wait.
             cfgs = [default, {**default, "pdl": False}]
-            warps = tuple(int(w) for w in args.warps.split(","))
-            if M > 1:
+            if M > 1:  # the tensor-core path's warps and L2 prefetch (the one-row path has none)
                 cfgs += [{**default, "num_warps": w} for w in warps if w != default["num_warps"]]
-            if M > 1:  # the tensor-core path's L2 prefetch (the one-row path has none)
                 cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
                          if k != default["K_PREFETCH"]]
             # Several rows take the RMSNorm outside (as the adapter runs them: ops.rms_norm,
