@@ -685,7 +685,7 @@ def _check_new_tokens(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Te
                          f"got shape {tuple(k_new.shape)}")
 
 
-def _layer_buffers(layers: Sequence[Sequence[torch.Tensor]]) -> None:
+def _check_layers(layers: Sequence[Sequence[torch.Tensor]]) -> None:
     if not layers:
         raise ValueError("layers: expected at least one layer's buffers, got none")
     for i, bufs in enumerate(layers):
@@ -712,7 +712,7 @@ def cache_table(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
     device. Build it once, after allocating the buffers and before capturing a graph, and keep
     it as long as the graph: the captured launches read it at every replay.
     """
-    _layer_buffers(layers)
+    _check_layers(layers)
     rows = _table_rows(layers)
     table = torch.tensor(rows, dtype=torch.int64, device=layers[0][8].device)
     _TABLES[table.data_ptr()] = rows
@@ -756,7 +756,7 @@ def cache_begin_step(layers: Sequence[Sequence[torch.Tensor]], table: torch.Tens
     sized to the GPU; on a step with no full ring each program reads the counters and ends. 2:
     one program per layer advances its counters after launch 1 has read them.
     """
-    _layer_buffers(layers)
+    _check_layers(layers)
     shapes = set()
     for bufs in layers:
         Bmax, H, _, R, D = _check_cache(*bufs, bits, group_size)

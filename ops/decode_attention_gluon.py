@@ -44,9 +44,9 @@ accumulator layout to the B operand layout (a 16 x 8 transpose within the warp) 
 
 Where it stands (H200, triton 3.6; ``perf/NOTES.md``): 2.3 instructions per cached value in the
 compiled sm_90 loop on a full block (the Triton kernel: 3.7), 224 registers (9 programs per SM),
-latency bound at ~45% of issue slots. Faster than the Triton kernel from about 32 blocks per SM (batch 8 x 16k:
-1.23x; batch 32 x 64k: 1.47x), slower on short launches (batch 1 x 16k: 0.85x), where one warp
-per scheduler runs each block's chain alone. Gluon kernels do not run under
+latency bound at ~45% of issue slots. Faster than the Triton kernel from about 32 blocks per SM
+(batch 8 x 16k: 1.23x; batch 32 x 64k: 1.47x), slower on short launches (batch 1 x 16k: 0.85x),
+where one warp per scheduler runs each block's chain alone. Gluon kernels do not run under
 ``TRITON_INTERPRET``: the GPU tests hold this one to the fp64 oracle.
 """
 from __future__ import annotations

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import FLOAT_DTYPES, check_tensor
+from ._checks import FLOAT_DTYPES, check_choice, check_tensor
 
 # The kernel's PROLOGUE is the index in this tuple. "prescaled": x is already the norm's weight
 # times the rows h it normalizes (``norm_out``'s ``y_scaled``), and the 1 / RMS of h, from the
@@ -672,8 +672,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 def _check_prologue(prologue: str, rms_weight, rms_sumsq) -> None:
     """The op's ``prologue`` names the operand it reads: "rmsnorm" ``rms_weight``, "prescaled"
     ``rms_sumsq``, "none" neither (the public wrapper derives it; the op may be called as is)."""
-    if prologue not in PROLOGUES:
-        raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
+    check_choice("prologue", prologue, PROLOGUES)
     given = tuple(name for name, t in (("rms_weight", rms_weight), ("rms_sumsq", rms_sumsq))
                   if t is not None)
     want = {"none": (), "rmsnorm": ("rms_weight",), "prescaled": ("rms_sumsq",)}[prologue]
