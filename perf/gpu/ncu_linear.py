@@ -80,7 +80,8 @@ def regions(path: str, top: int = 6) -> None:
             words = r[col["Source"]].split()
             op = words[1] if words and words[0].startswith("@") else (words[0] if words else "?")
             by_op[op.split(".")[0]] += num(r, samples)
-        print("    " + ", ".join(f"{op} {100 * v / total:.1f}%" for op, v in by_op.most_common(top)))
+        top_ops = by_op.most_common(top)
+        print("    " + ", ".join(f"{op} {100 * v / total:.1f}%" for op, v in top_ops))
 
 
 def main() -> None:
