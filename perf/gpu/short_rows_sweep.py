@@ -31,6 +31,9 @@ def main():
     p.add_argument("--launches", default=None,
                    help="BLOCK_NxWARPSxMAXNREG list (e.g. 64x4x96) instead of LAUNCHES")
     p.add_argument("--repeat", type=int, default=1, help="time each launch this many times")
+    p.add_argument("--lens", default=None,
+                   help="QUANT:RING list (e.g. 2048:128,2048:0,0:128): time the default launch "
+                        "with every slot holding that many tokens (the capacity stays the case's)")
     args = p.parse_args()
     launches = ([tuple(int(v) for v in item.split("x")) for item in args.launches.split(",")]
                 if args.launches else LAUNCHES)
@@ -53,6 +56,16 @@ def main():
         base = time()
         ref = run(caches[0]).float()
         print(f"{cfg.name}: default half2 {base * 1e3:.1f} us", flush=True)
+        if args.lens:
+            full = caches[0][-1].clone()
+            for item in args.lens.split(","):
+                n_quant, n_ring = (int(v) for v in item.split(":"))
+                for c in caches:
+                    c[-1].copy_(torch.tensor([n_quant, n_ring], dtype=torch.int32))
+                print(f"   lens {n_quant}:{n_ring}: {time() * 1e3:6.1f} us", flush=True)
+            for c in caches:
+                c[-1].copy_(full)
+            continue
         for block_n, warps, cap in launches:
             for n in [int(s) for s in args.splits.split(",")] * args.repeat:
                 kw = dict(block_n=block_n, num_warps=warps, maxnreg=cap, num_splits=n)
