@@ -38,17 +38,62 @@ def _stream(src, out, N_ITER, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
     tl.store(out + pid * BLOCK + tl.arange(0, BLOCK), acc)
 
 
+@triton.jit
+def _stream_rows(src, out, K, ROWS: tl.constexpr, BK: tl.constexpr):
+    """Program p reads rows [p ROWS, (p + 1) ROWS) of a (N, K) int32 matrix, a (ROWS, BK) tile
+    at a time along K, the next tile in flight while this one is folded: the order in which a
+    GEMV program reads its weight rows."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, ROWS)[:, None] * K + tl.arange(0, BK)[None, :]
+    base = src + pid * ROWS * K
+    cur = tl.load(base + offs)
+    acc = tl.zeros((BK,), tl.int32)
+    for k0 in range(BK, K, BK):
+        nxt = tl.load(base + k0 + offs)
+        acc ^= tl.xor_sum(cur, axis=0)
+        cur = nxt
+    acc ^= tl.xor_sum(cur, axis=0)
+    tl.store(out + pid * BK + tl.arange(0, BK), acc)
+
+
+def rows_mode(buf, out, args):
+    """The (N, K) matrices of the 8-row projections, read row block by row block."""
+    for N, K in ((6144, 4096), (4096, 4096), (4096, 14336)):
+        words = K // 2  # bf16 pairs per row
+        line = []
+        for cfg in args.row_configs.split(","):
+            warps, rows, bk = (int(v) for v in cfg.split("x"))
+            P = N // rows
+            per_call = N * words
+            calls = max(8, min(64, (3 * 50 << 20) // (4 * per_call) + 1))
+
+            def call(i):
+                _stream_rows[(P,)](buf[i * per_call:], out, words, ROWS=rows, BK=bk,
+                                   num_warps=warps)
+
+            ms = _graph_ms([lambda i=i: call(i) for i in range(calls)])
+            line.append(f"{cfg} {ms * 1e3:5.1f} us {4 * per_call / (ms * 1e-3) / 1e12:4.2f} TB/s")
+        print(f"rows {N} x {K} bf16: " + " | ".join(line), flush=True)
+    print("(per config WARPSxROWSxBK int32 words: us per call, TB/s)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--programs", default="66,96,128,132,264")
     p.add_argument("--chunks-kb", default="512,4096")
     p.add_argument("--configs", default="4x8,8x8,8x16,16x8,16x16,32x8",
                    help="WARPSxUNROLL list; bytes in flight per tile: warps x 32 x 16 x UNROLL")
+    p.add_argument("--row-configs", default="8x64x128,8x64x256,8x32x256,8x16x512,4x64x128",
+                   help="WARPSxROWSxBK list for the row-block reads (rows_mode)")
+    p.add_argument("--rows-only", action="store_true")
     args = p.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s, {sms} SMs", flush=True)
     buf = torch.randint(-2**31, 2**31 - 1, (3 << 28,), dtype=torch.int32, device="cuda")  # 3 GiB
     out = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    rows_mode(buf, out, args)
+    if args.rows_only:
+        return
     for chunk_kb in [int(c) for c in args.chunks_kb.split(",")]:
         for P in [int(v) for v in args.programs.split(",")]:
             line = []
