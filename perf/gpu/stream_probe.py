@@ -56,20 +56,46 @@ def _stream_rows(src, out, K, ROWS: tl.constexpr, BK: tl.constexpr):
     tl.store(out + pid * BK + tl.arange(0, BK), acc)
 
 
+@triton.jit
+def _stream_rows_persistent(src, out, K, N_BLOCKS, ROWS: tl.constexpr, BK: tl.constexpr):
+    """``_stream_rows``'s row blocks dealt round-robin to a fixed grid, the block after this
+    one's first tile in flight while this one's last is folded (one flat loop over (block, k))."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    offs = tl.arange(0, ROWS)[:, None] * K + tl.arange(0, BK)[None, :]
+    steps = K // BK
+    n_mine = (N_BLOCKS - pid + P - 1) // P
+    cur = tl.load(src + pid.to(tl.int64) * ROWS * K + offs)
+    acc = tl.zeros((BK,), tl.int32)
+    for it in range(1, n_mine * steps):
+        blk = (pid + (it // steps) * P).to(tl.int64)
+        nxt = tl.load(src + blk * ROWS * K + (it % steps) * BK + offs)
+        acc ^= tl.xor_sum(cur, axis=0)
+        cur = nxt
+    acc ^= tl.xor_sum(cur, axis=0)
+    tl.store(out + pid * BK + tl.arange(0, BK), acc)
+
+
 def rows_mode(buf, out, args):
     """The (N, K) matrices of the 8-row projections, read row block by row block."""
-    for N, K in ((6144, 4096), (4096, 4096), (4096, 14336)):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for N, K in ((6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096)):
         words = K // 2  # bf16 pairs per row
         line = []
         for cfg in args.row_configs.split(","):
-            warps, rows, bk = (int(v) for v in cfg.split("x"))
+            persistent = cfg.startswith("p")
+            warps, rows, bk = (int(v) for v in cfg.lstrip("p").split("x"))
             P = N // rows
             per_call = N * words
             calls = max(8, min(64, (3 * 50 << 20) // (4 * per_call) + 1))
 
             def call(i):
-                _stream_rows[(P,)](buf[i * per_call:], out, words, ROWS=rows, BK=bk,
-                                   num_warps=warps)
+                if persistent:
+                    _stream_rows_persistent[(min(P, sms),)](buf[i * per_call:], out, words, P,
+                                                            ROWS=rows, BK=bk, num_warps=warps)
+                else:
+                    _stream_rows[(P,)](buf[i * per_call:], out, words, ROWS=rows, BK=bk,
+                                       num_warps=warps)
 
             ms = _graph_ms([lambda i=i: call(i) for i in range(calls)])
             line.append(f"{cfg} {ms * 1e3:5.1f} us {4 * per_call / (ms * 1e-3) / 1e12:4.2f} TB/s")
@@ -84,7 +110,8 @@ def main():
     p.add_argument("--configs", default="4x8,8x8,8x16,16x8,16x16,32x8",
                    help="WARPSxUNROLL list; bytes in flight per tile: warps x 32 x 16 x UNROLL")
     p.add_argument("--row-configs", default="8x64x128,8x64x256,8x32x256,8x16x512,4x64x128",
-                   help="WARPSxROWSxBK list for the row-block reads (rows_mode)")
+                   help="WARPSxROWSxBK list for the row-block reads (rows_mode); a leading p: "
+                        "the blocks dealt to one program per SM (persistent)")
     p.add_argument("--rows-only", action="store_true")
     args = p.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
