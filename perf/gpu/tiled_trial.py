@@ -22,17 +22,20 @@ from minikv_compile.perf.bench_decode_attention import _replicas, copy_bandwidth
 from linear_sweep import LAYERS, timed  # this folder's sweep: its shapes and its timing
 
 gdc = importlib.import_module("minikv_compile.ops._gdc")
+lin = importlib.import_module("minikv_compile.ops.linear")
 
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, y_ptr, M, N, K, KT, TILED: tl.constexpr, PDL: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          NUM_STAGES: tl.constexpr):
+          NUM_STAGES: tl.constexpr, K_PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     cols = pid_n * BLOCK_N + offs_n
     kk = tl.arange(0, BLOCK_K)
+    if K_PREFETCH > 0:  # row-major only: fused_linear's L2 prefetch before the PDL wait
+        lin._prefetch_l2(w_ptr, cols, cols < N, K, K, K_PREFETCH, 64)
     gdc.launch_dependents_then_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -53,11 +56,12 @@ def tiled(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return w.view(N // bn, bn, K // bk, bk).permute(0, 2, 1, 3).contiguous()
 
 
-def gemv(x, w, N, K, bn, bk, stages, is_tiled, warps=4):
+def gemv(x, w, N, K, bn, bk, stages, is_tiled, warps=4, prefetch=0):
     M = x.shape[0]
     y = x.new_empty(M, N)
     _gemv[(N // bn,)](x, w, y, M, N, K, K // bk, TILED=is_tiled, PDL=True, BLOCK_M=16,
-                      BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, num_warps=warps)
+                      BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, K_PREFETCH=prefetch,
+                      num_warps=warps)
     return y
 
 
@@ -81,6 +85,18 @@ def main():
               for _ in range(max(2, _replicas(wbytes)))]
         x = torch.randn(args.rows, K, device="cuda").bfloat16()
         ref = x.float() @ ws[0].float().T
+        # fused_linear without epilogue in the same run, and this kernel with its L2 prefetch
+        plain = (None, None, None, None, None, 0, "none", 1e-5, False)
+        cfg = lin.launch_config(args.rows, N, K, torch.bfloat16)
+        line = []
+        for _ in range(args.repeat):
+            for kp in (cfg["K_PREFETCH"], 0):
+                ms = timed(lambda w: lin._fused_linear_triton(x, w, *plain, K_PREFETCH=kp), ws)
+                line.append(f"fused_linear K_PREFETCH {kp} {ms * 1e3:5.1f} us")
+            ms = timed(lambda w: gemv(x, w, N, K, cfg["BLOCK_N"], cfg["BLOCK_K"],
+                                      cfg["NUM_STAGES"], False, prefetch=512), ws)
+            line.append(f"this kernel, prefetch 512 {ms * 1e3:5.1f} us")
+        print(f"{name} {N}x{K}: " + " | ".join(line), flush=True)
         for bn, bk, st in CONFIGS[name]:
             wt = [tiled(w, bn, bk) for w in ws]
             line = []
