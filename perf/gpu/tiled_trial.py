@@ -56,12 +56,12 @@ def tiled(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return w.view(N // bn, bn, K // bk, bk).permute(0, 2, 1, 3).contiguous()
 
 
-def gemv(x, w, N, K, bn, bk, stages, is_tiled, warps=4, prefetch=0):
+def gemv(x, w, N, K, bn, bk, stages, is_tiled, warps=4, prefetch=0, pdl=False):
     M = x.shape[0]
     y = x.new_empty(M, N)
     _gemv[(N // bn,)](x, w, y, M, N, K, K // bk, TILED=is_tiled, PDL=True, BLOCK_M=16,
                       BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, K_PREFETCH=prefetch,
-                      num_warps=warps)
+                      num_warps=warps, launch_pdl=pdl)
     return y
 
 
@@ -85,17 +85,21 @@ def main():
               for _ in range(max(2, _replicas(wbytes)))]
         x = torch.randn(args.rows, K, device="cuda").bfloat16()
         ref = x.float() @ ws[0].float().T
-        # fused_linear without epilogue in the same run, and this kernel with its L2 prefetch
+        # fused_linear without epilogue in the same run, with and without PDL, and this kernel
+        # (below: launched without PDL) as a PDL launch, with and without the L2 prefetch
         plain = (None, None, None, None, None, 0, "none", 1e-5, False)
         cfg = lin.launch_config(args.rows, N, K, torch.bfloat16)
+        tile = (N, K, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NUM_STAGES"], False)
         line = []
         for _ in range(args.repeat):
-            for kp in (cfg["K_PREFETCH"], 0):
-                ms = timed(lambda w: lin._fused_linear_triton(x, w, *plain, K_PREFETCH=kp), ws)
-                line.append(f"fused_linear K_PREFETCH {kp} {ms * 1e3:5.1f} us")
-            ms = timed(lambda w: gemv(x, w, N, K, cfg["BLOCK_N"], cfg["BLOCK_K"],
-                                      cfg["NUM_STAGES"], False, prefetch=512), ws)
-            line.append(f"this kernel, prefetch 512 {ms * 1e3:5.1f} us")
+            for pdl in (True, False):
+                ms = timed(lambda w: lin._fused_linear_triton(x, w, *plain, pdl=pdl), ws)
+                line.append(f"fused_linear pdl {pdl} {ms * 1e3:5.1f} us")
+            for kp in (0, 512):
+                ms = timed(lambda w: gemv(x, w, *tile, prefetch=kp, pdl=True), ws)
+                line.append(f"this kernel pdl, prefetch {kp} {ms * 1e3:5.1f} us")
+            ms = timed(lambda w: gemv(x, w, *tile), ws)
+            line.append(f"this kernel {ms * 1e3:5.1f} us")
         print(f"{name} {N}x{K}: " + " | ".join(line), flush=True)
         for bn, bk, st in CONFIGS[name]:
             wt = [tiled(w, bn, bk) for w in ws]
