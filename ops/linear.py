@@ -389,6 +389,11 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     wave, N <= 8192 here): 512 took 0.4-0.5 us off o and down at 8 rows; on gate/up (two waves)
     every amount was slower, and so was it at one row, whose first tile already loads before the
     wait (``linear_sweep_b8_b1_quick_449adae.txt``; the one-row prefetch was removed).
+
+    Launches of two waves (N > 8192: gate/up) are plain launches, not PDL ones (``pdl``: False;
+    the launcher's key): a chain of gate/up launches at 8 rows took 63.3 us each as PDL launches
+    and 60.3 us as plain ones, where o and down were 1.1-1.5 us faster with PDL and q/k/v 0.5 us
+    slower (``tiled_trial_pdl_7e3f4ad.txt``).
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
@@ -399,8 +404,11 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
                     K_PREFETCH=0)
     block_n, block_k, prefetch = ((32, 512, 512) if N <= 4096 else (64, 256, 512) if N <= 8192
                                   else (128, 128, 0))
-    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
-                num_warps=4, K_PREFETCH=prefetch)
+    cfg = dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
+               num_warps=4, K_PREFETCH=prefetch)
+    if N > 8192:  # two waves (gate/up): a plain launch, see the docstring
+        cfg["pdl"] = False
+    return cfg
 
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
