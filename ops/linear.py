@@ -390,12 +390,10 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     every amount was slower, and so was it at one row, whose first tile already loads before the
     wait (``linear_sweep_b8_b1_quick_449adae.txt``; the one-row prefetch was removed).
 
-    Launches of two waves (N > 8192: gate/up) are plain launches (``pdl_launch``: False, a key
-    of the launcher): they wait for the kernel before them to finish instead of starting under
-    its tail, and still let the kernel after them start under theirs. A chain of gate/up
-    launches at 8 rows took 63.3 us each as PDL launches and 60.3 us as plain ones, where o and
-    down were 1.1-1.5 us faster as PDL launches and q/k/v 0.5 us slower
-    (``tiled_trial_pdl_7e3f4ad.txt``).
+    Launches of two waves (N > 8192: gate/up) are plain launches, not PDL ones (``pdl``: False;
+    the launcher's key): a chain of gate/up launches at 8 rows took 63.3 us each as PDL launches
+    and 60.3 us as plain ones, where o and down were 1.1-1.5 us faster with PDL and q/k/v 0.5 us
+    slower (``tiled_trial_pdl_7e3f4ad.txt``).
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
@@ -409,7 +407,7 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     cfg = dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
                num_warps=4, K_PREFETCH=prefetch)
     if N > 8192:  # two waves (gate/up): a plain launch, see the docstring
-        cfg["pdl_launch"] = False
+        cfg["pdl"] = False
     return cfg
 
 
@@ -428,7 +426,6 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     cfg.update(override)
     num_warps = cfg.pop("num_warps")
     pdl = cfg.pop("pdl", gdc.supported(x.device))
-    pdl_launch = cfg.pop("pdl_launch", True) and pdl
     rope = rope_cos is not None
     head_dim = rope_cos.shape[1] if rope else 2
     if rope:  # a rotating program holds whole pairs: BLOCK_N even and dividing the head dim
@@ -467,7 +464,7 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, GLU_OUT=glu_out,
         NORM_OUT=norm_out is not None, BLOCK_P=triton.next_power_of_2(P),
         FP32_DOT=x.dtype == torch.float32, PDL=pdl, LINE=128 // weight.element_size(),
-        num_warps=num_warps, launch_pdl=pdl_launch, **cfg,
+        num_warps=num_warps, launch_pdl=pdl, **cfg,
     )
     return (y, y_scaled, sumsq) if norm_out is not None else y
 
