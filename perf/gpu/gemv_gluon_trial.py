@@ -106,7 +106,8 @@ def gemv8(x, w, W=8, MT=4, KC=64, pdl=True):
     N = w.shape[0]
     assert M <= 8 and N % (16 * MT) == 0 and K % (W * KC) == 0
     y = x.new_empty(M, N)
-    _gemv8_kernel[(N // (16 * MT),)](x, w, y, M, N, K, K // W, W=W, MT=MT, KC=KC, PDL=pdl, num_warps=W)
+    _gemv8_kernel[(N // (16 * MT),)](x, w, y, M, N, K, K // W, W=W, MT=MT, KC=KC, PDL=pdl,
+                                     num_warps=W)
     return y
 
 

@@ -142,7 +142,8 @@ def main():
 
                 ms = _graph_ms([lambda i=i: call(i) for i in range(calls)])
                 tb = 4 * per_call / (ms * 1e-3) / 1e12
-                line.append(f"{cfg} {ms * 1e3:6.1f} us {tb:4.2f} TB/s {tb * 1e3 / min(P, sms):3.0f}")
+                per_sm = tb * 1e3 / min(P, sms)
+                line.append(f"{cfg} {ms * 1e3:6.1f} us {tb:4.2f} TB/s {per_sm:3.0f}")
             print(f"chunk {chunk_kb:5d} KB, P {P:4d}: " + " | ".join(line), flush=True)
     print("(per config: us per call, total TB/s, GB/s per busy SM)")
 
