@@ -393,7 +393,9 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     Launches of two waves (N > 8192: gate/up) are plain launches, not PDL ones (``pdl``: False;
     the launcher's key): a chain of gate/up launches at 8 rows took 63.3 us each as PDL launches
     and 60.3 us as plain ones, where o and down were 1.1-1.5 us faster with PDL and q/k/v 0.5 us
-    slower (``tiled_trial_pdl_7e3f4ad.txt``).
+    slower (``tiled_trial_pdl_7e3f4ad.txt``). In the decode step at 8 x 4k: 4.618 / 4.624 ms
+    against 4.644 / 4.637 (``engine_ab_gate_up_plain_0f7b3db.txt``); q/k/v as a plain launch too
+    was 0.065 ms slower there, and gate/up still triggering down's early launch 0.013 ms.
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512

@@ -409,10 +409,9 @@ for name in lin._fused_linear_kernel.arg_names:
 def fused(M, N, K, prologue, **kw):
     cfg = lin.launch_config(M, N, K, torch.bfloat16)
     cfg.pop("num_warps")
-    cfg.pop("pdl", None)
     flags = dict(PROLOGUE=lin.PROLOGUES.index(prologue), HAS_BIAS=False, HAS_RESIDUAL=False,
                  ROPE=False, HEAD_DIM=128, GLU_OUT=False, NORM_OUT=False, FP32_DOT=False,
-                 PDL=True, LINE=64, BLOCK_P=128)
+                 PDL=cfg.pop("pdl", True), LINE=64, BLOCK_P=128)
     consts = dict(cfg, **flags)
     consts.update(kw)
     build(lin._fused_linear_kernel, {k: v for k, v in SIG.items() if k not in consts}, consts)

@@ -7,7 +7,7 @@ same kernel on the usual row-major weights, on the four Llama-3.1-8B projections
 Why: ``stream_probe.py`` read each projection's bytes, split among programs as the GEMV splits
 them, 4-7% faster when every program's share lay contiguous in memory than when it was a block of
 rows read a tile at a time along K (gate/up: 56.4 against 60.3 us; q/k/v 15.2 against 16.4), and
-``fused_linear`` is within ~1 us of the row-block reads on every projection. Whether the
+``fused_linear`` is within 0.1-2.2 us of the row-block reads on every projection. Whether the
 pipelined GEMV keeps that gain decides whether a tiled weight layout is worth its cost (prefill
 and the one-row path read the same weights).
 """
