@@ -26,8 +26,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from minikv_compile.perf.bench_decode_attention import _replicas, copy_bandwidth
-from linear_sweep import LAYERS, timed  # this folder's sweep: its shapes and its timing
+from minikv_compile.perf.bench_decode_attention import copy_bandwidth
+from linear_sweep import LAYERS, plain_case, timed  # this folder's sweep: shapes, setup, timing
 
 lin = importlib.import_module("minikv_compile.ops.linear")
 
@@ -125,12 +125,8 @@ def main():
                if args.configs else CONFIGS)
     print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
     for name in args.layers.split(","):
-        N, K = LAYERS[name][:2]
+        N, K, ws, x, ref = plain_case(name, args.rows)
         wbytes = N * K * 2
-        ws = [torch.randn(N, K, device="cuda").bfloat16() / K ** 0.5
-              for _ in range(max(2, _replicas(wbytes)))]
-        x = torch.randn(args.rows, K, device="cuda").bfloat16()
-        ref = x.float() @ ws[0].float().T
         plain = (None, None, None, None, None, 0, "none", 1e-5, False)
         base = timed(lambda w: lin._fused_linear_triton(x, w, *plain), ws)
         print(f"{name} ({N} x {K}), {args.rows} rows: fused_linear default "

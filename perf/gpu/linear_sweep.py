@@ -53,6 +53,17 @@ def timed(fn, ws) -> float:
     return _graph_ms([lambda w=ws[i % len(ws)]: fn(w) for i in range(max(8, len(ws)))])
 
 
+def plain_case(name: str, rows: int):
+    """The other device experiments' setup for one projection without its epilogue: ``(N, K,
+    weight copies enough to read >= 3x L2 per graph replay (>= 2), x (rows, K), x @ w.T in
+    fp32)``, random bf16."""
+    N, K = LAYERS[name][:2]
+    ws = [torch.randn(N, K, device="cuda").bfloat16() / K ** 0.5
+          for _ in range(max(2, _replicas(N * K * 2)))]
+    x = torch.randn(rows, K, device="cuda").bfloat16()
+    return N, K, ws, x, x.float() @ ws[0].float().T
+
+
 def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
     """The unfused chain as the decode step writes it (HF RMSNorm, act_fn(gate) * up, h + ...)."""
     def run(x, w, nw, r, cos, sin):

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minikv_compile.perf.bench_decode_attention import _replicas, copy_bandwidth
-from linear_sweep import LAYERS, timed  # this folder's sweep: its shapes and its timing
+from minikv_compile.perf.bench_decode_attention import copy_bandwidth
+from linear_sweep import LAYERS, plain_case, timed  # this folder's sweep: shapes, setup, timing
 
 gdc = importlib.import_module("minikv_compile.ops._gdc")
 lin = importlib.import_module("minikv_compile.ops.linear")
@@ -79,12 +79,8 @@ def main():
     args = p.parse_args()
     print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
     for name in args.layers.split(","):
-        N, K = LAYERS[name][:2]
+        N, K, ws, x, ref = plain_case(name, args.rows)
         wbytes = N * K * 2
-        ws = [torch.randn(N, K, device="cuda").bfloat16() / K ** 0.5
-              for _ in range(max(2, _replicas(wbytes)))]
-        x = torch.randn(args.rows, K, device="cuda").bfloat16()
-        ref = x.float() @ ws[0].float().T
         # fused_linear without epilogue in the same run, with and without PDL, and this kernel
         # (below: launched without PDL) as a PDL launch, with and without the L2 prefetch
         plain = (None, None, None, None, None, 0, "none", 1e-5, False)
