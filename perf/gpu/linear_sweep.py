@@ -123,9 +123,10 @@ def main() -> None:
                   f"{wbytes / b_ms / 1e9:5.2f} TB/s; cuBLAS GEMV alone {c_ms * 1e3:7.1f} us "
                   f"{wbytes / c_ms / 1e9:5.2f} TB/s", flush=True)
             default = lin.launch_config(M, N, K, dt)
-            # The default without PDL: each launch then waits for the previous one to finish;
-            # and with other amounts of its weights prefetched toward L2 before its PDL wait.
-            cfgs = [default, {**default, "pdl": False}]
+            # The default as a plain launch if it is a PDL one (each launch then waits for the
+            # previous one to finish), or the other way round (gate/up at several rows); and
+            # with other amounts of its weights prefetched toward L2 before its PDL wait.
+            cfgs = [default, {**default, "pdl": not default.get("pdl", True)}]
             if M > 1:  # the tensor-core path's warps and L2 prefetch (the one-row path has none)
                 cfgs += [{**default, "num_warps": w} for w in warps if w != default["num_warps"]]
                 cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
