@@ -19,7 +19,6 @@ Lane ``(g, t)`` (lane ``4 g + t``) loads 16 bytes at columns ``32 j + 8 t + [0, 
 the operands as they stand (checked at compile time: ``assert_trivial``).
 """
 import argparse
-import importlib
 
 import torch
 from triton.experimental import gluon
@@ -27,9 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from minikv_compile.perf.bench_decode_attention import copy_bandwidth
-from linear_sweep import LAYERS, plain_case, timed  # this folder's sweep: shapes, setup, timing
+from linear_sweep import LAYERS, fused_plain, plain_case, timed  # this folder's sweep
 
-lin = importlib.import_module("minikv_compile.ops.linear")
 
 
 @gluon.jit
@@ -127,8 +125,7 @@ def main():
     for name in args.layers.split(","):
         N, K, ws, x, ref = plain_case(name, args.rows)
         wbytes = N * K * 2
-        plain = (None, None, None, None, None, 0, "none", 1e-5, False)
-        base = timed(lambda w: lin._fused_linear_triton(x, w, *plain), ws)
+        base = timed(lambda w: fused_plain(x, w), ws)
         print(f"{name} ({N} x {K}), {args.rows} rows: fused_linear default "
               f"{base * 1e3:6.1f} us {wbytes / base / 1e9:5.2f} TB/s", flush=True)
         for W, MT, KC in configs:

@@ -64,6 +64,12 @@ def plain_case(name: str, rows: int):
     return N, K, ws, x, x.float() @ ws[0].float().T
 
 
+def fused_plain(x, w, **override):
+    """``fused_linear`` without prologue or epilogue (the launcher, with its config overrides)."""
+    return lin._fused_linear_triton(x, w, None, None, None, None, None, 0, "none", 1e-5,
+                                    **override)
+
+
 def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
     """The unfused chain as the decode step writes it (HF RMSNorm, act_fn(gate) * up, h + ...)."""
     def run(x, w, nw, r, cos, sin):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from minikv_compile.perf.bench_decode_attention import copy_bandwidth
-from linear_sweep import LAYERS, plain_case, timed  # this folder's sweep: shapes, setup, timing
+from linear_sweep import LAYERS, fused_plain, plain_case, timed  # this folder's sweep
 
 gdc = importlib.import_module("minikv_compile.ops._gdc")
 lin = importlib.import_module("minikv_compile.ops.linear")
@@ -83,13 +83,12 @@ def main():
         wbytes = N * K * 2
         # fused_linear without epilogue in the same run, with and without PDL, and this kernel
         # (below: launched without PDL) as a PDL launch, with and without the L2 prefetch
-        plain = (None, None, None, None, None, 0, "none", 1e-5, False)
         cfg = lin.launch_config(args.rows, N, K, torch.bfloat16)
         tile = (N, K, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NUM_STAGES"], False)
         line = []
         for _ in range(args.repeat):
             for pdl in (True, False):
-                ms = timed(lambda w: lin._fused_linear_triton(x, w, *plain, pdl=pdl), ws)
+                ms = timed(lambda w: fused_plain(x, w, pdl=pdl), ws)
                 line.append(f"fused_linear pdl {pdl} {ms * 1e3:5.1f} us")
             for kp in (0, 512):
                 ms = timed(lambda w: gemv(x, w, *tile, prefetch=kp, pdl=True), ws)

@@ -16,9 +16,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from minikv_compile.perf.bench_decode_attention import copy_bandwidth
-from linear_sweep import LAYERS, plain_case, timed  # this folder's sweep: shapes, setup, timing
+from linear_sweep import LAYERS, fused_plain, plain_case, timed  # this folder's sweep
 
-lin = importlib.import_module("minikv_compile.ops.linear")
 gdc = importlib.import_module("minikv_compile.ops._gdc")
 CONFIGS = [(64, 256, 4), (64, 256, 3), (32, 256, 6), (64, 128, 6), (32, 128, 8), (128, 128, 4),
            (128, 64, 6), (128, 128, 3), (16, 256, 8)]
@@ -69,8 +68,7 @@ def main():
         N, K, ws, x, ref = plain_case(name, args.rows)
         wbytes = N * K * 2
 
-        plain = (None, None, None, None, None, 0, "none", 1e-5, False)
-        base = timed(lambda w: lin._fused_linear_triton(x, w, *plain), ws)
+        base = timed(lambda w: fused_plain(x, w), ws)
         print(f"{name} ({N} x {K}), {args.rows} rows: fused_linear default "
               f"{base * 1e3:6.1f} us {wbytes / base / 1e9:5.2f} TB/s", flush=True)
         for bn, bk, st in CONFIGS:
