@@ -378,11 +378,16 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     gate/up), 512 for K = 14336 (down).
 
     Several rows: tensor-core tiles of 16 (padded) rows, the weight tiles staged through shared
-    memory over 4 stages by the compiler. Bytes in flight per program decide it, against
+    memory over 3-4 stages by the compiler. Bytes in flight per program decide it, against
     programs enough to cover the SMs: at 8 rows on the H200 (``linear_sweep_b8_767eddd.txt``,
     ``_b8_qkv_gate_up_93cf6bc.txt``, 6-10 configurations per layer) the best were 32 x 512 for
-    N = 4096 (o 12.3 us, down 31.7 us), 64 x 256 for N = 6144 (q/k/v 18.2 us; 32 x 256 20.5 us)
-    and 128 x 128 for N = 28672 (gate/up 60-62 us; 32 x 512 there: 67.1 us).
+    N = 4096 (o 12.3 us, down 31.7 us) and 64 x 256 for N = 6144 (q/k/v 18.2 us; 32 x 256 20.5
+    us). Above N = 8192 (gate/up) the launch is more than one wave of programs; there 64 x 256
+    tiles over 3 stages (96 KB of shared memory: two programs per SM) were as fast as 128 x 128
+    x 4 (one per SM) in the sweeps (60.3 against 60.8-61.3 us, ``linear_sweep_b8_stages_ad43a90.txt``)
+    and faster in the decode step at 8 x 4k: 4.581 / 4.582 ms against 4.619 / 4.612
+    (``engine_ab_gate_up_64x256x3.txt``, alternating in one call; as a plain launch 4.593 /
+    4.593).
 
     Several rows also prefetch ``K_PREFETCH`` columns of each program's weight rows toward L2
     before the PDL wait (``_prefetch_l2``) where every program is resident from the start (one
@@ -390,12 +395,12 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     every amount was slower, and so was it at one row, whose first tile already loads before the
     wait (``linear_sweep_b8_b1_quick_449adae.txt``; the one-row prefetch was removed).
 
-    Launches of two waves (N > 8192: gate/up) are plain launches, not PDL ones (``pdl``: False;
-    the launcher's key): a chain of gate/up launches at 8 rows took 63.3 us each as PDL launches
-    and 60.3 us as plain ones, where o and down were 1.1-1.5 us faster with PDL and q/k/v 0.5 us
-    slower (``tiled_trial_pdl_7e3f4ad.txt``). In the decode step at 8 x 4k: 4.618 / 4.624 ms
-    against 4.644 / 4.637 (``engine_ab_gate_up_plain_0f7b3db.txt``); q/k/v as a plain launch too
-    was 0.065 ms slower there, and gate/up still triggering down's early launch 0.013 ms.
+    Every launch is a PDL one (the launcher's ``pdl`` key, default on where supported). With
+    128 x 128 tiles (one program per SM) gate/up had been faster as a plain launch (a chain:
+    63.3 against 60.3 us, ``tiled_trial_pdl_7e3f4ad.txt``; the step at 8 x 4k: -0.02 ms,
+    ``engine_ab_gate_up_plain_0f7b3db.txt``); on the 64 x 256 x 3 tiles the PDL launch is the
+    faster one (the A/B above), and q/k/v as a plain launch was 0.065 ms slower in the step
+    (``engine_ab_qkv_plain_e4904e1.txt``).
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
@@ -404,13 +409,10 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4,
                     K_PREFETCH=0)
-    block_n, block_k, prefetch = ((32, 512, 512) if N <= 4096 else (64, 256, 512) if N <= 8192
-                                  else (128, 128, 0))
-    cfg = dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=4,
-               num_warps=4, K_PREFETCH=prefetch)
-    if N > 8192:  # two waves (gate/up): a plain launch, see the docstring
-        cfg["pdl"] = False
-    return cfg
+    block_n, block_k, stages, prefetch = ((32, 512, 4, 512) if N <= 4096 else
+                                          (64, 256, 4, 512) if N <= 8192 else (64, 256, 3, 0))
+    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+                num_warps=4, K_PREFETCH=prefetch)
 
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
