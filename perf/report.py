@@ -319,8 +319,10 @@ def render_markdown(data: Dict[str, object]) -> str:
     if ctx.get("bandwidth"):
         bw = ctx["bandwidth"]
         if bw.get("bytes_per_s"):
+            how = (f"the fastest of {bw['blocks']} medians of {bw['per_block']} copies"
+                   if bw.get("blocks") else f"median of {bw.get('iters')}")  # older reports
             lines.append(f"Copy bandwidth measured in this run: {bw['bytes_per_s'] / 1e12:.2f} TB/s "
-                         f"(bytes read + written, median of {bw.get('iters')}).")
+                         f"(bytes read + written, {how}).")
         else:
             lines.append(f"Copy bandwidth not measured: {bw.get('reason')}.")
     lines.append("")

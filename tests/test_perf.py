@@ -184,6 +184,20 @@ def test_bytes_read_per_step_llama31_8b():
     assert f["x_floor"] == pytest.approx(4.0 / f["floor_ms"])
 
 
+def test_copy_bandwidth_takes_the_fastest_block_median():
+    # A disturbed stretch of copies (the second block) must not lower the figure: a low copy
+    # bandwidth raises the floor and flatters every ratio to it.
+    times = [5.1, 5.0, 5.2, 6.1, 6.0, 6.3, 5.0, 4.9, 5.1]
+    assert H.fastest_block_median(times, 3) == (5.0, [5.1, 6.1, 5.0])
+    # markdown: the new record names its blocks; reports written before it keep their wording
+    base = {"command": "engine-vs-hf", "argv": [], "environment": {}}
+    new = {"bytes_per_s": 4.2e12, "iters": 200, "blocks": 5, "per_block": 40}
+    md = R.render_markdown({**base, "context": {"bandwidth": new}})
+    assert "4.20 TB/s (bytes read + written, the fastest of 5 medians of 40 copies)" in md
+    md = R.render_markdown({**base, "context": {"bandwidth": {"bytes_per_s": 4.2e12, "iters": 100}}})
+    assert "4.20 TB/s (bytes read + written, median of 100)" in md
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 
