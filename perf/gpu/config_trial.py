@@ -3,12 +3,13 @@ projection, without a tree of its own. Runs ``python -m minikv_compile.perf ARGS
 process with ``ops.linear.launch_config`` wrapped so that the launches the variant names get its
 settings (the op reads the config at capture time, so the captured step runs them).
 
-    cd /tmp/run && python /path/to/perf/gpu/config_trial.py gu_64x256x3 engine-vs-hf --out DIR ...
+    cd /tmp/run && python /path/to/perf/gpu/config_trial.py gu_128x128x4_plain engine-vs-hf --out DIR ...
 
-Variants: ``base`` (the op's own settings); ``gu_64x256x3`` (the two-wave gate/up at several
-rows on 64 x 256 tiles, 3 stages: two programs per SM, a plain launch as the default);
-``gu_64x256x3_pdl`` (the same as a PDL launch). Alternate them in fresh processes (one inductor
-cache each is not needed: the op is opaque to inductor, its launch settings are not in the graph).
+Variants: ``base`` (the op's own settings; gate/up at several rows on 64 x 256 tiles, 3 stages,
+a PDL launch since 058ca4e); ``gu_128x128x4_plain`` (gate/up as before it: 128 x 128 tiles, 4
+stages, one program per SM, a plain launch); ``gu_64x256x3_plain`` (today's tiles, a plain
+launch). Alternate them in fresh processes; one inductor cache serves all (the op is opaque to
+inductor: its launch settings are not in the compiled graph).
 """
 import importlib
 import runpy
@@ -16,11 +17,11 @@ import sys
 
 lin = importlib.import_module("minikv_compile.ops.linear")
 
-GATE_UP_64 = dict(BLOCK_N=64, BLOCK_K=256, NUM_STAGES=3)
+TWO_WAVES = lambda M, N, K: M > 1 and N > 8192  # noqa: E731  (gate/up at several rows)
 VARIANTS = {  # name: (applies to (M, N, K)?, settings over the op's own)
     "base": (lambda M, N, K: False, {}),
-    "gu_64x256x3": (lambda M, N, K: M > 1 and N > 8192, GATE_UP_64),
-    "gu_64x256x3_pdl": (lambda M, N, K: M > 1 and N > 8192, {**GATE_UP_64, "pdl": True}),
+    "gu_128x128x4_plain": (TWO_WAVES, dict(BLOCK_N=128, BLOCK_K=128, NUM_STAGES=4, pdl=False)),
+    "gu_64x256x3_plain": (TWO_WAVES, dict(BLOCK_N=64, BLOCK_K=256, NUM_STAGES=3, pdl=False)),
 }
 
 variant = sys.argv.pop(1) if len(sys.argv) > 1 else None
