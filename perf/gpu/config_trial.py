@@ -22,6 +22,12 @@ VARIANTS = {  # name: (applies to (M, N, K)?, settings over the op's own)
     "base": (lambda M, N, K: False, {}),
     "gu_128x128x4_plain": (TWO_WAVES, dict(BLOCK_N=128, BLOCK_K=128, NUM_STAGES=4, pdl=False)),
     "gu_64x256x3_plain": (TWO_WAVES, dict(BLOCK_N=64, BLOCK_K=256, NUM_STAGES=3, pdl=False)),
+    # Three stages instead of four on the one-wave launches (96 KB of shared memory: room for a
+    # program of the next PDL launch beside each one), and two stages on gate/up (three per SM).
+    "gu_64x256x2": (TWO_WAVES, dict(NUM_STAGES=2)),
+    "qkv_3_stages": (lambda M, N, K: M > 1 and 4096 < N <= 8192, dict(NUM_STAGES=3)),
+    "o_down_3_stages": (lambda M, N, K: M > 1 and N <= 4096, dict(NUM_STAGES=3)),
+    "all_3_stages": (lambda M, N, K: M > 1 and N <= 8192, dict(NUM_STAGES=3)),
 }
 
 variant = sys.argv.pop(1) if len(sys.argv) > 1 else None
