@@ -6,9 +6,10 @@
 # /tmp/mk_old; round i runs `python -m minikv_compile.perf ARGS` with each tree, new first, each
 # tree with an inductor cache of its own (a graph cached by one tree calls ops by the schema of
 # that tree). Keeps OUTDIR/ab_{new,old}_i.{log,json} (few files: the transfer back counts them)
-# and prints each run's decode rows (ms per token, x floor).
+# and prints each run's decode rows (ms per token, x floor; `decode_rows.py`).
 set -uo pipefail
 OUT=${1:?usage}; OLD=${2:?usage}; ROUNDS=${3:?usage}; shift 3
+HERE=$(cd "$(dirname "$0")" && pwd)
 rm -rf /tmp/mk_old && pip install -q --no-deps --no-build-isolation --target /tmp/mk_old "$OLD" 2>&1 | tail -3
 mkdir -p /tmp/run
 for i in $(seq 1 "$ROUNDS"); do
@@ -19,14 +20,6 @@ for i in $(seq 1 "$ROUNDS"); do
     (cd /tmp/run && PYTHONPATH=$site PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$tree \
       timeout 200 python -m minikv_compile.perf "$@" --out "$run" 2>&1) > "$OUT/ab_${tree}_$i.log"
     cp "$run"/*.json "$OUT/ab_${tree}_$i.json" 2>/dev/null
-    python - "$OUT/ab_${tree}_$i.json" "$tree" <<'PY'
-import json, pathlib, sys
-path, tree = pathlib.Path(sys.argv[1]), sys.argv[2]
-if path.exists():
-    for r in json.loads(path.read_text()).get("results", []):
-        if r.get("experiment") == "decode" and "ms_per_token" in r:
-            print(f"{tree} {r['method']} {r['batch']}x{r['prompt_len']} "
-                  f"{r['ms_per_token']:.3f} ms x_floor {r['x_floor']:.3f}")
-PY
+    python "$HERE/decode_rows.py" "$tree" "$OUT/ab_${tree}_$i.json"
   done
 done

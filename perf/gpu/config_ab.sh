@@ -12,16 +12,6 @@ for i in $(seq 1 "$ROUNDS"); do
     run=/tmp/cab/${v}_$i; rm -rf "$run"
     (cd /tmp/run && PYTHONPATH=/tmp/mk PYTHONUNBUFFERED=1 \
       timeout 200 python "$HERE/config_trial.py" "$v" "$@" --out "$run" 2>&1) >> "$OUT/config_ab.log"
-    python - "$run" "$v" <<'PY'
-import json, pathlib, sys
-run, v = pathlib.Path(sys.argv[1]), sys.argv[2]
-for f in run.glob("*.json"):
-    d = json.loads(f.read_text())
-    bw = d.get("context", {}).get("bandwidth", {}).get("bytes_per_s", 0) / 1e12
-    for r in d.get("results", []):
-        if r.get("experiment") == "decode" and "ms_per_token" in r:
-            print(f"{v} {r['method']} {r['batch']}x{r['prompt_len']} {r['ms_per_token']:.3f} ms "
-                  f"x_floor {r['x_floor']:.3f} copy {bw:.2f} TB/s")
-PY
+    python "$HERE/decode_rows.py" "$v" "$run"
   done
 done

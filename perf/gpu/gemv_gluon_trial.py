@@ -25,8 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from minikv_compile.perf.bench_decode_attention import copy_bandwidth
-from linear_sweep import LAYERS, fused_plain, plain_case, timed  # this folder's sweep
+from linear_sweep import LAYERS, plain_baseline, plain_cases, report_variant  # this folder's sweep
 
 
 
@@ -121,23 +120,11 @@ def main():
     args = p.parse_args()
     configs = ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
                if args.configs else CONFIGS)
-    print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
-    for name in args.layers.split(","):
-        N, K, ws, x, ref = plain_case(name, args.rows)
-        wbytes = N * K * 2
-        base = timed(lambda w: fused_plain(x, w), ws)
-        print(f"{name} ({N} x {K}), {args.rows} rows: fused_linear default "
-              f"{base * 1e3:6.1f} us {wbytes / base / 1e9:5.2f} TB/s", flush=True)
+    for name, N, K, ws, x, ref in plain_cases(args.layers, args.rows):
+        base = plain_baseline(name, x, ws)
         for W, MT, KC in configs:
-            try:
-                err = (gemv8(x, ws[0], W, MT, KC).float() - ref).abs().max().item()
-                ms = timed(lambda w: gemv8(x, w, W, MT, KC), ws)
-            except Exception as e:  # noqa: BLE001 - a config that does not compile
-                print(f"   W{W} MT{MT} KC{KC}: failed {type(e).__name__}: {str(e)[:200]}",
-                      flush=True)
-                continue
-            print(f"   W{W} MT{MT} KC{KC} ({N // (16 * MT)} programs): {ms * 1e3:6.1f} us "
-                  f"{wbytes / ms / 1e9:5.2f} TB/s {base / ms:5.2f}x  err {err:.1e}", flush=True)
+            report_variant(f"W{W} MT{MT} KC{KC} ({N // (16 * MT)} programs)",
+                           lambda x, w: gemv8(x, w, W, MT, KC), x, ws, ref, base)
         del ws
         torch.cuda.empty_cache()
 

@@ -70,6 +70,37 @@ def fused_plain(x, w, **override):
                                     **override)
 
 
+def plain_cases(layers: str, rows: int):
+    """The GEMV trials' loop: prints the copy bandwidth, then yields ``(name, *plain_case(name,
+    rows))`` for each of the comma-separated ``layers``."""
+    print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
+    for name in layers.split(","):
+        yield (name, *plain_case(name, rows))
+
+
+def plain_baseline(name: str, x, ws) -> float:
+    """ms of ``fused_plain`` over the weight copies ``ws``, printed as the trials' header line."""
+    (N, K), rows = ws[0].shape, x.shape[0]
+    ms = timed(lambda w: fused_plain(x, w), ws)
+    print(f"{name} ({N} x {K}), {rows} rows: fused_linear default {ms * 1e3:6.1f} us "
+          f"{N * K * 2 / ms / 1e9:5.2f} TB/s", flush=True)
+    return ms
+
+
+def report_variant(label: str, fn, x, ws, ref, base: float) -> None:
+    """Check ``fn(x, w)`` against ``ref``, time it over ``ws`` and print one line beside the
+    baseline's ``base`` ms (or why it failed: a variant that does not compile)."""
+    N, K = ws[0].shape
+    try:
+        err = (fn(x, ws[0]).float() - ref).abs().max().item()
+        ms = timed(lambda w: fn(x, w), ws)
+    except Exception as e:  # noqa: BLE001 - a variant that does not compile
+        print(f"   {label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return
+    print(f"   {label}: {ms * 1e3:6.1f} us {N * K * 2 / ms / 1e9:5.2f} TB/s {base / ms:5.2f}x  "
+          f"err {err:.1e}", flush=True)
+
+
 def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
     """The unfused chain as the decode step writes it (HF RMSNorm, act_fn(gate) * up, h + ...)."""
     def run(x, w, nw, r, cos, sin):

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minikv_compile.perf.bench_decode_attention import copy_bandwidth
-from linear_sweep import LAYERS, fused_plain, plain_case, timed  # this folder's sweep
+from linear_sweep import LAYERS, fused_plain, plain_cases, timed  # this folder's sweep
 
 gdc = importlib.import_module("minikv_compile.ops._gdc")
 lin = importlib.import_module("minikv_compile.ops.linear")
@@ -77,9 +76,7 @@ def main():
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--repeat", type=int, default=2)
     args = p.parse_args()
-    print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
-    for name in args.layers.split(","):
-        N, K, ws, x, ref = plain_case(name, args.rows)
+    for name, N, K, ws, x, ref in plain_cases(args.layers, args.rows):
         wbytes = N * K * 2
         # fused_linear without epilogue in the same run, with and without PDL, and this kernel
         # (below: launched without PDL) as a PDL launch, with and without the L2 prefetch

@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from minikv_compile.perf.bench_decode_attention import copy_bandwidth
-from linear_sweep import LAYERS, fused_plain, plain_case, timed  # this folder's sweep
+from linear_sweep import LAYERS, plain_baseline, plain_cases, report_variant  # this folder's sweep
 
 gdc = importlib.import_module("minikv_compile.ops._gdc")
 CONFIGS = [(64, 256, 4), (64, 256, 3), (32, 256, 6), (64, 128, 6), (32, 128, 8), (128, 128, 4),
@@ -63,26 +62,12 @@ def main():
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--rows", type=int, default=8)
     args = p.parse_args()
-    print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
-    for name in args.layers.split(","):
-        N, K, ws, x, ref = plain_case(name, args.rows)
-        wbytes = N * K * 2
-
-        base = timed(lambda w: fused_plain(x, w), ws)
-        print(f"{name} ({N} x {K}), {args.rows} rows: fused_linear default "
-              f"{base * 1e3:6.1f} us {wbytes / base / 1e9:5.2f} TB/s", flush=True)
+    for name, N, K, ws, x, ref in plain_cases(args.layers, args.rows):
+        base = plain_baseline(name, x, ws)
         for bn, bk, st in CONFIGS:
             for x_tma in (False, True):
-                try:
-                    err = (tma_gemv(x, ws[0], bn, bk, st, x_tma).float() - ref).abs().max().item()
-                    ms = timed(lambda w: tma_gemv(x, w, bn, bk, st, x_tma), ws)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile
-                    print(f"   TMA {bn}x{bk}x{st} x_tma={x_tma}: failed {type(e).__name__}: "
-                          f"{str(e)[:150]}", flush=True)
-                    continue
-                print(f"   TMA {bn}x{bk}x{st} x_tma={x_tma}: {ms * 1e3:6.1f} us "
-                      f"{wbytes / ms / 1e9:5.2f} TB/s {base / ms:5.2f}x  err {err:.1e}",
-                      flush=True)
+                report_variant(f"TMA {bn}x{bk}x{st} x_tma={x_tma}",
+                               lambda x, w: tma_gemv(x, w, bn, bk, st, x_tma), x, ws, ref, base)
         del ws
         torch.cuda.empty_cache()
 
