@@ -1,11 +1,11 @@
 """MiniKVConfig: every knob of the compressed cache and the compiled decode loop, validated once."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from minikv_compile.graphs.selection import SELECTIONS
+from minikv_compile.inputs import check_bool, check_float, check_int
 
 _POLICIES = ("uniform", "pyramid")
 
@@ -95,63 +95,39 @@ class MiniKVConfig:
     cuda_graphs: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        # Integral numpy / 0-d torch values are stored as Python ints (floats, strings and bools
+        # are refused, never coerced): the cache allocation and the op schemas take Python ints.
+        def store(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
         for name in ("heavy_budget", "recent_budget"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}: expected a fraction in [0, 1], got {value!r}")
+            store(name, check_float(name, getattr(self, name), lo=0.0, hi=1.0))
         if self.budget_policy not in _POLICIES:
             raise ValueError(f"budget_policy: expected one of {_POLICIES}, got {self.budget_policy!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection: expected one of {SELECTIONS}, got {self.selection!r}")
-        if self.bits not in (2, 4, 16):
-            raise ValueError(f"bits: expected 2, 4 or 16, got {self.bits!r}")
-        if self.group_size not in (16, 32, 64, 128):
-            raise ValueError(f"group_size: expected one of (16, 32, 64, 128), got {self.group_size!r}")
-        _positive_int("residual_length", self.residual_length)
+        for name, allowed in (("bits", (2, 4, 16)), ("group_size", (16, 32, 64, 128))):
+            value = check_int(name, getattr(self, name))
+            if value not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
+            store(name, value)
+        for name in ("residual_length", "pyramid_depth", "snapkv_window", "snapkv_kernel",
+                     "selection_block", "max_batch_size", "max_prompt_len", "max_new_tokens"):
+            store(name, _positive_int(name, getattr(self, name)))
+        store("sink_tokens", check_int("sink_tokens", self.sink_tokens, lo=0))
         if self.residual_length % self.group_size:
             raise ValueError(
                 f"residual_length: expected a multiple of group_size={self.group_size}, "
                 f"got {self.residual_length}"
             )
-        for name in ("pyramid_depth", "snapkv_window", "snapkv_kernel", "selection_block",
-                     "max_batch_size", "max_prompt_len", "max_new_tokens"):
-            _positive_int(name, getattr(self, name))
-        sinks = self.sink_tokens
-        if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
-            raise ValueError(f"sink_tokens: expected a non-negative int, got {self.sink_tokens!r}")
         if self.snapkv_kernel % 2 == 0:
             raise ValueError(f"snapkv_kernel: expected an odd pooling width, got {self.snapkv_kernel}")
-        if self.budget_policy == "pyramid" and self.pyramid_depth < 1:
-            raise ValueError(f"pyramid_depth: expected >= 1, got {self.pyramid_depth}")
         for name in ("compile", "cuda_graphs"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name}: expected True, False or None, got {value!r}")
-
-    # -- budgets (DESIGN.md section 2, step 3) -------------------------------------------------
-
-    def heavy_fraction(self, layer: int, num_layers: int) -> float:
-        """``a_HH(l)``: the heavy-hitter fraction of layer ``layer`` (0 = bottom)."""
-        if self.budget_policy == "uniform" or num_layers == 1:
-            return self.heavy_budget
-        d = self.pyramid_depth
-        bottom, top = self.heavy_budget * (2.0 - 1.0 / d), self.heavy_budget / d
-        return bottom + (top - bottom) * layer / (num_layers - 1)
-
-    def kept_tokens(self, prompt_len: int, layer: int, num_layers: int) -> tuple[int, int]:
-        """``(n_RW, n_HH(l))`` for a prompt of ``prompt_len`` tokens; their sum is capped at L."""
-        n_rw = min(prompt_len, math.ceil(self.recent_budget * prompt_len - 1e-9))
-        n_hh = round(self.heavy_fraction(layer, num_layers) * prompt_len)
-        return n_rw, max(0, min(n_hh, prompt_len - n_rw))
-
-    def max_kept(self, layer: int, num_layers: int) -> int:
-        """Most tokens layer ``layer`` keeps of any prompt up to ``max_prompt_len``.
-
-        ``ceil`` and ``round`` are both non-decreasing, so the kept count grows with ``L``.
-        """
-        return sum(self.kept_tokens(self.max_prompt_len, layer, num_layers))
+            if value is not None:
+                store(name, check_bool(name, value))
 
 
-def _positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+def _positive_int(name: str, value) -> int:
+    """``value`` as a Python int >= 1 (numpy and 0-d tensor ints too; no floats, strings, bools)."""
+    return check_int(name, value, lo=1)
