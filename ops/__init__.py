@@ -5,8 +5,8 @@ This package imports nothing else of the project. Every public function here is 
 traces through it; on CPU tensors the op runs its reference, on CUDA tensors the Triton kernel.
 """
 from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
-from .selective_attention import selective_attention
-from .decode_attention import decode_attention
+from .attention_prefill import selective_attention
+from .attention_decode import decode_attention
 from .cache_update import (cache_append, cache_begin_step, cache_table, cache_write_prefill,
                            cache_write_ring)
 from .linear import fused_linear, rms_norm

@@ -369,38 +369,23 @@ def fused_linear_norm_out_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optio
 
 
 def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
-    """Block sizes, stages, warps and the inner product of a launch.
+    """Block sizes, stages, warps, the inner product and the L2 prefetch of a launch.
 
-    One row (the decode step at batch 1): FMA over (4 x BLOCK_K) weight tiles, two in flight per
-    program (the next loads while this one is used), the products summed over K once after the
-    loop. On the H200 (``linear_sweep_94d7c95.txt``, 12 configurations per layer) this is the
-    best or within 5% of it on the Llama-3.1-8B layers: BLOCK_K 1024 for K = 4096 (q/k/v, o,
-    gate/up), 512 for K = 14336 (down).
+    One row (the decode step at batch 1): FMA over (4 x BLOCK_K) weight tiles, the next one in
+    flight while this one is used, the products summed over K once after the loop. BLOCK_K 1024
+    for K = 4096 (q/k/v, o, gate/up), 512 for K = 14336 (down): the best or within 5% of it of
+    12 configurations per Llama-3.1-8B layer on the H200.
 
     Several rows: tensor-core tiles of 16 (padded) rows, the weight tiles staged through shared
-    memory over 3-4 stages by the compiler. Bytes in flight per program decide it, against
-    programs enough to cover the SMs: at 8 rows on the H200 (``linear_sweep_b8_767eddd.txt``,
-    ``_b8_qkv_gate_up_93cf6bc.txt``, 6-10 configurations per layer) the best were 32 x 512 for
-    N = 4096 (o 12.3 us, down 31.7 us) and 64 x 256 for N = 6144 (q/k/v 18.2 us; 32 x 256 20.5
-    us). Above N = 8192 (gate/up) the launch is more than one wave of programs; there 64 x 256
-    tiles over 3 stages (96 KB of shared memory: two programs per SM) were as fast as 128 x 128
-    x 4 (one per SM) in the sweeps (60.3 against 60.8-61.3 us, ``linear_sweep_b8_stages_ad43a90.txt``)
-    and faster in the decode step at 8 x 4k: 4.581 / 4.582 ms against 4.619 / 4.612
-    (``engine_ab_gate_up_64x256x3.txt``, alternating in one call; as a plain launch 4.593 /
-    4.593).
-
-    Several rows also prefetch ``K_PREFETCH`` columns of each program's weight rows toward L2
-    before the PDL wait (``_prefetch_l2``) where every program is resident from the start (one
-    wave, N <= 8192 here): 512 took 0.4-0.5 us off o and down at 8 rows; on gate/up (two waves)
-    every amount was slower, and so was it at one row, whose first tile already loads before the
-    wait (``linear_sweep_b8_b1_quick_449adae.txt``; the one-row prefetch was removed).
-
-    Every launch is a PDL one (the launcher's ``pdl`` key, default on where supported). With
-    128 x 128 tiles (one program per SM) gate/up had been faster as a plain launch (a chain:
-    63.3 against 60.3 us, ``tiled_trial_pdl_7e3f4ad.txt``; the step at 8 x 4k: -0.02 ms,
-    ``engine_ab_gate_up_plain_0f7b3db.txt``); on the 64 x 256 x 3 tiles the PDL launch is the
-    faster one (the A/B above), and q/k/v as a plain launch was 0.065 ms slower in the step
-    (``engine_ab_qkv_plain_e4904e1.txt``).
+    memory by the compiler; bytes in flight per program, against programs enough to cover the
+    SMs, decide the tile. On the H200 at 8 rows: 32 x 512 over 4 stages for N <= 4096 (o 12.3 us,
+    down 31.7 us), 64 x 256 x 4 up to N = 8192 (q/k/v 18.2 us; 32 x 256: 20.5 us), and above
+    that (gate/up, more than one wave of programs) 64 x 256 x 3, two programs per SM: the decode
+    step at 8 x 4k 4.581 ms against 4.619 with 128 x 128 x 4. Where every program is resident
+    from the start (N <= 8192) the first 512 columns of each program's weight rows are asked into
+    L2 before the PDL wait (``_prefetch_l2``): 0.4-0.5 us off o and down at 8 rows (slower on
+    gate/up, and at one row, whose first tile already loads before the wait). Every launch is a
+    PDL one. ``perf/NOTES.md``, "Several rows", has the sweeps and A/Bs behind each choice.
     """
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
@@ -421,7 +406,8 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                          rope_rows: int, prologue: str, eps: float, glu_out: bool = False,
                          rms_sumsq: Optional[torch.Tensor] = None,
                          norm_out: Optional[torch.Tensor] = None, **override):
-    """The launch behind both ops: returns ``y``, or ``(y, y_scaled, sumsq)`` with ``norm_out``."""
+    """The launch behind both ops: returns ``y``, or ``(y, y_scaled, sumsq)`` with ``norm_out``.
+    ``override``: keys of ``launch_config`` replaced (tests run odd tiles through it)."""
     _check_prologue(prologue, rms_weight, rms_sumsq)
     M = x.shape[0]
     N, K = weight.shape
@@ -429,7 +415,7 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     cfg = launch_config(M, N, K, x.dtype)
     cfg.update(override)
     num_warps = cfg.pop("num_warps")
-    pdl = cfg.pop("pdl", gdc.supported(x.device))
+    pdl = gdc.supported(x.device)
     rope = rope_cos is not None
     head_dim = rope_cos.shape[1] if rope else 2
     if rope:  # a rotating program holds whole pairs: BLOCK_N even and dividing the head dim

@@ -288,9 +288,10 @@ class Session:
         import transformers
 
         from . import harness as H
+        from . import measure as M
         from .report import Report
 
-        self.H, self.torch, self.args = H, torch, args
+        self.H, self.M, self.torch, self.args = H, M, torch, args
         transformers.utils.logging.set_verbosity_error()
         if args.device == "cpu" or not torch.cuda.is_available():
             self.device = torch.device("cpu")
@@ -298,11 +299,11 @@ class Session:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_gpu = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.on_gpu else torch.float32
-        out = Path(args.out.replace("{gpu}", H.gpu_slug(self.device)))
-        env = H.environment(self.device)
+        out = Path(args.out.replace("{gpu}", M.gpu_slug(self.device)))
+        env = M.environment(self.device)
         self.report = Report(out, args.command, [PROG, *argv], vars(args), env)
         self.budget = H.Budget(args.budget_seconds)
-        self.sampler = H.NvmlSampler(self.device)
+        self.sampler = M.NvmlSampler(self.device)
         if not self.sampler.available:
             self.report.note(f"NVML sampling off ({self.sampler.reason}): peak memory is the PyTorch "
                              "allocator's only")
@@ -359,7 +360,7 @@ class Session:
             del e
         row.update(watch.result)
         row["seconds"] = time.perf_counter() - start
-        row["time"] = H.now_iso()
+        row["time"] = self.M.now_iso()
         self.budget.note(kind, row["seconds"])
         H.release()
         self.report.add(row)
@@ -388,7 +389,7 @@ class Session:
         """Copy bandwidth measured now (the floor's denominator), or None with the reason."""
         H = self.H
         try:
-            bw = H.copy_bandwidth(self.device)
+            bw = self.M.copy_bandwidth(self.device)
         except H.Skip as e:
             bw = {"reason": str(e)}
         except Exception as e:

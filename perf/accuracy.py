@@ -114,7 +114,7 @@ class Method:
     """One cache method: ``MiniKVConfig`` fields on top of the capacity the harness sets.
 
     ``match_bytes_of``: the budget is not given but chosen per task and prompt length as the
-    largest whose prompt KV bytes (DESIGN.md's formula) do not exceed that method's.
+    largest whose prompt KV bytes (docs/algorithm.md, KV bytes) do not exceed that method's.
     """
 
     name: str
@@ -199,7 +199,7 @@ def sweep_methods(selections: Sequence[str]) -> List[Method]:
     return out
 
 
-# -- KV bytes (DESIGN.md section 2, the paper's Appendix I) ---------------------------------------
+# -- KV bytes (docs/algorithm.md, KV bytes; the paper's Appendix I) -------------------------------
 
 
 def kv_bytes(config: MiniKVConfig, num_layers: int, width: int, prompt_len: int, new_tokens: int) -> int:
@@ -819,7 +819,8 @@ class Run:
                  samples: Dict[str, List[dict]], out_dir: Path, device: torch.device,
                  dtype: torch.dtype, compile: bool, cuda_graphs: bool, budget_s: Optional[float],
                  argv: Sequence[str]):
-        from .harness import Budget, environment
+        from .harness import Budget
+        from .measure import environment
 
         self.part, self.subject, self.plan, self.methods = part, subject, plan, list(methods)
         self.samples, self.out_dir, self.device, self.dtype = samples, Path(out_dir), device, dtype

@@ -18,14 +18,15 @@ The eager call (Python and launch overhead included) is reported too.
 
 Bytes read by our op: K and V codes, their fp16 scales and zeros, the ring (model dtype), q, out
 and lens. Achieved TB/s is that over the graph time; "of copy" divides it by the device-to-device
-copy bandwidth (read + write bytes of a 1 GiB ``dst.copy_(src)``) measured in the same run.
+copy bandwidth measured in the same run (``measure.copy_bandwidth``: read + write bytes of a 1 GiB
+``dst.copy_(src)``, the fastest of 5 block medians of 40 copies, as in the evidence tool).
 Targets (H100/H200): >= 60% of copy bandwidth on large rows; B 8, 16k quantized (bits 2) <= 0.25x
 of SDPA over 32k.
 
-``--tune`` times a grid of (BLOCK_N, num_warps, num_stages) and splits around the defaults for
-each row of the first table and prints the best per row.
+``--tune`` times a grid of (BLOCK_N, num_warps, num_stages) of the Triton kernel's plan and split
+counts around the best for each row of the first table and prints the best per row.
 
-``--variants`` times the quantized-region paths and launch variants of ``VARIANTS`` side by side
+``--variants`` times the two kernels and launch variants of ``VARIANTS`` side by side
 on ``VARIANT_CASES`` (same timing method, one cache set per case shared by all variants), checks
 each against the reference on the B 8 rows, and prints one table; about a minute on an H200,
 most of it compiling.
@@ -34,16 +35,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import math
 import sys
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from minikv_compile.perf._bench import environment, median_ms, write_json
+from minikv_compile.ops import attention_decode as da
+from minikv_compile.ops._checks import sm_count
+from minikv_compile.perf.measure import (copy_bandwidth, graph_ms, median_ms, replicas,
+                                         row_environment, write_json)
 
 H_Q, H_KV, D, RING, GROUP = 32, 8, 128, 128, 16
 BATCHES = (1, 8, 32, 64)
@@ -162,37 +164,6 @@ def sdpa_bytes(cfg: ExperimentConfig) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _graph_ms(calls: Sequence[Callable[[], object]]) -> float:
-    """Median ms per call of a CUDA graph that runs ``calls`` once each (already warmed up)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = median_ms(graph.replay, warmup=10, rep=100) / len(calls)
-    del graph
-    return ms
-
-
-def _replicas(nbytes: int) -> int:
-    """Cache copies needed so that one graph replay reads >= 3x L2 from HBM."""
-    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    return max(1, min(64, math.ceil(3 * l2 / max(nbytes, 1))))
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (do_bench median)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), warmup=10, rep=100)
-    return 2 * nbytes / (ms * 1e-3)
-
-
 def _sdpa_callable(q, k, v) -> Tuple[Callable[[], torch.Tensor], bool]:
     """Decode SDPA (q: (B, H_q, 1, D)) pinned to FlashAttention; (call, K/V expanded?)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -220,66 +191,42 @@ def _free_bytes() -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch_config(cfg: ExperimentConfig, **override) -> Tuple[object, ...]:
-    """(path, BLOCK_N, num_warps, num_stages, NUM_SPLITS, maxnreg, BLOCK_H, prefetch) the op uses
-    for ``cfg``, or with launcher overrides (``dequant`` included); maxnreg 0 means no cap. With
-    the "fragments" path the launch fields are those of the ring's Triton program."""
-    da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
-
-    dtype = getattr(torch, cfg.dtype)
-    sm_count = da.sm_count_of(torch.device("cuda"))
-    dequant = da._resolve_dequant(override.get("dequant", "auto"), torch.device("cuda"), dtype,
-                                  cfg.bits, cfg.group_size, cfg.D, cfg.B, cfg.H_q, cfg.H_kv,
-                                  cfg.n_quant, sm_count)
-    fragments = dequant == da.FRAGMENTS
-    bn, warps, stages, maxnreg, min_block_h, prefetch = da._default_config(
-        cfg.bits, cfg.group_size, cfg.D, dtype, da.DEQUANT_PATHS[0] if fragments else dequant)
-    bn = override.get("block_n") or bn
-    if override.get("num_warps") not in (None, warps):
-        warps, maxnreg = override["num_warps"], None  # the default cap is sized for its warps
-    stages = override.get("num_stages") or stages
-    if override.get("maxnreg") is not None:
-        maxnreg = override["maxnreg"]
-    splits = override.get("num_splits") or da._splits(
-        fragments, cfg.B, cfg.H_kv, cfg.n_quant, bn, sm_count)
-    block_h = override.get("block_h") or max(min_block_h,
-                                             1 << (cfg.H_q // cfg.H_kv - 1).bit_length())
-    if override.get("prefetch") is not None:
-        prefetch = override["prefetch"]
-    return dequant, bn, warps, stages, splits, maxnreg or 0, block_h, int(prefetch)
+def _plan(cfg: ExperimentConfig, kernel: Optional[str] = None) -> "da._Plan":
+    """The launch the op runs for ``cfg`` (``kernel``: that kernel instead)."""
+    return da._plan(torch.device("cuda"), getattr(torch, cfg.dtype), cfg.bits, cfg.group_size,
+                    cfg.D, cfg.B, cfg.H_q, cfg.H_kv, cfg.n_quant, sm_count(torch.device("cuda")),
+                    kernel)
 
 
-def _describe(launch: Tuple[object, ...]) -> str:
-    return ("{} BLOCK_N={} warps={} stages={} NUM_SPLITS={} maxnreg={} BLOCK_H={} prefetch={}"
-            .format(*launch))
+def _describe(plan) -> str:
+    return " ".join(f"{k}={v}" for k, v in plan._asdict().items())
 
 
 def run_experiment(cfg: ExperimentConfig, copy_bps: float, check: bool = False
                    ) -> ExperimentResult:
     from minikv_compile.ops import decode_attention
-    from minikv_compile.ops.decode_attention import decode_attention_ref
 
     nbytes, sbytes = bytes_read(cfg), sdpa_bytes(cfg)
-    replicas = _replicas(nbytes)
+    n_copies = replicas(nbytes)
     empty = dict(ms=None, eager_ms=None, tb_per_s=None, fraction_of_copy=None, sdpa_ms=None,
                  sdpa_tb_per_s=None, ratio=None, sdpa_kv_expanded=False, max_abs_diff_vs_ref=None)
-    if nbytes * replicas > MEMORY_FRACTION * _free_bytes():
-        return ExperimentResult(cfg, bytes_read=nbytes, replicas=replicas, sdpa_bytes=sbytes,
+    if nbytes * n_copies > MEMORY_FRACTION * _free_bytes():
+        return ExperimentResult(cfg, bytes_read=nbytes, replicas=n_copies, sdpa_bytes=sbytes,
                                 launch_config="", skipped="cache exceeds free memory", **empty)
 
     dtype = getattr(torch, cfg.dtype)
     scale = cfg.D ** -0.5
     q = torch.randn(cfg.B, cfg.H_q, cfg.D, dtype=dtype, device="cuda")
-    caches = [_cache(cfg) for _ in range(replicas)]
+    caches = [_cache(cfg) for _ in range(n_copies)]
     calls = [lambda c=c: decode_attention(q, *c, scale, cfg.bits, cfg.group_size) for c in caches]
     calls[0]()  # compile outside any timing
     torch.cuda.synchronize()
     diff = None
     if check:
-        ref = decode_attention_ref(q, *caches[0], scale, cfg.bits, cfg.group_size)
+        ref = da.decode_attention_ref(q, *caches[0], scale, cfg.bits, cfg.group_size)
         diff = (calls[0]().float() - ref.float()).abs().max().item()
         del ref
-    ms = _graph_ms(calls)
+    ms = graph_ms(calls)
     eager_ms = median_ms(calls[0], warmup=10, rep=100)
     del calls, caches
     torch.cuda.empty_cache()
@@ -287,7 +234,7 @@ def run_experiment(cfg: ExperimentConfig, copy_bps: float, check: bool = False
     sdpa_ms = None
     expanded = False
     sq = q.view(cfg.B, cfg.H_q, 1, cfg.D)
-    sdpa_replicas = _replicas(sbytes)
+    sdpa_replicas = replicas(sbytes)
     if sbytes * sdpa_replicas <= MEMORY_FRACTION * _free_bytes():
         kvs = [(torch.randn(cfg.B, cfg.H_kv, cfg.sdpa_tokens, cfg.D, dtype=dtype, device="cuda"),
                 torch.randn(cfg.B, cfg.H_kv, cfg.sdpa_tokens, cfg.D, dtype=dtype, device="cuda"))
@@ -296,18 +243,18 @@ def run_experiment(cfg: ExperimentConfig, copy_bps: float, check: bool = False
         for k, v in kvs:
             call, expanded = _sdpa_callable(sq, k, v)
             sdpa_calls.append(call)
-        sdpa_ms = _graph_ms(sdpa_calls)
+        sdpa_ms = graph_ms(sdpa_calls)
         del kvs, sdpa_calls
         torch.cuda.empty_cache()
 
     tbps = nbytes / (ms * 1e-3) / 1e12
     return ExperimentResult(
         config=cfg, ms=ms, eager_ms=eager_ms, bytes_read=nbytes, tb_per_s=tbps,
-        fraction_of_copy=tbps * 1e12 / copy_bps, replicas=replicas,
+        fraction_of_copy=tbps * 1e12 / copy_bps, replicas=n_copies,
         sdpa_ms=sdpa_ms, sdpa_bytes=sbytes,
         sdpa_tb_per_s=sbytes / (sdpa_ms * 1e-3) / 1e12 if sdpa_ms else None,
         ratio=ms / sdpa_ms if sdpa_ms else None, sdpa_kv_expanded=expanded,
-        max_abs_diff_vs_ref=diff, launch_config=_describe(_launch_config(cfg)),
+        max_abs_diff_vs_ref=diff, launch_config=_describe(_plan(cfg)),
         skipped=None if sdpa_ms else "SDPA: uncompressed K/V exceed free memory")
 
 
@@ -319,74 +266,73 @@ _CANDIDATES = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2,
 
 
 def tune(cfg: ExperimentConfig) -> None:
-    """Time (BLOCK_N, warps, stages) candidates, then halve/double NUM_SPLITS of the best."""
-    da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
-
+    """Time (BLOCK_N, warps, stages) candidates of the Triton kernel's plan, then the split
+    counts around the best."""
     nbytes = bytes_read(cfg)
-    replicas = _replicas(nbytes)
-    if nbytes * replicas > MEMORY_FRACTION * _free_bytes():
+    n_copies = replicas(nbytes)
+    if nbytes * n_copies > MEMORY_FRACTION * _free_bytes():
         print(f"\n{cfg.name}: skipped (cache exceeds free memory)")
         return
     dtype = getattr(torch, cfg.dtype)
     scale = cfg.D ** -0.5
     q = torch.randn(cfg.B, cfg.H_q, cfg.D, dtype=dtype, device="cuda")
-    caches = [_cache(cfg) for _ in range(replicas)]
-    expected = da._decode_attention_triton(q, *caches[0], scale, cfg.bits, cfg.group_size)
+    caches = [_cache(cfg) for _ in range(n_copies)]
+    base = _plan(cfg, da.SPLIT)
+    expected = da._decode_attention_triton(q, *caches[0], scale, cfg.bits, cfg.group_size, base)
 
-    def time_config(**kw) -> Optional[float]:
-        kw = {"dequant": "half2", **kw}  # the Triton kernel's launch choices
+    def time_plan(plan) -> Optional[float]:
         try:
-            out = da._decode_attention_triton(q, *caches[0], scale, cfg.bits, cfg.group_size, **kw)
+            out = da._decode_attention_triton(q, *caches[0], scale, cfg.bits, cfg.group_size, plan)
         except Exception as err:  # invalid for this shape (block vs group) or out of resources
-            print(f"  skip {kw}: {type(err).__name__}: {str(err).splitlines()[0][:80]}")
+            print(f"  skip {_describe(plan)}: {type(err).__name__}: "
+                  f"{str(err).splitlines()[0][:80]}")
             return None
         if not torch.allclose(out.float(), expected.float(), rtol=2e-2, atol=2e-2):
-            print(f"  skip {kw}: output differs from the default configuration")
+            print(f"  skip {_describe(plan)}: output differs from the default configuration")
             return None
-        return _graph_ms([lambda c=c: da._decode_attention_triton(
-            q, *c, scale, cfg.bits, cfg.group_size, **kw) for c in caches])
+        return graph_ms([lambda c=c: da._decode_attention_triton(
+            q, *c, scale, cfg.bits, cfg.group_size, plan) for c in caches])
 
-    print(f"\ntuning {cfg.name}; default {_describe(_launch_config(cfg))}")
-    base_ms = time_config()
+    print(f"\ntuning {cfg.name}; default {_describe(base)}")
+    base_ms = time_plan(base)
     print(f"  default: {base_ms:.4f} ms")
     timings = []
     for bn, warps, stages in _CANDIDATES:
-        kw = dict(block_n=bn, num_warps=warps, num_stages=stages)
-        ms = time_config(**kw)
+        # the default register cap is sized for the default warps
+        plan = base._replace(block_n=bn, num_warps=warps, num_stages=stages,
+                             maxnreg=base.maxnreg if warps == base.num_warps else None)
+        ms = time_plan(plan)
         if ms is not None:
-            timings.append((ms, kw))
-            print(f"  {kw}: {ms:.4f} ms")
+            timings.append((ms, plan))
+            print(f"  {_describe(plan)}: {ms:.4f} ms")
     best_ms, best = min(timings, key=lambda t: t[0])
-    splits = _launch_config(cfg, dequant="half2", **best)[4]
+    splits = best.num_splits
     around = {splits // 2, splits - 2, splits - 1, splits + 1, splits + 2, splits * 3 // 2,
               splits * 2}
-    launch = best
-    for n in sorted(n for n in around if 1 <= n <= 128 and n != splits):
-        ms = time_config(**launch, num_splits=n)
+    for n in sorted(n for n in around if 1 <= n <= da.MAX_SPLITS and n != splits):
+        ms = time_plan(best._replace(num_splits=n))
         if ms is not None:
-            print(f"  {launch} num_splits={n}: {ms:.4f} ms")
+            print(f"  num_splits={n}: {ms:.4f} ms")
             if ms < best_ms:
-                best_ms, best = ms, {**launch, "num_splits": n}
-    print(f"best for {cfg.name}: {best_ms:.4f} ms ({base_ms / best_ms:.2f}x the default)  {best}")
+                best_ms, best = ms, best._replace(num_splits=n)
+    print(f"best for {cfg.name}: {best_ms:.4f} ms ({base_ms / best_ms:.2f}x the default)  "
+          f"{_describe(best)}")
 
 
 # ---------------------------------------------------------------------------------------------
 # --variants
 # ---------------------------------------------------------------------------------------------
 
-# (name, keyword arguments of ops.decode_attention._decode_attention_triton). "fp32" is the first
-# version (fp32 FMA dequantization, model-dtype dots); "half2" the default (packed fp16x2
-# dequantization, fp16 dots); the others vary one launch choice of the default each, to show
-# which resource binds: registers (no cap: 4 instead of 5 programs per SM) and shared-memory
-# traffic (codes staged by cp.async, or loaded into registers one block ahead: the default for
-# bits 2).
-VARIANTS: List[Tuple[str, dict]] = [
-    ("fp32", dict(dequant="fp32")),
-    ("fragments (Gluon)", dict(dequant="fragments")),
-    ("half2", dict(dequant="half2")),
-    ("half2 no reg cap", dict(dequant="half2", maxnreg=0)),
-    ("half2 cp.async staging", dict(dequant="half2", prefetch=False, num_stages=3)),
-    ("half2 register prefetch", dict(dequant="half2", prefetch=True, num_stages=1)),
+# (name, the kernel, fields of its plan replaced): the Gluon kernel, the Triton kernel, and the
+# Triton kernel with one launch choice changed each, to show which resource binds: registers (no
+# cap: 4 instead of 5 programs per SM) and shared-memory traffic (codes staged by cp.async, or
+# loaded into registers one block ahead: the default for bits 2).
+VARIANTS: List[Tuple[str, str, dict]] = [
+    ("fragments (Gluon)", "fragments", {}),
+    ("split (Triton)", "split", {}),
+    ("split no reg cap", "split", dict(maxnreg=None)),
+    ("split cp.async staging", "split", dict(prefetch=False, num_stages=3)),
+    ("split register prefetch", "split", dict(prefetch=True, num_stages=1)),
 ]
 VARIANT_CASES = [ExperimentConfig(8, 16384, 2), ExperimentConfig(8, 16384, 4),
                  ExperimentConfig(8, 16384, 16), ExperimentConfig(1, 16384, 2),
@@ -401,7 +347,7 @@ class VariantResult:
     ms: Optional[float]
     tb_per_s: Optional[float]
     fraction_of_copy: Optional[float]
-    speedup_vs_first: Optional[float]   # VARIANTS[0] ms / this ms
+    speedup_vs_first: Optional[float]   # the first variant's ms / this ms
     ratio_vs_sdpa: Optional[float]
     sdpa_ms: Optional[float]
     max_abs_diff_vs_ref: Optional[float]
@@ -409,45 +355,44 @@ class VariantResult:
 
 
 def run_variants(cfg: ExperimentConfig, copy_bps: float) -> List[VariantResult]:
-    """Every entry of VARIANTS on one cache set of ``cfg`` (bits 16: one row, the default launch;
-    the variants differ only in the quantized path), plus SDPA over the uncompressed context.
-    A variant that fails to compile or launch gets a row saying why; the others still run."""
-    da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
-
+    """Every entry of VARIANTS on one cache set of ``cfg`` (bits 16: one row, the default plan),
+    plus SDPA over the uncompressed context. A variant that does not cover the case, or fails to
+    compile or launch, gets a row saying why; the others still run."""
     nbytes = bytes_read(cfg)
-    replicas = _replicas(nbytes)
-    if nbytes * replicas > MEMORY_FRACTION * _free_bytes():
+    n_copies = replicas(nbytes)
+    if nbytes * n_copies > MEMORY_FRACTION * _free_bytes():
         return [VariantResult(cfg, "-", "", None, None, None, None, None, None, None,
                               "cache exceeds free memory")]
     dtype = getattr(torch, cfg.dtype)
     scale = cfg.D ** -0.5
     q = torch.randn(cfg.B, cfg.H_q, cfg.D, dtype=dtype, device="cuda")
-    caches = [_cache(cfg) for _ in range(replicas)]
+    caches = [_cache(cfg) for _ in range(n_copies)]
     ref = None
     if cfg.B == 8:  # the reference loops over slots on the host: cheap only for small batches
         ref = da.decode_attention_ref(q, *caches[0], scale, cfg.bits, cfg.group_size).float()
 
     sdpa_ms = None
     sbytes = sdpa_bytes(cfg)
-    sdpa_replicas = _replicas(sbytes)
+    sdpa_replicas = replicas(sbytes)
     if sbytes * sdpa_replicas <= MEMORY_FRACTION * _free_bytes():
         sq = q.view(cfg.B, cfg.H_q, 1, cfg.D)
         kvs = [(torch.randn(cfg.B, cfg.H_kv, cfg.sdpa_tokens, cfg.D, dtype=dtype, device="cuda"),
                 torch.randn(cfg.B, cfg.H_kv, cfg.sdpa_tokens, cfg.D, dtype=dtype, device="cuda"))
                for _ in range(sdpa_replicas)]
-        sdpa_ms = _graph_ms([_sdpa_callable(sq, k, v)[0] for k, v in kvs])
+        sdpa_ms = graph_ms([_sdpa_callable(sq, k, v)[0] for k, v in kvs])
         del kvs
         torch.cuda.empty_cache()
 
     results: List[VariantResult] = []
     first_ms = None
-    for name, kw in ([("(no quantized path)", {})] if cfg.bits == 16 else VARIANTS):
+    variants = [("(no quantized path)", None, {})] if cfg.bits == 16 else VARIANTS
+    for name, kernel, fields in variants:
         launch = ""
-        calls = [lambda c=c, kw=kw: da._decode_attention_triton(q, *c, scale, cfg.bits,
-                                                                cfg.group_size, **kw)
-                 for c in caches]
         try:
-            launch = _describe(_launch_config(cfg, **kw))  # refuses what the path cannot run
+            plan = _plan(cfg, kernel)._replace(**fields)  # refuses what the kernel cannot run
+            launch = _describe(plan)
+            calls = [lambda c=c, plan=plan: da._decode_attention_triton(
+                q, *c, scale, cfg.bits, cfg.group_size, plan) for c in caches]
             out = calls[0]()  # compile outside any timing
             torch.cuda.synchronize()
         except Exception as err:  # e.g. out of shared memory for this shape: report, go on
@@ -456,13 +401,13 @@ def run_variants(cfg: ExperimentConfig, copy_bps: float) -> List[VariantResult]:
                                          sdpa_ms, None, msg))
             continue
         diff = (out.float() - ref).abs().max().item() if ref is not None else None
-        ms = _graph_ms(calls)
+        ms = graph_ms(calls)
         first_ms = first_ms or ms
         tbps = nbytes / (ms * 1e-3) / 1e12
         results.append(VariantResult(
             cfg, name, launch, ms, tbps, tbps * 1e12 / copy_bps, first_ms / ms,
             ms / sdpa_ms if sdpa_ms else None, sdpa_ms, diff, None))
-        print(f"  {cfg.name:<26} {name:<22} {ms:.4f} ms"
+        print(f"  {cfg.name:<26} {name:<24} {ms:.4f} ms"
               + (f", max |out - ref| {diff:.2e}" if diff is not None else ""), flush=True)
     del caches
     torch.cuda.empty_cache()
@@ -471,7 +416,7 @@ def run_variants(cfg: ExperimentConfig, copy_bps: float) -> List[VariantResult]:
 
 def print_variant_table(results: List[VariantResult], copy_bps: float) -> None:
     print(f"\ndevice-to-device copy: {copy_bps / 1e12:.2f} TB/s (read + write); "
-          f"'x first' = {VARIANTS[0][0]} ms / ms")
+          f"'x first' = the case's first variant's ms / ms")
     header = (f"{'case':<26} {'variant':<22} {'ms':>8} {'TB/s':>6} {'of copy':>7} "
               f"{'x first':>7} {'sdpa ms':>8} {'/sdpa':>6} {'|out-ref|':>9}  launch")
     print(header)
@@ -536,7 +481,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_decode_attention: needs a CUDA GPU; none found, nothing measured.")
         return 1
 
-    env = environment()
+    env = row_environment()
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  driver {env['driver']}")
     configs = get_configs(args.bits)
     if args.tune:
@@ -549,7 +494,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.cuda.empty_cache()
         return 0
 
-    copy_bps = copy_bandwidth()
+    copy_bps = copy_bandwidth(torch.device("cuda"))["bytes_per_s"]
     torch.cuda.empty_cache()
     if args.variants:
         variant_results: List[VariantResult] = []

@@ -30,7 +30,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from minikv_compile.perf._bench import environment, median_ms, write_json
+from minikv_compile.perf.measure import median_ms, nvml_peak_gbps, row_environment, write_json
 
 RING = 128
 
@@ -92,19 +92,6 @@ def _graphed(fn: Callable[[], object]) -> Callable[[], None]:
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
-
-
-def _peak_gbps() -> Optional[float]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM)
-        bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(handle)
-        return mhz * 1e6 * 2 * bus_bits / 8 / 1e9   # double data rate
-    except Exception:  # NVML missing or not permitted: report without the fraction
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +246,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_quant: needs a CUDA GPU; none found, nothing measured.")
         return 1
 
-    env = environment()
-    peak = _peak_gbps()
+    env = row_environment()
+    peak = nvml_peak_gbps()
     peak_note = f"  peak {peak:.0f} GB/s (NVML)" if peak else "  peak unknown (no NVML)"
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  driver {env['driver']}"
           + peak_note)

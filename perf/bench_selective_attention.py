@@ -11,9 +11,9 @@ that refuses GQA is retried on K/V expanded to H_q heads *outside* the timed reg
 ``sdpa_kv_expanded``); one that refuses both records ``"error: ..."``. ``ratio`` divides our
 time by the fastest backend's (``baseline_backend``); every backend's time is in
 ``sdpa_backends``. ``default_backend_choice`` is what SDPA's default selection picks for these
-inputs. ANCHORS.md's SDPA causal-prefill figures (H200, torch 2.11: 0.89 ms at 8k, 12.86 ms at
-32k) are printed as a reference column (``anchor_sdpa_ms``): they come from another run, so
-compare ratios only within one run.
+inputs. SDPA's causal-prefill times from an earlier measurement on one H200 (torch 2.11: 0.89 ms
+at 8k, 12.86 ms at 32k) are printed as a reference column (``anchor_sdpa_ms``): they come from
+another run, so compare ratios only within one run.
 
 Reported per shape: median milliseconds (``triton.testing.do_bench``, L2 flushed before each
 call), the ratio to the fastest SDPA, the achieved TFLOP/s (causal FLOPs: SDPA does q k^T and
@@ -29,7 +29,7 @@ Targets (H100/H200): ratio <= 2.0 at 8k and 32k, extra memory beyond out < 16 Mi
 {32, 64, 128}, num_warps in {4, 8}, num_stages in {2, 3, 4}; pass 2 also tries 256-key
 blocks) at each length of ``--tune-lengths`` for the head dims of ``--tune-dims``, and prints
 the best config of each pass at each length plus the one with the best geometric mean over the
-lengths, as ``_PassConfig`` lines to paste into ``ops/selective_attention.py``. Every config is
+lengths, as ``_PassConfig`` lines to paste into ``ops/attention_prefill.py``. Every config is
 compiled first by ``--tune-jobs`` worker processes (filling Triton's on-disk cache), then
 checked against the default config's results and timed; the search stops starting configs once
 ``--tune-budget-s`` is spent.
@@ -48,7 +48,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from minikv_compile.perf._bench import environment, median_ms, write_json
+from minikv_compile.ops import attention_prefill as sa
+from minikv_compile.perf.measure import median_ms, row_environment, write_json
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,8 @@ class ExperimentResult:
     pass2_config: Tuple[int, ...] = ()
 
 
-# SDPA causal prefill measured in ANCHORS.md (one H200, torch 2.11.0+cu130, B=1, 32 q / 8 KV
-# heads, D=128, bf16), keyed by (L, H_q, H_kv, D, B).
+# SDPA causal prefill measured before this benchmark existed (one H200, torch 2.11.0+cu130, B=1,
+# 32 q / 8 KV heads, D=128, bf16), keyed by (L, H_q, H_kv, D, B).
 ANCHOR_SDPA_MS = {(8192, 32, 8, 128, 1): 0.89, (32768, 32, 8, 128, 1): 12.86}
 
 # name -> torch.nn.attention.SDPBackend member name (None: SDPA's default selection).
@@ -118,11 +119,6 @@ def get_configs() -> List[ExperimentConfig]:
 def causal_flops(cfg: ExperimentConfig, matmuls: int) -> float:
     """FLOPs of ``matmuls`` causal (L x L lower triangle) x D matmuls over all query heads."""
     return 2.0 * matmuls * cfg.B * cfg.H_q * cfg.D * cfg.L * (cfg.L + 1) / 2
-
-
-def _sa_module():
-    # ``minikv_compile.ops.selective_attention`` the attribute is the function; this is the module.
-    return importlib.import_module("minikv_compile.ops.selective_attention")
 
 
 def _inputs(cfg: ExperimentConfig, device: str = "cuda"
@@ -220,7 +216,6 @@ def _default_backend_choice(q, k, v) -> str:
 def run_experiment(cfg: ExperimentConfig) -> ExperimentResult:
     from minikv_compile.ops import selective_attention
 
-    sa = _sa_module()
     q, k, v = _inputs(cfg)
     scale = 1 / math.sqrt(cfg.D)
     torch.cuda.synchronize()
@@ -311,13 +306,11 @@ PRECOMPILE_L = 512
 
 
 def _grid_configs(grid):
-    sa = _sa_module()
     return [sa._PassConfig(*entry) for entry in grid]
 
 
 def _run_pass(which: str, q, k, v, lse, scale: float, config):
     """One launch of pass ``which`` ("fwd": returns (out, lse); "scores": returns scores)."""
-    sa = _sa_module()
     if which == "fwd":
         return sa._selective_attention_triton(q, k, v, scale, fwd_config=config, fwd_only=True)
     return sa._launch_scores(q, k, lse, scale * sa._LOG2E, config)
@@ -331,7 +324,6 @@ def _precompile_worker(task) -> List[Tuple[str, int, tuple, Optional[str]]]:
     """
     items, = task
     torch.cuda.init()
-    sa = _sa_module()
     inputs = {}
     results = []
     for which, D, entry in items:
@@ -391,7 +383,6 @@ def _geomean(values: Sequence[float]) -> float:
 
 def _tune_pass(which: str, D: int, lengths: Sequence[int], grid, deadline: float) -> dict:
     """Time every config of ``grid`` for pass ``which`` at each length; returns a summary."""
-    sa = _sa_module()
     H_q, H_kv = TUNE_SHAPES[D]
     fwd_default, scores_default = sa._default_configs(D, torch.device("cuda"))
     default = fwd_default if which == "fwd" else scores_default
@@ -530,7 +521,7 @@ def print_table(results: List[ExperimentResult]) -> None:
             + ("  (SDPA on expanded K/V)" if r.kv_expanded else "")
         )
     print("\nSDPA by backend (ms; * = K/V expanded outside the timed region; "
-          "anchor = ANCHORS.md, H200, another run):")
+          "anchor = an earlier H200 run):")
     names = list(SDPA_BACKENDS)
     print(f"{'shape':<30} " + " ".join(f"{n:>10}" for n in names) + f" {'picks':>16} {'anchor':>7}")
     errors = []
@@ -570,7 +561,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_selective_attention: needs a CUDA GPU; none found, nothing measured.")
         return 1
 
-    env = environment()
+    env = row_environment()
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  driver {env['driver']}"
           f"  git {env['git_sha']}")
     if args.tune:

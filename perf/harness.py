@@ -7,9 +7,12 @@ What lives here, in reading order:
 - the compared methods and one runner per kind (HF ``generate`` with ``DynamicCache`` or
   ``StaticCache``, this engine under a ``MiniKVConfig``), all driven through the same calls;
 - timing helpers: decode ms/token without host syncs, streamed per-token latency, prefill;
-- the memory side: an NVML sampler thread, the allocator's peak, predicted per-sequence bytes;
-- the physical floor: copy bandwidth measured in the same run, weight and KV bytes read per step;
-- the environment block (GPU, driver, clocks, power, versions, git sha, time) and the budget clock.
+- the memory side: the allocator's peak beside the NVML sampler, predicted per-sequence bytes;
+- the physical floor: weight and KV bytes read per step (over the copy bandwidth of
+  ``measure.copy_bandwidth``, measured in the same run);
+- the budget clock.
+
+Timing primitives, the copy bandwidth, NVML and the environment record live in ``measure``.
 
 Only the public API of ``minikv_compile`` is used (plus ``models.smollm2.load_smollm2`` for the
 real model); HF baselines are what a user would run, not re-implementations.
@@ -19,22 +22,17 @@ from __future__ import annotations
 import gc
 import math
 import os
-import platform
 import statistics
-import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
 from minikv_compile import MiniKVConfig, minikv_compile
 
-GiB = 1 << 30
+from .measure import NvmlSampler, Skip
 
 # -- model shapes -------------------------------------------------------------------------------
 
@@ -77,10 +75,6 @@ SHAPES: Dict[str, ModelShape] = {
                         max_position_embeddings=8192, tie_word_embeddings=False)),
     )
 }
-
-
-class Skip(Exception):
-    """A measurement that does not apply here; its message is the reason recorded."""
 
 
 def smollm2_available() -> Optional[str]:
@@ -531,103 +525,6 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-def _nvml():
-    """The pynvml module, initialized, or raises with the reason it is unusable."""
-    import pynvml  # nvidia-ml-py
-
-    pynvml.nvmlInit()
-    return pynvml
-
-
-def _nvml_handle(pynvml, device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    bus = getattr(props, "pci_bus_id", None)
-    if bus is not None:  # match by PCI address: CUDA_VISIBLE_DEVICES may renumber devices
-        addr = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
-        try:
-            return pynvml.nvmlDeviceGetHandleByPciBusId(addr)
-        except Exception:
-            pass
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [v for v in visible.split(",") if v.strip().isdigit()]
-    return pynvml.nvmlDeviceGetHandleByIndex(int(ids[index]) if index < len(ids) else index)
-
-
-def _try(fn, *args, scale: float = 1.0):
-    try:
-        value = fn(*args)
-    except Exception:
-        return None
-    if isinstance(value, bytes):
-        return value.decode()
-    return value * scale if scale != 1.0 and isinstance(value, (int, float)) else value
-
-
-class NvmlSampler:
-    """Polls device memory used, power and SM clock from NVML in a background thread.
-
-    NVML reports the whole device (every process, the CUDA context, allocator caches); the
-    PyTorch allocator peak reported beside it counts only tensors of this process.
-    """
-
-    def __init__(self, device: torch.device, interval_s: float = 0.01):
-        self.interval_s = interval_s
-        self.reason: Optional[str] = None
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-        self._handle = None
-        if device.type != "cuda":
-            self.reason = "no CUDA device"
-            return
-        try:
-            self._pynvml = _nvml()
-            self._handle = _nvml_handle(self._pynvml, device)
-        except Exception as e:  # ImportError, NVMLError
-            self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
-
-    @property
-    def available(self) -> bool:
-        return self._handle is not None
-
-    def start(self) -> None:
-        if not self.available:
-            return
-        self._samples: List[tuple] = []
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="nvml-sampler", daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        p, h = self._pynvml, self._handle
-        self._samples.append((_try(lambda: p.nvmlDeviceGetMemoryInfo(h).used),
-                              _try(p.nvmlDeviceGetPowerUsage, h, scale=1e-3),
-                              _try(p.nvmlDeviceGetClockInfo, h, p.NVML_CLOCK_SM)))
-
-    def _loop(self) -> None:
-        self._poll()
-        while not self._stop.wait(self.interval_s):
-            self._poll()
-
-    def stop(self) -> Dict[str, object]:
-        if not self.available:
-            return {"nvml": None, "nvml_reason": self.reason}
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._poll()
-        used = [s[0] for s in self._samples if s[0] is not None]
-        power = [s[1] for s in self._samples if s[1] is not None]
-        clock = [s[2] for s in self._samples if s[2] is not None]
-        return {"nvml": {
-            "samples": len(self._samples), "interval_s": self.interval_s,
-            "peak_used_bytes": max(used) if used else None, "start_used_bytes": used[0] if used else None,
-            "max_power_w": max(power) if power else None,
-            "mean_power_w": statistics.fmean(power) if power else None,
-            "max_sm_clock_mhz": max(clock) if clock else None,
-            "min_sm_clock_mhz": min(clock) if clock else None}}
-
-
 class MemoryWatch:
     """Allocator peak (reset on entry) and the NVML sampler around one measurement."""
 
@@ -721,46 +618,6 @@ def hf_bytes_per_sequence(model, method: str, prompt_len: int, new_tokens: int) 
 # -- the floor ----------------------------------------------------------------------------------
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = GiB, blocks: int = 5, per_block: int = 40,
-                   warmup: int = 100) -> Dict[str, object]:
-    """Device-to-device copy bandwidth (bytes read + written per second): ``blocks`` medians of
-    ``per_block`` copies each after ``warmup`` copies (~50 ms each way on an H200), the fastest
-    block's median taken.
-
-    A low copy figure raises the floor and flatters every ratio to it, so a disturbed stretch of
-    copies must not set it: with 3 warm-up copies and 20 timed ones one run's median came out at
-    4.05 TB/s against 4.16-4.22 elsewhere on the same kind of GPU, and with 100 after 100 a first
-    run on a fresh machine still gave 4.16 TB/s (median 515.8 us, slowest copy 611 us) where the
-    next process on it gave 4.21 (``engine_runs_instance_b462d98.txt``). The fastest of several
-    block medians is the conservative figure: the floor it gives is the lowest one measured."""
-    if device.type != "cuda":
-        raise Skip("no CUDA device")
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(warmup):
-        dst.copy_(src)
-    times = []
-    for _ in range(blocks * per_block):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    t, medians = fastest_block_median(times, per_block)
-    return {"bytes_per_s": 2 * nbytes / t, "buffer_bytes": nbytes, "iters": len(times),
-            "blocks": blocks, "per_block": per_block, "median_s": t, "block_medians_s": medians,
-            "min_s": min(times), "max_s": max(times)}
-
-
-def fastest_block_median(times: Sequence[float], per_block: int) -> Tuple[float, List[float]]:
-    """``(the smallest median, every median)`` of consecutive blocks of ``per_block`` times."""
-    medians = [statistics.median(times[i:i + per_block]) for i in range(0, len(times), per_block)]
-    return min(medians), medians
-
-
 def kv_bytes_read(model, method: str, prompt_len: int, generated: int, batch: int) -> int:
     """KV bytes a decode step reads for ``batch`` sequences after ``generated`` new tokens.
 
@@ -804,7 +661,7 @@ def floor_figures(model, method: str, prompt_len: int, batch: int, generated: in
     return out
 
 
-# -- the paper's memory formula (DESIGN.md section 2, Appendix I) ------------------------------
+# -- the paper's memory formula (docs/algorithm.md, KV bytes; the paper's Appendix I) ----------
 
 
 def paper_fp16_kv_bytes(layers: int, width: int, prompt_len: int, new_tokens: int) -> int:
@@ -817,104 +674,6 @@ def paper_minikv_kv_bytes(layers: int, width: int, prompt_len: int, new_tokens: 
     """``H * d * (a_HH + a_RW) * L + H * d * L_gen``: 2-bit codes plus fp16 scale and zero per
     16 values is half a byte per value; K and V together make one byte per kept value."""
     return int(layers * width * ((heavy + recent) * prompt_len + new_tokens))
-
-
-# -- environment --------------------------------------------------------------------------------
-
-
-def _version(module: str) -> Optional[str]:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:
-        return None
-
-
-def git_info(root: Path) -> Dict[str, object]:
-    """Commit sha of the code that ran, and whether the tree differed from it.
-
-    ``$MINIKV_GIT_SHA`` wins (the GPU machine runs an installed copy without ``.git``); else the
-    checkout holding this file, else the current directory's.
-    """
-    sha = os.environ.get("MINIKV_GIT_SHA")
-    if sha:
-        return {"sha": sha, "source": "MINIKV_GIT_SHA"}
-    reason = "not a git checkout"
-    for where in (root, Path.cwd()):
-        try:
-            head = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True,
-                                  text=True, timeout=10)
-            if head.returncode != 0:
-                reason = head.stderr.strip()[-200:] or "git rev-parse failed"
-                continue
-            status = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10)
-            changed = [line for line in status.stdout.splitlines() if line.strip()]
-            return {"sha": head.stdout.strip(), "dirty": bool(changed), "changed_files": len(changed),
-                    "source": str(where)}
-        except Exception as e:  # no git binary
-            reason = f"{type(e).__name__}: {e}"
-    return {"sha": None, "reason": reason}
-
-
-def nvml_info(device: torch.device) -> Dict[str, object]:
-    """Driver, clocks, power and memory of the device as NVML reports them (or why not)."""
-    if device.type != "cuda":
-        return {"available": False, "reason": "no CUDA device"}
-    try:
-        p = _nvml()
-        h = _nvml_handle(p, device)
-    except Exception as e:
-        return {"available": False, "reason": f"{type(e).__name__}: {e}"}
-    clock = lambda kind: _try(p.nvmlDeviceGetClockInfo, h, kind)  # noqa: E731
-    max_clock = lambda kind: _try(p.nvmlDeviceGetMaxClockInfo, h, kind)  # noqa: E731
-    return {
-        "available": True,
-        "name": _try(p.nvmlDeviceGetName, h),
-        "driver_version": _try(p.nvmlSystemGetDriverVersion),
-        "cuda_driver_version": _try(p.nvmlSystemGetCudaDriverVersion),
-        "memory_total_bytes": _try(lambda: p.nvmlDeviceGetMemoryInfo(h).total),
-        "memory_used_bytes": _try(lambda: p.nvmlDeviceGetMemoryInfo(h).used),
-        "sm_clock_mhz": clock(p.NVML_CLOCK_SM), "mem_clock_mhz": clock(p.NVML_CLOCK_MEM),
-        "max_sm_clock_mhz": max_clock(p.NVML_CLOCK_SM), "max_mem_clock_mhz": max_clock(p.NVML_CLOCK_MEM),
-        "power_w": _try(p.nvmlDeviceGetPowerUsage, h, scale=1e-3),
-        "power_limit_w": _try(p.nvmlDeviceGetEnforcedPowerLimit, h, scale=1e-3),
-        "temperature_c": _try(p.nvmlDeviceGetTemperature, h, p.NVML_TEMPERATURE_GPU),
-        "pstate": _try(p.nvmlDeviceGetPerformanceState, h),
-        "persistence_mode": _try(p.nvmlDeviceGetPersistenceMode, h),
-    }
-
-
-def environment(device: torch.device) -> Dict[str, object]:
-    """Everything needed to reproduce or compare a run: time, versions, sha, device, NVML."""
-    root = Path(__file__).resolve().parent.parent
-    dev: Dict[str, object] = {"type": device.type}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        dev.update({"name": props.name, "total_memory_bytes": props.total_memory,
-                    "capability": f"{props.major}.{props.minor}",
-                    "multiprocessors": props.multi_processor_count})
-    else:
-        dev.update({"name": platform.processor() or platform.machine(),
-                    "reason": "no CUDA device" if not torch.cuda.is_available() else "CPU requested"})
-    return {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-        "triton": _version("triton"), "transformers": _version("transformers"),
-        "nvidia_ml_py": _version("nvidia-ml-py"), "minikv_compile": _version("minikv_compile"),
-        "git": git_info(root), "device": dev, "nvml": nvml_info(device),
-    }
-
-
-def gpu_slug(device: torch.device) -> str:
-    """A folder name for the device: "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3"."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
-    return "-".join("".join(c if c.isalnum() else " " for c in name).split()) or "gpu"
 
 
 # -- budget -------------------------------------------------------------------------------------
@@ -956,6 +715,4 @@ def describe_exception(exc: BaseException) -> Dict[str, str]:
     return {"error_type": type(exc).__name__, "reason": msg[:600] or type(exc).__name__}
 
 
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 

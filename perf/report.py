@@ -59,7 +59,7 @@ class Report:
             self.write()
 
     def write(self, elapsed_s: Optional[float] = None) -> None:
-        from .harness import now_iso
+        from .measure import now_iso
 
         self.data["updated"] = now_iso()
         if elapsed_s is not None:

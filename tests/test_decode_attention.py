@@ -7,35 +7,32 @@ Caches are built here from scratch with the contract's quantization math and bit
 Tolerance rule for the kernel (flash-attention's): its max abs error against the fp64 oracle is at
 most twice the max abs error of the same computation done with PyTorch in the model dtype (q, K, V,
 scores, probabilities and output rounded to that dtype), plus 1e-6 for fp32 rounding noise. Every
-kernel test runs each quantized-region path (``DEQUANT_PATHS``): the "half2" path rounds
-differently from the reference (fp16 dots also for bf16 models), so it is held to this rule, never
-to bit-exactness.
+kernel test runs over fp16, bf16 and fp32 models, which covers each path of the Triton kernel
+(bits 16; "half2" for 2/4-bit fp16/bf16 models; fp32 dequantization for fp32 models): the "half2"
+path rounds differently from the reference (fp16 dots also for bf16 models), so it is held to
+this rule, never to bit-exactness.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import List, Optional, Sequence
 
 import pytest
 import torch
 
 from minikv_compile.ops import decode_attention
-from minikv_compile.ops.decode_attention import (
-    DEQUANT_PATHS,
+from minikv_compile.ops import attention_decode as da_module
+from minikv_compile.ops._checks import sm_count
+from minikv_compile.ops.attention_decode import (
     FRAGMENTS,
     MAX_SPLITS,
+    SPLIT,
     _decode_attention_triton,
+    _plan,
     decode_attention_ref,
 )
 
-da_module = importlib.import_module("minikv_compile.ops.decode_attention")  # not the op
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def bits_and_paths(bits_list):
-    """(bits, dequant path) pairs: every path for 2/4 bit, the single path of 16 bit."""
-    return [(b, p) for b in bits_list for p in (DEQUANT_PATHS if b != 16 else DEQUANT_PATHS[:1])]
 
 # rtol for "reference == oracle rounded to the output dtype" (about one unit in the last place).
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 1e-5}
@@ -190,9 +187,19 @@ def assert_within_2x(out: torch.Tensor, q: torch.Tensor, case: Case, scale: floa
     assert err <= 2 * base_err + 1e-6, f"kernel error {err:.3g} vs same-precision {base_err:.3g}"
 
 
-def run_triton(q, case: Case, scale: float, bufs: Optional[List[torch.Tensor]] = None, **kw):
+def launch_plan(q, case: Case, kernel: Optional[str] = None, **fields):
+    """``_plan``'s launch for these shapes (on ``kernel`` when given), ``fields`` replaced."""
+    k_cache, v_cache, k_ring = case.bufs[0], case.bufs[3], case.bufs[6]
+    capacity = k_cache.shape[2] if case.bits == 16 else v_cache.shape[2]
+    plan = _plan(q.device, q.dtype, case.bits, case.group_size, q.shape[2], q.shape[0],
+                 q.shape[1], k_ring.shape[1], capacity, sm_count(q.device), kernel)
+    return plan._replace(**fields)
+
+
+def run_triton(q, case: Case, scale: float, bufs: Optional[List[torch.Tensor]] = None,
+               kernel: Optional[str] = None, **fields):
     return _decode_attention_triton(q, *(bufs or case.bufs), scale, case.bits, case.group_size,
-                                    **kw)
+                                    launch_plan(q, case, kernel, **fields))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,101 +227,96 @@ def test_reference_matches_fp64(batch, b_max, h_kv, gqa, d, capacity, ring, n_qu
     torch.testing.assert_close(out.double(), oracle, rtol=ULP[dtype], atol=1e-5)
 
 
-@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
+@pytest.mark.parametrize("bits", [2, 4, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,b_max,h_kv,gqa,d,capacity,ring,n_quant,n_ring", SHAPES)
 def test_triton_matches_reference(batch, b_max, h_kv, gqa, d, capacity, ring, n_quant, n_ring,
-                                  bits, dtype, dequant):
+                                  bits, dtype):
     case = make_case(batch, b_max, h_kv, d, capacity, ring, bits, 16, dtype, n_quant, n_ring)
     q = torch.randn(batch, h_kv * gqa, d).to(dtype)
     # 3 splits over 64 tokens in blocks of 16: some splits get one block, some none.
-    out = run_triton(q, case, d ** -0.5, dequant=dequant, num_splits=3, block_n=16)
+    out = run_triton(q, case, d ** -0.5, num_splits=3, block_n=16)
     assert out.dtype == dtype and out.shape == q.shape
     assert_within_2x(out, q, case, d ** -0.5)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (1, 64), (2, 32), (5, 16), (64, 16)])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_triton_split_and_block_configs(num_splits, block_n, bits, dequant):
+def test_triton_split_and_block_configs(num_splits, block_n, bits, dtype):
     # n_quant = 80 is not a multiple of any block above 16: the last block is partial.
-    case = make_case(2, 2, 2, 64, 128, 32, bits, 16, torch.float16, [80, 128], [32, 3])
-    q = torch.randn(2, 8, 64).half()
-    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=num_splits, block_n=block_n)
+    case = make_case(2, 2, 2, 64, 128, 32, bits, 16, dtype, [80, 128], [32, 3])
+    q = torch.randn(2, 8, 64).to(dtype)
+    out = run_triton(q, case, 0.125, num_splits=num_splits, block_n=block_n)
     assert_within_2x(out, q, case, 0.125)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_triton_group_sizes(bits, group_size, dequant):
-    case = make_case(2, 2, 1, 64, 128, 64, bits, group_size, torch.bfloat16, [64, 128], [64, 9])
-    q = torch.randn(2, 3, 64).bfloat16()
-    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=2)
+def test_triton_group_sizes(bits, group_size, dtype):
+    case = make_case(2, 2, 1, 64, 128, 64, bits, group_size, dtype, [64, 128], [64, 9])
+    q = torch.randn(2, 3, 64).to(dtype)
+    out = run_triton(q, case, 0.125, num_splits=2)
     assert_within_2x(out, q, case, 0.125)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [2, 4])
-def test_triton_outlier_key_channels(bits, dtype, dequant):
+def test_triton_outlier_key_channels(bits, dtype):
     case = make_case(2, 2, 2, 64, 64, 16, bits, 16, dtype, [64, 32], [16, 2], outliers=True)
     q = torch.randn(2, 4, 64).to(dtype)
-    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=2, block_n=32)
+    out = run_triton(q, case, 0.125, num_splits=2, block_n=32)
     assert_within_2x(out, q, case, 0.125)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-def test_triton_bf16_query_beyond_fp16_range(dequant):
+def test_triton_bf16_query_beyond_fp16_range():
     """bf16 q up to ~2^19: the half2 path's fp16 dots must prescale q, not overflow to inf."""
     case = make_case(2, 2, 2, 64, 64, 16, 2, 16, torch.bfloat16, [64, 48], [16, 5])
     q = (torch.randn(2, 4, 64) * 2.0 ** 17).bfloat16()
-    out = run_triton(q, case, 2.0 ** -24, dequant=dequant, num_splits=2, block_n=32)
+    out = run_triton(q, case, 2.0 ** -24, num_splits=2, block_n=32)
     assert torch.isfinite(out).all()
     assert_within_2x(out, q, case, 2.0 ** -24)
 
 
-@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 16]))
-def test_triton_ring_only(bits, dequant):
+@pytest.mark.parametrize("bits", [2, 16])
+def test_triton_ring_only(bits):
     case = make_case(2, 2, 2, 64, 64, 32, bits, 16, torch.float16, [0, 0], [1, 32])
     q = torch.randn(2, 4, 64).half()
-    out = run_triton(q, case, 0.125, dequant=dequant, num_splits=2)
+    out = run_triton(q, case, 0.125, num_splits=2)
     assert_within_2x(out, q, case, 0.125)
 
 
-@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
-def test_unused_capacity_and_slots_are_never_read(bits, dequant):
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_unused_capacity_and_slots_are_never_read(bits):
     """NaN scales/ring entries and random codes past every length, and NaN everywhere in the slots
     >= B (with absurd lengths): kernel and reference give bit-identical results."""
     batch = 2
     case = make_case(batch, 4, 2, 16, 64, 32, bits, 16, torch.float16, [16, 48], [5, 32])
     bad = poisoned(case, batch)
     q = torch.randn(batch, 4, 16).half()
-    clean = run_triton(q, case, 0.25, dequant=dequant, num_splits=3, block_n=16)
-    dirty = run_triton(q, case, 0.25, bufs=bad, dequant=dequant, num_splits=3, block_n=16)
+    clean = run_triton(q, case, 0.25, num_splits=3, block_n=16)
+    dirty = run_triton(q, case, 0.25, bufs=bad, num_splits=3, block_n=16)
     assert torch.equal(clean, dirty)
     torch.testing.assert_close(decode_attention_ref(q, *bad, 0.25, bits, 16),
                                decode_attention_ref(q, *case.bufs, 0.25, bits, 16),
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
-def test_default_launch_config_runs(dequant):
-    # No overrides: BLOCK_N and NUM_SPLITS come from the launch heuristics (1 split on CPU).
-    case = make_case(1, 2, 2, 64, 128, 32, 2, 16, torch.float16, [112], [4])
-    q = torch.randn(1, 4, 64).half()
-    assert_within_2x(run_triton(q, case, 0.125, dequant=dequant), q, case, 0.125)
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-def test_triton_block_h_override(bits):
-    """BLOCK_H 16 (what makes triton 3.6 emit wgmma) pads 3 query heads per KV head to 16."""
-    case = make_case(2, 2, 2, 64, 128, 16, bits, 16, torch.bfloat16, [128, 48], [16, 1])
-    q = torch.randn(2, 6, 64).bfloat16()
-    out = run_triton(q, case, 0.125, num_splits=2, block_n=32, block_h=16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_default_launch_config_runs(dtype):
+    # The launcher's own plan: BLOCK_N and NUM_SPLITS from ``_plan`` (1 split on CPU).
+    case = make_case(1, 2, 2, 64, 128, 32, 2, 16, dtype, [112], [4])
+    q = torch.randn(1, 4, 64).to(dtype)
+    out = _decode_attention_triton(q, *case.bufs, 0.125, 2, 16)
     assert_within_2x(out, q, case, 0.125)
-    with pytest.raises(ValueError, match="block_h"):
-        run_triton(q, case, 0.125, block_h=12)
+
+
+def test_more_than_8_query_heads_per_kv_head_raises():
+    # The dots' N axis holds a KV group's query heads, padded to 8.
+    case = make_case(1, 1, 1, 16, 16, 16, 2, 16, torch.float16, [16], [1])
+    with pytest.raises(ValueError, match="at most 8 query heads per KV head, got 9"):
+        run_triton(torch.randn(1, 9, 16).half(), case, 0.25)
 
 
 def test_split_count_out_of_range_raises():
@@ -325,10 +327,10 @@ def test_split_count_out_of_range_raises():
             run_triton(q, case, 0.25, num_splits=bad)
 
 
-def test_unknown_dequant_path_raises():
+def test_unknown_kernel_raises():
     case = make_case(1, 1, 1, 16, 16, 16, 2, 16, torch.float16, [16], [1])
-    with pytest.raises(ValueError, match="dequant"):
-        run_triton(torch.randn(1, 1, 16).half(), case, 0.25, dequant="fp8")
+    with pytest.raises(ValueError, match="kernel"):
+        run_triton(torch.randn(1, 1, 16).half(), case, 0.25, kernel="fp8")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,19 +414,18 @@ def test_bad_inputs_raise(name, index, make_bad, message):
         decode_attention(*args)
 
 
-@pytest.mark.parametrize("bits,group_size,d,gqa,dtype", [
-    (4, 16, 128, 4, torch.float16),
-    (2, 32, 128, 4, torch.float16),
-    (2, 16, 64, 4, torch.float16),
-    (2, 16, 128, 9, torch.float16),
-    (2, 16, 128, 4, torch.float32),
+@pytest.mark.parametrize("bits,group_size,d,dtype", [
+    (4, 16, 128, torch.float16),
+    (2, 32, 128, torch.float16),
+    (2, 16, 64, torch.float16),
+    (2, 16, 128, torch.float32),
 ])
-def test_fragments_refuses_what_it_does_not_cover(bits, group_size, d, gqa, dtype):
+def test_fragments_refuses_what_it_does_not_cover(bits, group_size, d, dtype):
     # (and every CPU call: the Gluon kernel needs a GPU)
     case = make_case(1, 1, 1, d, 128, 32, bits, group_size, dtype, [128], [1])
-    q = torch.randn(1, gqa, d).to(dtype)
-    with pytest.raises(ValueError, match="dequant='fragments': expected a CUDA"):
-        run_triton(q, case, 0.125, dequant=FRAGMENTS)
+    q = torch.randn(1, 4, d).to(dtype)
+    with pytest.raises(ValueError, match="kernel='fragments': expected a CUDA"):
+        run_triton(q, case, 0.125, kernel=FRAGMENTS)
 
 
 @pytest.mark.parametrize("batch,capacity,pays_off,splits", [
@@ -434,7 +435,7 @@ def test_fragments_refuses_what_it_does_not_cover(bits, group_size, d, gqa, dtyp
 ])
 def test_fragments_launch_heuristics(batch, capacity, pays_off, splits):
     assert da_module._fragments_pay_off(batch, 8, capacity, 132) == pays_off
-    assert da_module._splits(True, batch, 8, capacity, 64, 132) == splits
+    assert da_module._fragments_num_splits(batch, 8, capacity, 132) == splits
     blocks_per_split = -(-(capacity // 128) // splits)
     assert (splits - 1) * blocks_per_split < capacity // 128  # a full plane leaves no split empty
 
@@ -452,9 +453,9 @@ def test_bits16_requires_empty_scales():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
+@pytest.mark.parametrize("bits", [2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_llama_size(bits, dtype, dequant):
+def test_gpu_llama_size(bits, dtype):
     # Llama-3-8B attention: 32 query / 8 KV heads, D = 128; 16k quantized tokens + a 128 ring.
     batch, n_q = 8, 16384
     n_quant = [n_q, n_q - 1024, 0, 4096, n_q, 16, 8192, n_q]
@@ -462,83 +463,72 @@ def test_gpu_llama_size(bits, dtype, dequant):
     case = make_case(batch, batch, 8, 128, n_q, 128, bits, 16, dtype, n_quant, n_ring,
                      outliers=True, device="cuda")
     q = torch.randn(batch, 32, 128, device="cuda").to(dtype)
-    out = run_triton(q, case, 128 ** -0.5, dequant=dequant)
+    # the Triton kernel, at a size where bits 2 get the Gluon one by default
+    out = run_triton(q, case, 128 ** -0.5, kernel=SPLIT)
     assert_within_2x(out, q, case, 128 ** -0.5)
     ref = decode_attention_ref(q, *case.bufs, 128 ** -0.5, bits, 16)
     torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
-    # the public op runs the launcher's default ("auto")
+    # the public op runs the launcher's own plan
     assert torch.equal(decode_attention(q, *case.bufs, 128 ** -0.5, bits, 16),
                        run_triton(q, case, 128 ** -0.5))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 4, 16]))
+@pytest.mark.parametrize("bits", [2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_smollm_gqa(bits, dtype, dequant):
+def test_gpu_smollm_gqa(bits, dtype):
     # SmolLM2-135M attention: 9 query / 3 KV heads, D = 64; capacity 8k, partly filled.
     case = make_case(5, 6, 3, 64, 8192, 128, bits, 16, dtype,
                      [8192, 0, 4000 // 16 * 16, 16, 2048], [1, 128, 60, 128, 7], device="cuda")
     q = torch.randn(5, 9, 64, device="cuda").to(dtype)
-    out = run_triton(q, case, 0.125, dequant=dequant)
+    out = run_triton(q, case, 0.125)
     assert_within_2x(out, q, case, 0.125)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_gpu_group_sizes(bits, group_size, dequant):
+def test_gpu_group_sizes(bits, group_size, dtype):
     # G = 128 makes the key block 128 tokens (8 warps); lengths are multiples of G.
     g = group_size
-    case = make_case(3, 3, 8, 128, 4096, 128, bits, g, torch.float16, [4096, 0, 10 * g],
+    case = make_case(3, 3, 8, 128, 4096, 128, bits, g, dtype, [4096, 0, 10 * g],
                      [128, 1, 5], outliers=True, device="cuda")
-    q = torch.randn(3, 32, 128, device="cuda").half()
-    out = run_triton(q, case, 128 ** -0.5, dequant=dequant)
+    q = torch.randn(3, 32, 128, device="cuda").to(dtype)
+    out = run_triton(q, case, 128 ** -0.5)
     assert_within_2x(out, q, case, 128 ** -0.5)
 
 
 @pytest.mark.gpu
-def test_gpu_block_h16_is_refused():
-    # BLOCK_H 16 faulted on the H200 (illegal memory access); the launcher refuses it on CUDA.
-    case = make_case(4, 4, 8, 128, 4096, 128, 2, 16, torch.bfloat16, [4096, 1024, 16, 0],
-                     [128, 7, 1, 64], device="cuda")
-    q = torch.randn(4, 32, 128, device="cuda").bfloat16()
-    with pytest.raises(ValueError, match="block_h: expected 8 on CUDA"):
-        run_triton(q, case, 128 ** -0.5, block_h=16, maxnreg=128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS + (FRAGMENTS,))
-def test_gpu_bf16_query_beyond_fp16_range(dequant):
+@pytest.mark.parametrize("kernel", [SPLIT, FRAGMENTS])
+def test_gpu_bf16_query_beyond_fp16_range(kernel):
     case = make_case(2, 2, 8, 128, 4096, 128, 2, 16, torch.bfloat16, [4096, 1024], [128, 3],
                      device="cuda")
     q = (torch.randn(2, 32, 128, device="cuda") * 2.0 ** 17).bfloat16()
-    out = run_triton(q, case, 2.0 ** -24, dequant=dequant)
+    out = run_triton(q, case, 2.0 ** -24, kernel=kernel)
     assert torch.isfinite(out).all()
     assert_within_2x(out, q, case, 2.0 ** -24)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dequant", DEQUANT_PATHS)
 @pytest.mark.parametrize("bits", [2, 4])
-def test_gpu_unused_capacity_and_slots_are_never_read(bits, dequant):
+def test_gpu_unused_capacity_and_slots_are_never_read(bits):
     case = make_case(3, 5, 8, 128, 4096, 128, bits, 16, torch.bfloat16, [1024, 4096, 0],
                      [3, 128, 1], device="cuda")
     q = torch.randn(3, 32, 128, device="cuda").bfloat16()
-    clean = run_triton(q, case, 128 ** -0.5, dequant=dequant)
-    assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, bufs=poisoned(case, 3),
-                                         dequant=dequant))
+    clean = run_triton(q, case, 128 ** -0.5)
+    assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, bufs=poisoned(case, 3)))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,dequant", bits_and_paths([2, 16]))
-def test_gpu_deterministic(bits, dequant):
+@pytest.mark.parametrize("bits", [2, 16])
+def test_gpu_deterministic(bits):
     case = make_case(4, 4, 8, 128, 8192, 128, bits, 16, torch.bfloat16, [8192, 4096, 16, 0],
                      [128, 7, 1, 64], device="cuda")
     q = torch.randn(4, 32, 128, device="cuda").bfloat16()
-    first = run_triton(q, case, 128 ** -0.5, dequant=dequant)
+    first = run_triton(q, case, 128 ** -0.5)
     for _ in range(3):
-        assert torch.equal(first, run_triton(q, case, 128 ** -0.5, dequant=dequant))
+        assert torch.equal(first, run_triton(q, case, 128 ** -0.5))
 
 
 # -- the Gluon kernel (codes unpacked into mma fragments): bits 2, G 16, D 128, GQA <= 8
@@ -553,11 +543,11 @@ def test_gpu_fragments_llama_size(dtype):
     case = make_case(batch, batch, 8, 128, n_q, 128, 2, 16, dtype, n_quant, n_ring,
                      outliers=True, device="cuda")
     q = torch.randn(batch, 32, 128, device="cuda").to(dtype)
-    out = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS)
+    out = run_triton(q, case, 128 ** -0.5, kernel=FRAGMENTS)
     assert_within_2x(out, q, case, 128 ** -0.5)
     ref = decode_attention_ref(q, *case.bufs, 128 ** -0.5, 2, 16)
     torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
-    # a large launch (8 x 8 planes x 128 blocks): "auto" picks this kernel on an H100/H200
+    # a large launch (8 x 8 planes x 128 blocks): ``_plan`` picks this kernel on an H100/H200
     assert torch.equal(out, run_triton(q, case, 128 ** -0.5))
 
 
@@ -570,8 +560,8 @@ def test_gpu_fragments_group_sizes_and_splits(gqa):
     case = make_case(6, 7, 4, 128, 4096, 128, 2, 16, torch.bfloat16, n_quant, n_ring,
                      outliers=True, device="cuda")
     q = torch.randn(6, 4 * gqa, 128, device="cuda").bfloat16()
-    for num_splits in (None, 1, 3, 64):
-        out = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS, num_splits=num_splits)
+    for splits in ({}, {"num_splits": 1}, {"num_splits": 3}, {"num_splits": 64}):
+        out = run_triton(q, case, 128 ** -0.5, kernel=FRAGMENTS, **splits)
         assert_within_2x(out, q, case, 128 ** -0.5)
 
 
@@ -580,11 +570,11 @@ def test_gpu_fragments_unused_capacity_and_slots_are_never_read():
     case = make_case(3, 5, 8, 128, 4096, 128, 2, 16, torch.float16, [1024, 4096, 0],
                      [3, 128, 1], device="cuda")
     q = torch.randn(3, 32, 128, device="cuda").half()
-    clean = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS)
+    clean = run_triton(q, case, 128 ** -0.5, kernel=FRAGMENTS)
     assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, bufs=poisoned(case, 3),
-                                         dequant=FRAGMENTS))
+                                         kernel=FRAGMENTS))
     for _ in range(3):  # deterministic
-        assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS))
+        assert torch.equal(clean, run_triton(q, case, 128 ** -0.5, kernel=FRAGMENTS))
 
 
 @pytest.mark.gpu
@@ -592,7 +582,7 @@ def test_gpu_fragments_strided_query():
     case = make_case(2, 2, 8, 128, 1024, 128, 2, 16, torch.bfloat16, [1024, 512], [1, 9],
                      device="cuda")
     q = torch.randn(2, 128, 32, device="cuda").bfloat16().transpose(1, 2)  # stride(2) != 1
-    out = run_triton(q, case, 128 ** -0.5, dequant=FRAGMENTS)
+    out = run_triton(q, case, 128 ** -0.5, kernel=FRAGMENTS)
     assert_within_2x(out, q, case, 128 ** -0.5)
 
 
@@ -607,8 +597,8 @@ def test_gpu_opcheck(bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits,dequant", [(2, "auto"), (16, "auto"), (2, FRAGMENTS)])
-def test_gpu_cuda_graph_replay_follows_lens(bits, dequant):
+@pytest.mark.parametrize("bits,kernel", [(2, None), (16, None), (2, FRAGMENTS)])
+def test_gpu_cuda_graph_replay_follows_lens(bits, kernel):
     """Capture once; change lens on the device (in place) and q; replay matches the reference."""
     capacity, ring = 4096, 128
     case = make_case(4, 6, 8, 128, capacity, ring, bits, 16, torch.bfloat16,
@@ -618,9 +608,9 @@ def test_gpu_cuda_graph_replay_follows_lens(bits, dequant):
     scale = 128 ** -0.5
 
     def step():
-        if dequant == "auto":
+        if kernel is None:
             return decode_attention(q, *case.bufs, scale, bits, 16)
-        return _decode_attention_triton(q, *case.bufs, scale, bits, 16, dequant=dequant)
+        return run_triton(q, case, scale, kernel=kernel)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

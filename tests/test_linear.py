@@ -411,7 +411,7 @@ def fused(M, N, K, prologue, **kw):
     cfg.pop("num_warps")
     flags = dict(PROLOGUE=lin.PROLOGUES.index(prologue), HAS_BIAS=False, HAS_RESIDUAL=False,
                  ROPE=False, HEAD_DIM=128, GLU_OUT=False, NORM_OUT=False, FP32_DOT=False,
-                 PDL=cfg.pop("pdl", True), LINE=64, BLOCK_P=128)
+                 PDL=True, LINE=64, BLOCK_P=128)
     consts = dict(cfg, **flags)
     consts.update(kw)
     build(lin._fused_linear_kernel, {k: v for k, v in SIG.items() if k not in consts}, consts)

@@ -6,16 +6,29 @@ not checked here: without CUDA, memory and NVML fields are recorded as absent, w
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from minikv_compile.perf import harness as H
+from minikv_compile.perf import measure as M
 from minikv_compile.perf import report as R
 from minikv_compile.perf.__main__ import main
+
+
+def _experiment(name: str):
+    """A script of ``perf/experiments/`` (no package: it does not ship), loaded from the tree."""
+    path = Path(__file__).resolve().parent.parent / "perf" / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -168,7 +181,8 @@ def test_paper_formulas():
 
 
 def test_bytes_read_per_step_llama31_8b():
-    """ANCHORS.md's floor table: 1 x 32k reads 4.3 GB of fp16 KV, 0.54 GB of MiniKV KV."""
+    """The floor at 1 x 32k (Llama-3.1-8B shape): 4.3 GB of fp16 KV read per step, 0.54 GB of
+    MiniKV KV."""
     meta = H.meta_model("llama3.1-8b")
     facts = H.model_summary(meta)
     assert facts["parameters"] == 8_030_261_248 and facts["weight_bytes"] == 16_060_522_496
@@ -188,7 +202,7 @@ def test_copy_bandwidth_takes_the_fastest_block_median():
     # A disturbed stretch of copies (the second block) must not lower the figure: a low copy
     # bandwidth raises the floor and flatters every ratio to it.
     times = [5.1, 5.0, 5.2, 6.1, 6.0, 6.3, 5.0, 4.9, 5.1]
-    assert H.fastest_block_median(times, 3) == (5.0, [5.1, 6.1, 5.0])
+    assert M.fastest_block_median(times, 3) == (5.0, [5.1, 6.1, 5.0])
     # markdown: the new record names its blocks; reports written before it keep their wording
     base = {"command": "engine-vs-hf", "argv": [], "environment": {}}
     new = {"bytes_per_s": 4.2e12, "iters": 200, "blocks": 5, "per_block": 40}
@@ -411,10 +425,10 @@ class _FakeNvml:
 
 def test_nvml_sampler_and_environment_with_a_fake_nvml(monkeypatch):
     fake = _FakeNvml()
-    monkeypatch.setattr(H, "_nvml", lambda: fake)
-    monkeypatch.setattr(H, "_nvml_handle", lambda p, device: "handle")
+    monkeypatch.setattr(M, "_nvml", lambda: fake)
+    monkeypatch.setattr(M, "_nvml_handle", lambda p, device: "handle")
     dev = torch.device("cuda", 0)
-    sampler = H.NvmlSampler(dev, interval_s=0.005)
+    sampler = M.NvmlSampler(dev, interval_s=0.005)
     assert sampler.available
     sampler.start()
     import time
@@ -422,7 +436,7 @@ def test_nvml_sampler_and_environment_with_a_fake_nvml(monkeypatch):
     out = sampler.stop()["nvml"]
     assert out["samples"] >= 3 and out["peak_used_bytes"] == fake.used > out["start_used_bytes"]
     assert out["max_power_w"] == pytest.approx(350.0) and out["max_sm_clock_mhz"] == 1980
-    info = H.nvml_info(dev)
+    info = M.nvml_info(dev)
     assert info["available"] and info["name"] == "NVIDIA H100 80GB HBM3" and info["driver_version"] == "580.00"
     assert info["power_limit_w"] == pytest.approx(700.0) and info["temperature_c"] is None
 
@@ -430,17 +444,17 @@ def test_nvml_sampler_and_environment_with_a_fake_nvml(monkeypatch):
 def test_nvml_unavailable_is_a_reason_not_an_error(monkeypatch):
     def broken():
         raise ImportError("No module named 'pynvml'")
-    monkeypatch.setattr(H, "_nvml", broken)
-    sampler = H.NvmlSampler(torch.device("cuda", 0))
+    monkeypatch.setattr(M, "_nvml", broken)
+    sampler = M.NvmlSampler(torch.device("cuda", 0))
     assert not sampler.available and "NVML unavailable" in sampler.reason
     assert sampler.stop() == {"nvml": None, "nvml_reason": sampler.reason}
-    assert H.nvml_info(torch.device("cuda", 0))["available"] is False
+    assert M.nvml_info(torch.device("cuda", 0))["available"] is False
 
 
 def test_ncu_summary_counts_wavefronts_and_finds_the_conflicted_instruction(tmp_path, capsys):
     """The ncu helper sums ncu's per-instruction source page by opcode and lists the
     instructions whose shared-memory wavefronts exceed the conflict-free ideal."""
-    from minikv_compile.perf.ncu_decode_attention import summarize
+    summarize = _experiment("ncu_decode_attention").summarize
 
     cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
             "L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minikv_compile.ops import selective_attention
-from minikv_compile.ops.selective_attention import (
+from minikv_compile.ops.attention_prefill import (
     SUPPORTED_HEAD_DIMS,
     _PassConfig,
     _selective_attention_chunked,

@@ -1,8 +1,8 @@
 """Device experiment: where a ``fused_linear`` launch of the 8-row decode step spends its time,
 from Nsight Compute's warp-stall samples split at the main loop.
 
-    python perf/gpu/ncu_linear.py run qkv|o          # four launches (profile the 4th)
-    python perf/gpu/ncu_linear.py regions SOURCE.csv # ncu --page source --csv --print-source sass
+    python perf/experiments/ncu_linear.py run qkv|o          # four launches (profile the 4th)
+    python perf/experiments/ncu_linear.py regions SOURCE.csv # ncu --page source --csv --print-source sass
 
 ``run`` launches the layer as the engine does at 8 rows on the Llama-3.1-8B shape: q/k/v with
 the "prescaled" norm and the RoPE of its q and k heads, o with the residual and ``norm_out``.
@@ -13,7 +13,6 @@ opcodes with the most samples in each region.
 import argparse
 import collections
 import csv
-import importlib
 import re
 
 HIDDEN, QKV, HEAD_DIM, ROWS = 4096, 6144, 128, 8
@@ -22,7 +21,8 @@ HIDDEN, QKV, HEAD_DIM, ROWS = 4096, 6144, 128, 8
 def run(layer: str) -> None:
     import torch
 
-    lin = importlib.import_module("minikv_compile.ops.linear")
+    from minikv_compile.ops import linear as lin
+
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(ROWS, HIDDEN, device=dev, dtype=dt)
     if layer == "qkv":

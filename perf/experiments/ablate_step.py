@@ -2,7 +2,7 @@
 upper bound for fusing it away. Runs ``python -m minikv_compile.perf ARGS...`` in this process
 with the launches of one kind skipped (their outputs are then garbage: timing only).
 
-    cd /tmp/run && python /path/to/perf/gpu/ablate_step.py no_norm engine-vs-hf --out DIR ...
+    python perf/experiments/ablate_step.py no_norm engine-vs-hf --out DIR ...   # after perf/gpu_check.sh
 
 Ablations: ``none``; ``no_norm`` (the ``rms_norm`` launches: since 4dc6959 only the one before
 the first layer's q/k/v at several rows, the other norms being split over the projections);
@@ -35,7 +35,7 @@ ABLATIONS = {
     "no_flush": [("minikv_compile.ops.cache_update", "_flush_layers_kernel")],
     "no_append": [("minikv_compile.ops.cache_update", "_flush_layers_kernel", "_commit_kernel",
                    "_write_ring_kernel")],
-    "no_combine": [("minikv_compile.ops.decode_attention", "_decode_attention_combine_kernel")],
+    "no_combine": [("minikv_compile.ops.attention_decode", "_decode_attention_combine_kernel")],
 }
 
 ablation = sys.argv.pop(1)

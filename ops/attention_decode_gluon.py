@@ -3,8 +3,8 @@
 A Gluon kernel (Triton's layer with explicit layouts) for the configuration that runs in
 production: 2-bit codes, group size 16, head dim 128, 1..8 query heads per KV head, fp16/bf16.
 It writes the same partials ``(m, l, acc)`` as ``_decode_attention_split_kernel`` in
-:mod:`.decode_attention`, whose combine kernel merges them; the launcher runs it for large launches
-("auto": ``_fragments_pay_off``) and the Triton kernel elsewhere.
+:mod:`.attention_decode`, whose combine kernel merges them; that module's ``_plan`` runs it for
+large launches (``_fragments_pay_off``) and the Triton kernel elsewhere.
 
 Why a second kernel. In the Triton kernel each dequantized tile goes to shared memory and comes
 back with ``ldmatrix`` before the dot: Nsight Compute on the H200 put 80% of its shared-memory
@@ -17,9 +17,8 @@ step; program ``s == NUM_SPLITS`` covers the fp ring. Tokens sit on the mma's M 
 group's query heads (padded to 8) on N: ``scores^T (128 x 8) = K (128 x 128) q^T`` and
 ``acc^T (128 x 8) += V^T (128 x 128) p^T``. The next block's keys load into registers while the
 current block is attended; its values copy into the other of two shared-memory stages (cp.async).
-Like the Triton kernels it is a programmatic dependent launch (``_pdl_entry``): measured neutral
-in the kernel bench (B 8 16k 65.1-65.9 us with it, 65.4-65.9 without), kept so that no plain
-launch breaks the decode step's PDL chain where this kernel runs.
+Like the Triton kernels it is a programmatic dependent launch (``_pdl_entry``), so that no plain
+launch breaks the decode step's PDL chain where it runs (neutral in the kernel alone).
 
 Fragment order. An mma operand register holds two values adjacent on the K (reduction) axis, but
 a 2-bit word holds one channel over 16 tokens (keys) or 16 channels of one token (values).
@@ -42,12 +41,11 @@ Every relabelling (joins, permutes, reshapes of the unpacked values) is checked 
 move no data (``convert_layout(..., assert_trivial=True)``). The probabilities go from the
 accumulator layout to the B operand layout (a 16 x 8 transpose within the warp) once per step.
 
-Where it stands (H200, triton 3.6; ``perf/NOTES.md``): 2.3 instructions per cached value in the
-compiled sm_90 loop on a full block (the Triton kernel: 3.7), 224 registers (9 programs per SM),
-latency bound at ~45% of issue slots. Faster than the Triton kernel from about 32 blocks per SM
-(batch 8 x 16k: 1.23x; batch 32 x 64k: 1.47x), slower on short launches (batch 1 x 16k: 0.85x),
-where one warp per scheduler runs each block's chain alone. Gluon kernels do not run under
-``TRITON_INTERPRET``: the GPU tests hold this one to the fp64 oracle.
+On the H200 (triton 3.6) the compiled loop takes 2.3 instructions per cached value (the Triton
+kernel 3.7) at 224 registers (9 programs per SM) and is latency bound: faster than the Triton
+kernel from about 32 blocks per SM (batch 8 x 16k: 1.23x), slower on short launches (batch 1 x
+16k: 0.85x), where one warp per scheduler runs each block's chain alone. Gluon kernels do not run
+under ``TRITON_INTERPRET``: the GPU tests hold this one to the fp64 oracle.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Where the decode-attention split kernel spends its shared-memory pipe, from Nsight Compute.
 
-    python -m minikv_compile.perf.ncu_decode_attention run [--bits 2] [--batch 8] [--tokens 16384]
-                                                            [--dequant half2|fp32|fragments]
-    python -m minikv_compile.perf.ncu_decode_attention summarize SOURCE.csv[.gz]
+    python perf/experiments/ncu_decode_attention.py run [--bits 2] [--batch 8] [--tokens 16384]
+                                                        [--kernel split|fragments]
+    python perf/experiments/ncu_decode_attention.py summarize SOURCE.csv[.gz]
 
 ``run`` launches the op four times on one random cache (``bench_decode_attention``'s shapes) so
-that ``ncu --launch-skip 3 --launch-count 1`` profiles a warm launch; ``perf/gpu/ncu_decode.sh``
+that ``ncu --launch-skip 3 --launch-count 1`` profiles a warm launch; ``ncu_decode.sh`` beside it
 does both steps on the GPU machine. ``summarize`` reads ncu's per-instruction source page
 (``ncu --import R --page source --csv --print-source sass``) and prints, per opcode, the share of
 warp-stall samples, the shared-memory wavefronts against the conflict-free ideal, and the
@@ -17,23 +17,22 @@ import argparse
 import collections
 import csv
 import gzip
-import importlib
 import sys
 from typing import Dict, List, Optional
 
 
-def run(bits: int, batch: int, tokens: int, dequant: str = "half2") -> None:
+def run(bits: int, batch: int, tokens: int, kernel: Optional[str] = None) -> None:
     import torch
 
-    from minikv_compile.perf.bench_decode_attention import ExperimentConfig, _cache
+    from minikv_compile.ops import attention_decode as da
+    from minikv_compile.perf.bench_decode_attention import ExperimentConfig, _cache, _plan
 
-    da = importlib.import_module("minikv_compile.ops.decode_attention")  # the module, not the op
     cfg = ExperimentConfig(batch, tokens, bits)
     q = torch.randn(batch, cfg.H_q, cfg.D, dtype=getattr(torch, cfg.dtype), device="cuda")
     cache = _cache(cfg)
+    plan = _plan(cfg, kernel)
     for _ in range(4):
-        da._decode_attention_triton(q, *cache, cfg.D ** -0.5, bits, cfg.group_size,
-                                    dequant=dequant)
+        da._decode_attention_triton(q, *cache, cfg.D ** -0.5, bits, cfg.group_size, plan)
     torch.cuda.synchronize()
 
 
@@ -85,14 +84,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--bits", type=int, default=2, choices=(2, 4, 16))
     r.add_argument("--batch", type=int, default=8)
     r.add_argument("--tokens", type=int, default=16384, help="quantized tokens per sequence")
-    r.add_argument("--dequant", default="half2", choices=("half2", "fp32", "fragments"),
-                   help="the quantized-region path (fragments: the Gluon kernel)")
+    r.add_argument("--kernel", default="split", choices=("split", "fragments"),
+                   help="the kernel of the split launch (fragments: the Gluon kernel)")
     s = sub.add_parser("summarize", help="summarize ncu's per-instruction source page")
     s.add_argument("source_csv")
     s.add_argument("--top", type=int, default=12)
     args = parser.parse_args(argv)
     if args.cmd == "run":
-        run(args.bits, args.batch, args.tokens, args.dequant)
+        run(args.bits, args.batch, args.tokens, args.kernel)
     else:
         summarize(args.source_csv, args.top)
     return 0

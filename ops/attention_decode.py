@@ -10,64 +10,41 @@ For every active slot ``b`` of the static cache and query head ``i`` (KV head
 This is the decode hot path: it reads every KV byte it attends to exactly once, so it should run
 at memory bandwidth. Flash-decoding in two launches:
 
-1. ``_decode_attention_split_kernel``, grid ``(B, H_kv, NUM_SPLITS + 1)``. Program ``(b, h, s)``
-   serves *all* query heads of KV group ``h`` from one read of K/V. Its dots put the block's
-   tokens on the tensor-core M axis and the group's heads, padded to BLOCK_H >= 8, on N
-   (``scores^T = K q^T``, ``acc^T += V^T p^T``): padding heads to the 16 rows of M instead cost
-   ~10% more instructions per cached value in the compiled sm_90 loop. Programs ``s < NUM_SPLITS``
-   cover an equal, block-aligned share of the slot's *valid* quantized tokens (the share is
-   computed on the device from ``lens[b, 0]``, so work tracks tokens held, not capacity);
-   program ``s == NUM_SPLITS`` covers the fp ring. K and V are dequantized in registers right
-   before the two dot products; softmax is online, in fp32, with exp2. Each program writes a
-   partial ``(m, l, acc)``; one with no tokens writes ``(-inf, 0, 0)``.
+1. the split launch, grid ``(B, H_kv, NUM_SPLITS + 1)``. Program ``(b, h, s)`` serves *all*
+   query heads of KV group ``h`` from one read of K/V. Programs ``s < NUM_SPLITS`` cover an
+   equal, block-aligned share of the slot's *valid* quantized tokens (the share is computed on
+   the device from ``lens[b, 0]``, so work tracks tokens held, not capacity); program
+   ``s == NUM_SPLITS`` covers the fp ring. Each writes a partial ``(m, l, acc)``; one with no
+   tokens writes ``(-inf, 0, 0)``.
 2. ``_decode_attention_combine_kernel``, grid ``(B * H_q, D / 32)``, merges the partials into
    ``out``.
 
-Large launches with 2-bit codes (group 16, D 128, fp16/bf16) run the Gluon kernel of
-:mod:`.decode_attention_gluon` in place of launch 1 (same grid and partials; the launcher's
-``dequant="auto"`` decides, ``_fragments_pay_off``): it unpacks the codes straight into the
-tensor-core fragments instead of staging dequantized tiles through shared memory.
+The split launch runs one of two kernels, chosen by ``_plan`` (the only dispatch):
+
+* ``_decode_attention_split_kernel`` (Triton). Its dots put the block's tokens on the
+  tensor-core M axis and the group's heads, padded to 8, on N (``scores^T = K q^T``,
+  ``acc^T += V^T p^T``): padding heads to the 16 rows of M instead cost ~10% more instructions
+  per cached value. K and V are dequantized in registers right before the two dots; softmax is
+  online, in fp32, with exp2. fp16/bf16 models dequantize 2/4-bit codes with packed fp16x2
+  integer tricks and fp16 dots (``_dequant_last_half2``: lop3 + sub.f16x2 + fma.rn.f16x2 per 2
+  values), 1.55x faster than one fp32 FMA per code on the H200 (bits 2, B 8, 16k: 113 against
+  175 us); fp32 models take that fp32 path (``_dequant_last``), bits 16 no dequantization.
+* ``_decode_attention_fragments_kernel`` (Gluon, :mod:`.attention_decode_gluon`) for large
+  launches with 2-bit codes, group 16, D 128, fp16/bf16: it unpacks the codes straight into the
+  tensor-core fragments instead of staging dequantized tiles through shared memory (batch 8 x
+  16k on the H200: 1.23x the Triton kernel).
+
+The "half2" tiles come out in a "pair order" that the other operand follows for free (the
+probabilities are permuted back to token order as they are stored for the second dot; acc rows
+are stored to the values' channels). Not bit-exact with the reference (fp16 instead of
+model-dtype operands and probabilities; for bf16 models that is more precise): held, like every
+path, to twice the error of a same-precision PyTorch attention against fp64.
 
 ``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
 fixed shapes, never syncs with the host, and can be captured in a CUDA graph. It is a run-time
-argument, so batch sizes share one compiled kernel.
-
-Two ways to dequantize the 2/4-bit region (``DEQUANT_PATHS``; the launcher's ``dequant``):
-
-* ``"half2"`` (default for fp16/bf16 models): packed fp16x2 integer tricks
-  (``_dequant_last_half2``: lop3 + sub.f16x2 + fma.rn.f16x2 per 2 values) and fp16 dots, also for
-  bf16 models. The tiles come out in a "pair order" that the other operand follows for free
-  (the probabilities are permuted back to token order as they are stored for the second dot; acc
-  rows are stored to the values' channels), and relabelled so that storing them to shared memory
-  for the dots is free of bank conflicts. The dequantized tiles pass through ``_opaque`` so that
-  Triton gives the dots kWidth 2 (see the note in ``_decode_attention_split_kernel``). At bits 2
-  the loop loads the next block's codes into registers while it works on the current one,
-  instead of staging them through shared memory with cp.async (``_Launch.prefetch``).
-  Not bit-exact with the reference (fp16 instead of model-dtype operands and probabilities; for
-  bf16 models that is more precise): held, like every path, to twice the error of a
-  same-precision PyTorch attention against fp64.
-* ``"fp32"`` (the first version; always for fp32 models): fp32 FMA per value, then a cast to the
-  model dtype for the dots.
-
-Why. On the H200 the fp32 path ran at 0.79 TB/s (bits 2, B 8, 16k) against 3.1 TB/s for bits
-16 in the same kernel: some 2200-2900 SM cycles per program and 64-token block, about 3x its
-issue slots (831 warp instructions, triton 3.6). Two costs beyond issue fit that gap (inferred
-from the SASS and the shared-memory layouts, not profiled): its loop converts every value twice
-(64 F2FP.PACK_AB fp32 -> bf16 and 144 HADD2.F32 fp16 -> fp32 per warp and block; the CUDA guide
-rates conversions far below the FMA rate), and its K and V tile stores to shared memory hit 4-
-and 2-way bank conflicts. The half2 path has no conversion in the loop (2 F2FP per block, for p)
-and conflict-free stores. Main loop, instructions per cached value (``cuobjdump -sass``; bits 2,
-D 128, bf16, BLOCK_N 64, 4 warps):
-
-=============  =======================  =======================
-               triton 3.9 (CPU wheel)   triton 3.6 (the H200's)
-=============  =======================  =======================
-"fp32"         5.9, 96 regs, wgmma      6.5, 128 regs, mma.sync
-"half2"        3.7, 96 regs, wgmma      4.5, 96 regs, mma.sync
-=============  =======================  =======================
-
-(triton 3.6 emits mma.sync for N = BLOCK_H = 8 and wgmma only from N = 16; the ``block_h``
-argument and the benchmark's ``--variants`` compare both.)
+argument, so batch sizes share one compiled kernel. The history of both kernels (versions,
+instruction counts of the compiled loops, Nsight Compute accounts) is in ``perf/NOTES.md``,
+"Decode attention".
 """
 from __future__ import annotations
 
@@ -81,21 +58,20 @@ import triton.language as tl
 from . import _gdc as gdc
 from ._checks import (FLOAT_DTYPES, check_choice, check_quant_params, check_tensor,
                       codes_per_word, compiled_major, sm_count as sm_count_of)
-from . import decode_attention_gluon as dag
+from . import attention_decode_gluon as dag
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
 _LOG2E = 1.4426950408889634
 
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
-# Ways to turn 2/4-bit codes into dot operands in the Triton kernel (the launcher's ``dequant``):
-#   "half2": packed fp16x2 integer tricks, fp16 dots (fp16 and bf16 models);
-#   "fp32":  fp32 FMA per value, dots in the model dtype (the first version; fp32 models always).
-DEQUANT_PATHS = ("half2", "fp32")
-# The Gluon kernel of ``decode_attention_gluon`` (codes unpacked straight into mma fragments): where
-# ``_fragments_supported`` holds. "auto" (the default) picks it where it is the faster one, on
-# large launches (``_fragments_pay_off``), and "half2" elsewhere.
+# The kernels of the split launch (``_Plan.kernel``): the Triton kernel, and the Gluon kernel of
+# ``attention_decode_gluon`` (codes unpacked straight into mma fragments) where it covers the call.
+SPLIT = "split"
 FRAGMENTS = "fragments"
+KERNELS = (SPLIT, FRAGMENTS)
+# Query heads per KV head at most: the dots' N axis holds them, padded to 8 (BLOCK_H).
+MAX_GQA = 8
 # Splits of the quantized region per (slot, KV head) at most: the combine loads all of them at once.
 MAX_SPLITS = 128
 
@@ -596,191 +572,146 @@ def _decode_attention_combine_kernel(
 
 
 def _num_splits(batch: int, h_kv: int, capacity: int, block_n: int, sm_count: int) -> int:
-    """Splits of the quantized region per (slot, KV head): a launch-time constant.
-
-    Aims at ~4 programs per SM (about as many as fit at once at 4 warps and ~128 registers per
-    thread), so one wave covers the GPU even for a single long sequence; never cuts a full-capacity
-    region into pieces shorter than 4 blocks (each program also pays a fixed cost for its q load and
-    partial store); at most 64 so the combine stays cheap. Depends only on shapes, never on lens.
-    """
+    """NUM_SPLITS of the Triton kernel: ~4 programs per SM (about as many as fit at once at 4
+    warps and ~128 registers per thread), so one wave covers the GPU even for a single long
+    sequence; never a full-capacity region cut into pieces shorter than 4 blocks (each program
+    also pays a fixed cost for its q load and partial store); at most 64 so the combine stays
+    cheap."""
     want = triton.cdiv(4 * sm_count, batch * h_kv)
     useful = max(1, capacity // (4 * block_n))
     return max(1, min(want, useful, 64))
 
 
+def _fragments_num_splits(batch: int, h_kv: int, capacity: int, sm_count: int) -> int:
+    """NUM_SPLITS of the Gluon kernel, whose one-warp programs fit 9 per SM: at least one wave of
+    ~8 per SM; where there is more work, up to ~24 per SM as long as each program keeps >= 8
+    blocks; never below 2 blocks per program; at most 128; then as few as cover a full plane
+    with the same blocks per split (a split past the end would be an empty program). On the H200
+    this is within 4% of the best measured split count at batch 1 x 16k / 128k, 8 x 4k / 16k,
+    32 and 64 x 16k."""
+    blocks = max(1, capacity // dag.BLOCK_TOKENS)
+    planes = batch * h_kv
+    fill = triton.cdiv(8 * sm_count, planes)
+    deep = min(blocks // 8, triton.cdiv(24 * sm_count, planes))
+    splits = max(1, min(max(fill, deep), max(1, blocks // 2), MAX_SPLITS))
+    return triton.cdiv(blocks, triton.cdiv(blocks, splits))
+
+
 def _fragments_supported(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
-                         head_dim: int, gqa: int) -> bool:
-    """Whether the Gluon kernel (``decode_attention_gluon``) covers a call: CUDA (sm_80+, not the
-    interpreter), bits 2, group 16, head dim 128, <= 8 query heads per KV head, fp16/bf16."""
+                         head_dim: int) -> bool:
+    """Whether the Gluon kernel covers a call: CUDA (sm_80+, not the interpreter), bits 2,
+    group 16, head dim 128, fp16/bf16."""
     return (compiled_major(device) >= 8 and bits == 2 and group_size == 16 and head_dim == 128
-            and gqa <= 8 and dtype in (torch.float16, torch.bfloat16))
+            and dtype in (torch.float16, torch.bfloat16))
 
 
 def _fragments_pay_off(batch: int, h_kv: int, capacity: int, sm_count: int) -> bool:
     """Whether the Gluon kernel beats the Triton one: on the H200 it does from 32 blocks of 128
     tokens per SM (batch 8 x 16k: 1.23x; batch 1 x 128k: 1.22x; batch 32 x 64k: 1.47x) and loses
-    below (batch 8 x 2k / 4k: 0.82x; batch 1 x 16k: 0.85x): its programs are one warp each and pay
-    a fixed prologue and pipeline fill (``fragments_sweep_9124083.txt``, ``_skew_trial.txt``)."""
+    below (batch 8 x 2k / 4k: 0.82x; batch 1 x 16k: 0.85x): its programs are one warp each and
+    pay a fixed prologue and pipeline fill."""
     return batch * h_kv * (capacity // dag.BLOCK_TOKENS) >= 32 * sm_count
 
 
-def _resolve_dequant(dequant: str, device: torch.device, dtype: torch.dtype, bits: int,
-                     group_size: int, head_dim: int, batch: int, h_q: int, h_kv: int,
-                     capacity: int, sm_count: int) -> str:
-    """The quantized-region path a launch runs: ``dequant`` itself, or for "auto"
-    :data:`FRAGMENTS` where it is supported and pays off, else "half2". ValueError when
-    :data:`FRAGMENTS` is asked for a call it does not cover."""
-    check_choice("dequant", dequant, ("auto", FRAGMENTS) + DEQUANT_PATHS)
-    if dequant not in ("auto", FRAGMENTS):
-        return dequant
-    gqa = h_q // h_kv
-    supported = _fragments_supported(device, dtype, bits, group_size, head_dim, gqa)
-    if dequant == "auto":
-        fast = supported and _fragments_pay_off(batch, h_kv, capacity, sm_count)
-        return FRAGMENTS if fast else "half2"
-    if not supported:
-        raise ValueError(f"dequant={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
-                         f"group_size=16, head_dim 128, <= 8 query heads per KV head and fp16/"
-                         f"bf16; got {device.type}, bits={bits}, group_size={group_size}, "
-                         f"head_dim {head_dim}, {gqa} heads per KV head, {dtype}")
-    return dequant
+class _Plan(NamedTuple):
+    """One launch of the split kernels. ``kernel``: :data:`SPLIT` or :data:`FRAGMENTS`;
+    ``half2``: the Triton kernel's packed fp16x2 dequantization (2/4-bit codes, fp16/bf16
+    models); ``prefetch``: its "half2" loop loads the next block's codes into registers itself
+    (``num_stages`` then does not apply: that loop is not software-pipelined); ``maxnreg``:
+    registers per thread (None: no cap). The Gluon kernel uses ``num_splits``, ``num_warps``
+    and ``maxnreg`` only."""
 
-
-def _splits(fragments: bool, batch: int, h_kv: int, capacity: int, block_n: int,
-            sm_count: int) -> int:
-    """NUM_SPLITS of a launch. The Gluon kernel's one-warp programs (9 fit per SM): at least one
-    wave of ~8 per SM; where there is more work, up to ~24 per SM as long as each program keeps
-    >= 8 blocks; never below 2 blocks per program; at most 128; then as few as cover a full
-    plane with the same blocks per split (a split past the end would be an empty program: 17 at
-    batch 8 x 16k gave 16 of 8 blocks and one empty). On the H200 this picks the best of the
-    measured splits at batch 1 x 16k / 128k, 8 x 4k / 16k, 32 and 64 x 16k within 4%."""
-    if fragments:
-        blocks = max(1, capacity // dag.BLOCK_TOKENS)
-        planes = batch * h_kv
-        fill = triton.cdiv(8 * sm_count, planes)
-        deep = min(blocks // 8, triton.cdiv(24 * sm_count, planes))
-        splits = max(1, min(max(fill, deep), max(1, blocks // 2), MAX_SPLITS))
-        return triton.cdiv(blocks, triton.cdiv(blocks, splits))
-    return _num_splits(batch, h_kv, capacity, block_n, sm_count)
-
-
-class _Launch(NamedTuple):
-    """Launch configuration of the split kernel. maxnreg None: no register cap; BLOCK_H is
-    max(min_block_h, next power of two of H_q / H_kv); prefetch: the "half2" main loop loads the
-    next block's codes into registers itself instead of staging them with cp.async (num_stages
-    then does not apply to it: that loop is not software-pipelined)."""
-
+    kernel: str
+    num_splits: int
     block_n: int
     num_warps: int
     num_stages: int
     maxnreg: Optional[int]
-    min_block_h: int
-    prefetch: bool = False
+    half2: bool
+    prefetch: bool
 
 
-def _default_config(bits: int, group_size: int, head_dim: int, dtype: torch.dtype,
-                    dequant: str = "half2") -> _Launch:
-    """The launch configuration when the caller gives none.
+def _plan(device: torch.device, dtype: torch.dtype, bits: int, group_size: int, head_dim: int,
+          batch: int, h_q: int, h_kv: int, capacity: int, sm_count: int,
+          kernel: Optional[str] = None) -> _Plan:
+    """Which kernel and tiles a launch runs: the Gluon kernel where it covers the call and pays
+    off (``_fragments_pay_off``), else the Triton kernel. ``kernel`` names one of
+    :data:`KERNELS` instead (tests run each kernel on shapes where the other one would be
+    picked); ValueError where it does not cover the call.
 
-    Tiles of 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup; a block holds whole
-    key groups. bits 16 (no dequantization, so bound by memory) takes 4096-value tiles and 3
-    stages: 1.16x faster than 8192 x 2 stages at B 8, 16k on the H200 (``--tune``; 85% of copy
-    bandwidth). fp32 models use 4096-value tiles: fp32 dots run on the FMA units and spill at
-    8192. BLOCK_H >= 8 is the smallest tensor-core N (triton 3.9 emits wgmma for it, triton 3.6
-    mma.sync: 3.6 needs N >= 16 for wgmma). Compiled sm_90 main loop, bits 2, D 128, bf16,
-    triton 3.6 (3.9): instructions per cached value, registers, shared memory per program:
-      "fp32":  6.5 (5.9), 128 (96) registers, 53 (35) KB at 3 stages: 4 (5) programs per SM.
-      "half2": uncapped 3.6 (3.5) at 128 registers: 4 programs per SM. Capped at 96: 3.8 (3.7),
-               no spill inside the loop, 37 KB: 5 programs per SM, so B 8 x 8 KV heads x 10
-               splits fit in one wave of 132 SMs. bits 4 take 2 stages (33 KB; 46 KB at 3 would
-               allow only 4 programs per SM). D < 64 stays uncapped (D 16 spills at 96).
-               BLOCK_H 16 (wgmma on 3.6): 4.2 at 128 registers, 43 KB.
-    bits 2 "half2" prefetches the codes into registers (no cp.async staging: 17% fewer
-    shared-memory wavefronts, 21 KB): 1.08-1.10x faster on the H200 (``--variants``). bits 4
-    keeps the staging: its prefetched words spill under the cap (1.6x slower).
+    Triton kernel tiles: 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup, whole key
+    groups per block.
+    - bits 16 (bound by memory): 4096-value tiles over 3 stages, 1.16x faster than 8192 x 2 at
+      B 8, 16k on the H200 (85% of copy bandwidth).
+    - fp32 models: 4096-value tiles (fp32 dots run on the FMA units and spill at 8192), 3 stages.
+    - "half2": a 96-register cap at 4 warps and D >= 64 (5 programs per SM instead of 4, so B 8 x
+      8 KV heads x 10 splits fit in one wave of 132 SMs; D 16 spills at 96). Bits 2 load the next
+      block's codes into registers instead of staging them with cp.async: 1.08-1.10x on the
+      H200; bits 4 stage them over 2 stages (their prefetched words spill under the cap: 1.6x
+      slower; 3 stages would leave room for 4 programs per SM only).
     """
+    gqa = h_q // h_kv
+    if gqa > MAX_GQA:
+        raise ValueError(f"q: expected at most {MAX_GQA} query heads per KV head, got {gqa}")
+    supported = _fragments_supported(device, dtype, bits, group_size, head_dim)
+    if kernel is None:
+        fast = supported and _fragments_pay_off(batch, h_kv, capacity, sm_count)
+        kernel = FRAGMENTS if fast else SPLIT
+    check_choice("kernel", kernel, KERNELS)
+    if kernel == FRAGMENTS:
+        if not supported:
+            raise ValueError(f"kernel={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
+                             f"group_size=16, head_dim 128 and fp16/bf16; got {device.type}, "
+                             f"bits={bits}, group_size={group_size}, head_dim {head_dim}, "
+                             f"{dtype}")
+        return _Plan(FRAGMENTS, _fragments_num_splits(batch, h_kv, capacity, sm_count),
+                     dag.BLOCK_TOKENS, 1, 2, dag.MAXNREG, half2=True, prefetch=True)
     tile = 4096 if dtype == torch.float32 or bits == 16 else 8192
-    block_n = max(16, tile // head_dim)
-    if bits == 16:
-        return _Launch(block_n, 4, 3, None, 8)
-    block_n = max(block_n, group_size)
-    warps = 4 if block_n * head_dim <= 8192 else 8
-    if dequant != "half2" or dtype == torch.float32:
-        return _Launch(block_n, warps, 3, None, 8)
+    block_n = max(16, tile // head_dim, group_size if bits != 16 else 16)
+    warps = 4 if bits == 16 or block_n * head_dim <= 8192 else 8
+    splits = _num_splits(batch, h_kv, capacity, block_n, sm_count)
+    if bits == 16 or dtype == torch.float32:
+        return _Plan(SPLIT, splits, block_n, warps, 3, None, half2=False, prefetch=False)
     maxnreg = 96 if warps == 4 and head_dim >= 64 else None
     if bits == 2:
-        return _Launch(block_n, warps, 1, maxnreg, 8, prefetch=True)
-    return _Launch(block_n, warps, 2, maxnreg, 8)
+        return _Plan(SPLIT, splits, block_n, warps, 1, maxnreg, half2=True, prefetch=True)
+    return _Plan(SPLIT, splits, block_n, warps, 2, maxnreg, half2=True, prefetch=False)
 
 
 def _decode_attention_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    scale: float, bits: int, group_size: int, *, dequant: str = "auto",
-    num_splits: Optional[int] = None, block_n: Optional[int] = None,
-    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-    maxnreg: Optional[int] = None, block_h: Optional[int] = None,
-    prefetch: Optional[bool] = None,
+    scale: float, bits: int, group_size: int, plan: Optional[_Plan] = None,
 ) -> torch.Tensor:
-    """Triton implementation of :func:`decode_attention` (inputs already validated).
-
-    ``dequant`` picks the quantized-region path: one of :data:`DEQUANT_PATHS`, :data:`FRAGMENTS`
-    (the Gluon kernel; only where ``_fragments_supported``), or "auto": :data:`FRAGMENTS` where it
-    is supported and pays off (``_fragments_pay_off``), else "half2"; the other keyword
-    arguments override the launch configuration (tests, tuning); ``block_n`` must be a power of
-    two, >= 16 and a multiple of ``group_size`` when ``bits < 16``; ``maxnreg`` caps registers per
-    thread (0: no cap; for :data:`FRAGMENTS` it caps the Gluon kernel, ``MAXNREG`` by default);
-    ``block_h`` (a power of two >= 8 and >= H_q / H_kv) is the dots' N, the query heads of a KV
-    group padded; ``prefetch`` (the "half2" path only) loads the next
-    block's codes into registers instead of staging them with cp.async.
-    """
+    """The CUDA implementation of :func:`decode_attention` (inputs already validated; also
+    callable on CPU tensors under TRITON_INTERPRET=1, the Triton kernel only). ``plan``: the
+    launch, ``_plan``'s by default (tests and the kernel benchmark pass others)."""
     batch, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     ring_cap = k_ring.shape[2]
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    sm_count = sm_count_of(q.device)
-    dequant = _resolve_dequant(dequant, q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv,
-                               capacity, sm_count)
-    fragments = dequant == FRAGMENTS
-    gluon_maxnreg = dag.MAXNREG if maxnreg is None else maxnreg
-    cfg = _default_config(bits, group_size, d, q.dtype, "half2" if fragments else dequant)
-    block_n = block_n or cfg.block_n
-    num_warps = num_warps or cfg.num_warps
-    num_stages = num_stages or cfg.num_stages
-    prefetch = cfg.prefetch if prefetch is None else prefetch
-    if maxnreg is None:  # the default cap is sized for the default warps
-        maxnreg = cfg.maxnreg if num_warps == cfg.num_warps else None
-    maxnreg = maxnreg or None
+    if plan is None:
+        plan = _plan(q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv, capacity,
+                     sm_count_of(q.device))
+    block_n = plan.block_n
     if block_n < 16 or block_n & (block_n - 1) or (bits != 16 and block_n % group_size):
         raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of group_size="
                          f"{group_size}, got {block_n}")
-    if num_splits is None:
-        num_splits = _splits(fragments, batch, h_kv, capacity, block_n, sm_count)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: expected 1..{MAX_SPLITS}, got {num_splits}")
+    if not 1 <= plan.num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 1..{MAX_SPLITS}, got {plan.num_splits}")
     gqa = h_q // h_kv
-    block_h = block_h or max(cfg.min_block_h, triton.next_power_of_2(gqa))
-    if block_h < max(8, gqa) or block_h & (block_h - 1):
-        raise ValueError(f"block_h: expected a power of two >= max(8, {gqa}), got {block_h}")
-    if q.is_cuda and block_h != 8:
-        # BLOCK_H 16 passes the interpreter but hit an illegal memory access on the H200 (triton
-        # 3.6, commit e4005b0); until that is understood only 8 (group sizes 1..8) runs on a GPU.
-        raise ValueError(f"block_h: expected 8 on CUDA (query heads per KV head at most 8), "
-                         f"got {block_h} for {gqa} query heads per KV head")
-    n_slots = num_splits + 1  # + the ring's split
+    n_slots = plan.num_splits + 1  # + the ring's split
 
     m = torch.empty(batch, h_q, n_slots, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(batch, h_q, n_slots, d, dtype=torch.float32, device=q.device)
     out = q.new_empty(batch, h_q, d)
 
-    # fp32 models get exact fp32 products (tf32 would be far less precise than the model dtype).
     # The interpreter (triton 3.9) mishandles bf16: its tl.dot multiplies the raw uint16 bits and
     # its fp32 -> bf16 cast truncates. There bf16 values are rounded by hand and kept in fp32,
     # and the dots run in fp32 on them: the same products, exact in fp32, as on the GPU.
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     bf16_by_hand = interpret and q.dtype == torch.bfloat16
-    # fp32 models keep fp32 dots: fp16 operands would be less precise than the model dtype.
-    half2 = dequant == "half2" and bits != 16 and q.dtype != torch.float32
+    # fp32 models keep exact fp32 products (tf32 would be far less precise than the model dtype).
     if q.dtype == torch.float32 or bf16_by_hand:
         dot_dtype, precision = tl.float32, "ieee"
     else:
@@ -788,14 +719,14 @@ def _decode_attention_triton(
 
     # Programmatic dependent launch (ops/_gdc.py) for all three kernels.
     pdl = gdc.supported(q.device)
-    if fragments:
+    regs = {"maxnreg": plan.maxnreg} if plan.maxnreg else {}
+    if plan.kernel == FRAGMENTS:
         if q.stride(2) != 1:
             q = q.contiguous()
         dag._decode_attention_fragments_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, m, l, acc,
-            scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, ring_cap, num_splits,
-            GQA=gqa, PDL=pdl, num_warps=1, launch_pdl=pdl,
-            **({"maxnreg": gluon_maxnreg} if gluon_maxnreg else {}),
+            scale * _LOG2E, q.stride(0), q.stride(1), h_kv, capacity, ring_cap, plan.num_splits,
+            GQA=gqa, PDL=pdl, num_warps=plan.num_warps, launch_pdl=pdl, **regs,
         )
     else:
         _decode_attention_split_kernel[(batch, h_kv, n_slots)](
@@ -803,13 +734,12 @@ def _decode_attention_triton(
             m, l, acc,
             scale * _LOG2E,
             *q.stride(),
-            h_kv, capacity, ring_cap, num_splits,
-            GQA=gqa, BLOCK_H=block_h, D=d,
-            BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=half2,
+            h_kv, capacity, ring_cap, plan.num_splits,
+            GQA=gqa, BLOCK_H=MAX_GQA, D=d,
+            BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=plan.half2,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
-            INTERPRET=interpret, PREFETCH=prefetch, PDL=pdl, num_warps=num_warps,
-            num_stages=num_stages, launch_pdl=pdl,
-            **({"maxnreg": maxnreg} if maxnreg else {}),
+            INTERPRET=interpret, PREFETCH=plan.prefetch, PDL=pdl, num_warps=plan.num_warps,
+            num_stages=plan.num_stages, launch_pdl=pdl, **regs,
         )
     # One program per (row, 32 channels), all splits loaded at once: one round of memory
     # latency. (One program per row looping over 16 splits at a time took 4.8 us per layer at

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Engine A/B of two trees in one GPU call, alternating: each run a fresh process.
-# Usage (after check.sh installed this tree into /tmp/mk):
-#   perf/gpu/ab_trees.sh OUTDIR OLD_TREE ROUNDS [perf args...]
+# Usage (from the repo root, after perf/gpu_check.sh installed this tree in editable mode):
+#   perf/experiments/ab_trees.sh OUTDIR OLD_TREE ROUNDS [perf args...]
 # OLD_TREE (e.g. a git-ignored `git archive` export carried to the machine) is installed into
-# /tmp/mk_old; round i runs `python -m minikv_compile.perf ARGS` with each tree, new first, each
+# /tmp/mk_old and put first on PYTHONPATH for its runs; every run starts in /tmp/run, outside
+# the tree, so that the tree's folders shadow neither install. Round i runs `python -m minikv_compile.perf ARGS` with each tree, new first, each
 # tree with an inductor cache of its own (a graph cached by one tree calls ops by the schema of
 # that tree). Keeps OUTDIR/ab_{new,old}_i.{log,json} (few files: the transfer back counts them)
 # and prints each run's decode rows (ms per token, x floor; `decode_rows.py`).
@@ -14,7 +15,7 @@ rm -rf /tmp/mk_old && pip install -q --no-deps --no-build-isolation --target /tm
 mkdir -p /tmp/run
 for i in $(seq 1 "$ROUNDS"); do
   for tree in new old; do
-    site=/tmp/mk; [ "$tree" = old ] && site=/tmp/mk_old
+    site=; [ "$tree" = old ] && site=/tmp/mk_old
     echo "== $tree $i"
     run=/tmp/ab/${tree}_$i; rm -rf "$run"
     (cd /tmp/run && PYTHONPATH=$site PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$tree \

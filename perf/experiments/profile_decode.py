@@ -1,6 +1,6 @@
 """Where a decode step's time goes: kernels of replayed steps, grouped, by total time (GPU).
 
-    python -m minikv_compile.perf.profile_decode [--batch 1] [--prompt 32768] [--steps 20]
+    python perf/experiments/profile_decode.py [--batch 1] [--prompt 32768] [--steps 20]
 
 Builds the Llama-3.1-8B shape with random bf16 weights on the GPU, compiles MiniKV for one
 request, prefills it, then profiles ``--steps`` CUDA-graph replays with ``torch.profiler`` and
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
 
     from minikv_compile import MiniKVConfig, minikv_compile
     from minikv_compile.ops import _gdc as gdc
-    from minikv_compile.perf._bench import kernel_times
+    from minikv_compile.perf.measure import kernel_times
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

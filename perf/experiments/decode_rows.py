@@ -1,7 +1,7 @@
 """Print the decode rows of ``python -m minikv_compile.perf`` reports, one line each, for the
-engine A/B scripts of this folder (``ab_trees.sh``, ``config_ab.sh``).
+engine A/B script of this folder (``ab_trees.sh``).
 
-    python perf/gpu/decode_rows.py LABEL REPORT.json|RUN_DIR ...
+    python perf/experiments/decode_rows.py LABEL REPORT.json|RUN_DIR ...
 """
 import json
 import pathlib

@@ -3,23 +3,20 @@ Llama-3.1-8B decode step, each beside what the step runs without it (inductor's 
 SiLU-gate / residual / RoPE kernels around a cuBLAS GEMV, compiled and graph-captured the same
 way; q/k/v includes the RoPE of its q and k heads on both sides).
 
-    cd /tmp/run && python /path/to/perf/gpu/linear_sweep.py --batches 1,8   # after check.sh
+    python perf/experiments/linear_sweep.py --batches 1,8       # after perf/gpu_check.sh
 
 Every timing is a CUDA graph over enough weight copies to read >= 3x L2 from HBM per replay
 (median of ``do_bench``); "TB/s" counts the weight bytes only. Prints one line per (layer,
-batch, config); results under ``perf/results/h200/linear_sweep_*.txt``.
+batch, config).
 """
 import argparse
-import importlib
 import itertools
 
 import torch
 import torch.nn.functional as F
 
-from minikv_compile.perf._bench import environment
-from minikv_compile.perf.bench_decode_attention import _graph_ms, _replicas, copy_bandwidth
-
-lin = importlib.import_module("minikv_compile.ops.linear")
+from minikv_compile.ops import linear as lin
+from minikv_compile.perf.measure import copy_bandwidth, graph_ms, replicas, row_environment
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
 HEAD_DIM, ROPE_ROWS = 128, 40 * 128  # q/k/v: RoPE over the 32 q and 8 k heads
@@ -50,55 +47,7 @@ def dot_configs(warps=(4,)):  # several rows: tensor-core tiles of 16 (padded) r
 def timed(fn, ws) -> float:
     """ms per call: a graph of >= 8 calls cycling through the weight copies (the first call's
     write-back of do_bench's L2 flush, ~50 MB, is then shared by 8 calls, not charged to one)."""
-    return _graph_ms([lambda w=ws[i % len(ws)]: fn(w) for i in range(max(8, len(ws)))])
-
-
-def plain_case(name: str, rows: int):
-    """The other device experiments' setup for one projection without its epilogue: ``(N, K,
-    weight copies enough to read >= 3x L2 per graph replay (>= 2), x (rows, K), x @ w.T in
-    fp32)``, random bf16."""
-    N, K = LAYERS[name][:2]
-    ws = [torch.randn(N, K, device="cuda").bfloat16() / K ** 0.5
-          for _ in range(max(2, _replicas(N * K * 2)))]
-    x = torch.randn(rows, K, device="cuda").bfloat16()
-    return N, K, ws, x, x.float() @ ws[0].float().T
-
-
-def fused_plain(x, w, **override):
-    """``fused_linear`` without prologue or epilogue (the launcher, with its config overrides)."""
-    return lin._fused_linear_triton(x, w, None, None, None, None, None, 0, "none", 1e-5,
-                                    **override)
-
-
-def plain_cases(layers: str, rows: int):
-    """The GEMV trials' loop: prints the copy bandwidth, then yields ``(name, *plain_case(name,
-    rows))`` for each of the comma-separated ``layers``."""
-    print(f"copy {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
-    for name in layers.split(","):
-        yield (name, *plain_case(name, rows))
-
-
-def plain_baseline(name: str, x, ws) -> float:
-    """ms of ``fused_plain`` over the weight copies ``ws``, printed as the trials' header line."""
-    (N, K), rows = ws[0].shape, x.shape[0]
-    ms = timed(lambda w: fused_plain(x, w), ws)
-    print(f"{name} ({N} x {K}), {rows} rows: fused_linear default {ms * 1e3:6.1f} us "
-          f"{N * K * 2 / ms / 1e9:5.2f} TB/s", flush=True)
-    return ms
-
-
-def report_variant(label: str, fn, x, ws, ref, base: float) -> None:
-    """Check ``fn(x, w)`` against ``ref``, time it over ``ws`` and print one line beside the
-    baseline's ``base`` ms (or why it failed: a variant that does not compile)."""
-    N, K = ws[0].shape
-    try:
-        err = (fn(x, ws[0]).float() - ref).abs().max().item()
-        ms = timed(lambda w: fn(x, w), ws)
-    except Exception as e:  # noqa: BLE001 - a variant that does not compile
-        print(f"   {label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return
-    print(f"   {label}: {ms * 1e3:6.1f} us {N * K * 2 / ms / 1e9:5.2f} TB/s {base / ms:5.2f}x  "
-          f"err {err:.1e}", flush=True)
+    return graph_ms([lambda w=ws[i % len(ws)]: fn(w) for i in range(max(8, len(ws)))])
 
 
 def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
@@ -131,15 +80,15 @@ def main() -> None:
     args = ap.parse_args()
     warps = tuple(int(w) for w in args.warps.split(","))
     dev, dt = torch.device("cuda"), torch.bfloat16
-    copy = copy_bandwidth()
-    env = environment()
+    copy = copy_bandwidth(dev)["bytes_per_s"]
+    env = row_environment()
     print(f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, "
           f"git {env['git_sha']}: copy {copy / 1e12:.2f} TB/s")
     torch.manual_seed(0)
     for name in args.layers.split(","):
         N, K, prologue, residual, glu_out = LAYERS[name]
         wbytes = N * K * 2
-        reps = max(2, _replicas(wbytes))  # >= 2: a copy is evicted before it is read again
+        reps = max(2, replicas(wbytes))  # >= 2: a copy is evicted before it is read again
         ws = [torch.randn(N, K, device=dev, dtype=dt) / K ** 0.5 for _ in range(reps)]
         nw = torch.rand(K, device=dev, dtype=dt) + 0.5 if prologue == "rmsnorm" else None
         base = baseline_fn(prologue, glu_out)
@@ -160,10 +109,9 @@ def main() -> None:
                   f"{wbytes / b_ms / 1e9:5.2f} TB/s; cuBLAS GEMV alone {c_ms * 1e3:7.1f} us "
                   f"{wbytes / c_ms / 1e9:5.2f} TB/s", flush=True)
             default = lin.launch_config(M, N, K, dt)
-            # The default as a plain launch if it is a PDL one (each launch then waits for the
-            # previous one to finish), or the other way round (gate/up at several rows); and
-            # with other amounts of its weights prefetched toward L2 before its PDL wait.
-            cfgs = [default, {**default, "pdl": not default.get("pdl", True)}]
+            # The default, and with other amounts of its weights prefetched toward L2 before its
+            # PDL wait.
+            cfgs = [default]
             if M > 1:  # the tensor-core path's warps and L2 prefetch (the one-row path has none)
                 cfgs += [{**default, "num_warps": w} for w in warps if w != default["num_warps"]]
                 cfgs += [{**default, "K_PREFETCH": k} for k in (0, 512, 1024, 2048)
