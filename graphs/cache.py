@@ -1,21 +1,5 @@
-"""The static compressed KV cache: every buffer allocated once, before any graph is captured.
-
-Per layer (layout contract of ``minikv_compile.ops``; ``Bmax`` slots, ``T_cap`` quantized tokens,
-ring of ``R`` tokens, ``b`` bits, group ``G``)::
-
-    k_cache  (Bmax, H_kv, T_cap * b / 32, D) int32   keys, per-channel groups packed along tokens
-    k_scale  (Bmax, H_kv, T_cap / G, D)      fp16
-    k_zero   (Bmax, H_kv, T_cap / G, D)      fp16
-    v_cache  (Bmax, H_kv, T_cap, D * b / 32) int32   values, per-token groups packed along channels
-    v_scale  (Bmax, H_kv, T_cap, D / G)      fp16
-    v_zero   (Bmax, H_kv, T_cap, D / G)      fp16
-    k_ring   (Bmax, H_kv, R, D)              model dtype (recent tokens in full precision)
-    v_ring   (Bmax, H_kv, R, D)              model dtype
-    lens     (Bmax, 2)                       int32: [quantized tokens, ring tokens] per slot
-
-With ``bits=16`` the quantized region is a plain ``(Bmax, H_kv, T_cap, D)`` buffer in the model
-dtype and the scale/zero buffers are empty. ``table`` holds every layer's buffer addresses for
-the decode step's all-layer launch (``ops.cache_begin_step``); it lives as long as the cache.
+"""The static compressed KV cache of ``max_batch_size`` slots: allocated once, before any graph is
+captured, never reallocated (layout: ``minikv_compile.ops.cache_layout``), and its memory report.
 """
 from __future__ import annotations
 
@@ -24,70 +8,37 @@ from typing import List
 
 import torch
 
-from minikv_compile import ops
+from minikv_compile.ops import CacheLayout
 
-
-@dataclass
-class LayerCache:
-    k_cache: torch.Tensor
-    k_scale: torch.Tensor
-    k_zero: torch.Tensor
-    v_cache: torch.Tensor
-    v_scale: torch.Tensor
-    v_zero: torch.Tensor
-    k_ring: torch.Tensor
-    v_ring: torch.Tensor
-    lens: torch.Tensor
-
-    def buffers(self) -> tuple:
-        """The buffers in the argument order of the ``minikv`` cache ops."""
-        return (self.k_cache, self.k_scale, self.k_zero, self.v_cache, self.v_scale, self.v_zero,
-                self.k_ring, self.v_ring, self.lens)
-
-    @property
-    def capacity(self) -> int:
-        """T_cap: quantized tokens a slot can hold."""
-        return self.v_cache.shape[2]
+from . import budget
 
 
 class StaticKVCache:
-    """All layers' buffers for ``max_batch_size`` slots; allocated once, never reallocated."""
+    """The cache's buffers (``layout``) and the per-slot resets the runtime needs.
 
-    def __init__(self, *, capacities: List[int], max_batch_size: int, num_kv_heads: int,
-                 head_dim: int, ring: int, bits: int, group_size: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.bits, self.group_size, self.ring = bits, group_size, ring
-        self.max_batch_size, self.num_kv_heads, self.head_dim = max_batch_size, num_kv_heads, head_dim
-        self.dtype, self.device = dtype, device
-        self.layers = [self._allocate(cap) for cap in capacities]
-        # Addresses of every layer's buffers for the all-layer launches (ops.cache_begin_step).
-        self.table = ops.cache_table([layer.buffers() for layer in self.layers])
+    An empty slot holds one ring token and nothing else (``lens = (0, 1)``): the decode step
+    runs the attention of every slot of its bucket, and one token (zeros, or a released
+    request's stale row) keeps an idle slot's row finite at the cost of reading one token.
+    """
 
-    def _allocate(self, cap: int) -> LayerCache:
-        B, H, D, G, R = self.max_batch_size, self.num_kv_heads, self.head_dim, self.group_size, self.ring
-        dev = self.device
-        if self.bits == 16:
-            empty = lambda: torch.empty(0, dtype=torch.float16, device=dev)  # noqa: E731
-            k_cache = torch.zeros(B, H, cap, D, dtype=self.dtype, device=dev)
-            v_cache = torch.zeros(B, H, cap, D, dtype=self.dtype, device=dev)
-            k_scale, k_zero, v_scale, v_zero = empty(), empty(), empty(), empty()
-        else:
-            per_word = 32 // self.bits
-            k_cache = torch.zeros(B, H, cap // per_word, D, dtype=torch.int32, device=dev)
-            k_scale = torch.zeros(B, H, cap // G, D, dtype=torch.float16, device=dev)
-            k_zero = torch.zeros_like(k_scale)
-            v_cache = torch.zeros(B, H, cap, D // per_word, dtype=torch.int32, device=dev)
-            v_scale = torch.zeros(B, H, cap, D // G, dtype=torch.float16, device=dev)
-            v_zero = torch.zeros_like(v_scale)
-        k_ring = torch.zeros(B, H, R, D, dtype=self.dtype, device=dev)
-        v_ring = torch.zeros_like(k_ring)
-        lens = torch.zeros(B, 2, dtype=torch.int32, device=dev)
-        return LayerCache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens)
+    def __init__(self, config, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.layout = CacheLayout.allocate(
+            capacities=budget.capacities(config, num_layers),
+            max_batch_size=config.max_batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            ring=config.residual_length, bits=config.bits, group_size=config.group_size,
+            dtype=dtype, device=device)
+        self.layers = self.layout.layers
+        self.bits, self.group_size = config.bits, config.group_size
+        self.max_batch_size, self.ring = config.max_batch_size, config.residual_length
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.empty_slots(0, self.max_batch_size)
 
-    def reset(self, num_slots: int | None = None) -> None:
-        """Empty slots ``[0, num_slots)`` (all by default). Stale data past ``lens`` is never read."""
+    def empty_slots(self, start: int, stop: int) -> None:
+        """Empty slots ``[start, stop)`` of every layer (eager; between replays)."""
         for layer in self.layers:
-            layer.lens[: num_slots or self.max_batch_size].zero_()
+            layer.lens[start:stop, 0].fill_(0)
+            layer.lens[start:stop, 1].fill_(1)
 
 
 @dataclass(frozen=True)
@@ -105,7 +56,8 @@ class LayerBytes:
 
 @dataclass(frozen=True)
 class KVMemoryReport:
-    """KV bytes actually allocated, against the uncompressed cache and DESIGN.md's formula.
+    """KV bytes actually allocated, against the uncompressed cache and the formula
+    (``budget.formula_kv_bytes``).
 
     ``formula_bytes`` is the paper's Appendix-I count for this configuration (2-bit:
     ``H * d * (kept + L_gen)`` bytes per sequence; ``H`` layers, ``d`` KV width); the allocated
@@ -179,13 +131,10 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
                                  counters=nbytes(layer.lens),
                                  padding=max(0, unused_tokens) * per_token))
     width = H * D  # d: KV width of one layer
-    fp16 = 2 * len(cache.layers) * width * (prompt_len + new_tokens) * 2 * B
-    if cache.bits == 16:
-        formula = sum(2 * width * (k + new_tokens) * 2 for k in kept) * B
-    else:
-        # b-bit codes + fp16 scale + fp16 zero per G values, for K and V.
-        per_value = cache.bits / 8 + 4 / cache.group_size
-        formula = int(sum(2 * width * (k + new_tokens) * per_value for k in kept) * B)
+    fp16 = budget.full_kv_bytes(num_layers=len(cache.layers), kv_width=width,
+                                tokens=prompt_len + new_tokens, batch=B, dtype_bytes=2)
+    formula = budget.formula_kv_bytes(bits=cache.bits, group_size=cache.group_size, kv_width=width, kept=kept,
+                                      new_tokens=new_tokens, batch=B)
     notes = [
         f"ring: {cache.ring} tokens per slot and layer in {cache.dtype} on top of the formula",
         "padding: capacity rounded up to a whole quantization group",

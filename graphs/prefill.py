@@ -1,12 +1,11 @@
 """Eager prefill of one request: selective attention, persistent selection, write into a slot.
 
-DESIGN.md section 2, steps 1-5. Runs once per request, outside any graph; everything here is
+docs/algorithm.md, "Prefill" to "Quantization". Runs once per request, outside any graph; everything here is
 allowed to allocate. Memory stays linear in the prompt: attention never materializes L x L, and
 only the last position goes through the LM head.
 """
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from minikv_compile import ops
 
+from . import budget
 from .cache import StaticKVCache
 from .selection import select_tokens, token_scores
 
@@ -47,7 +47,7 @@ def prefill(adapter: Adapter, cache: StaticKVCache, config, slot: int, input_ids
     cos, sin = adapter.rope(h, positions)
     for layer, lc in enumerate(cache.layers):
         q, k, v = adapter.qkv(layer, h, cos, sin)          # q (1, H_q, L, D), k/v (1, H_kv, L, D)
-        n_recent, n_heavy = config.kept_tokens(L, layer, n_layers)
+        n_recent, n_heavy = budget.kept_tokens(config, L, layer, n_layers)
         if n_recent + n_heavy >= L:
             # Nothing is evicted: no scores needed, so use the fastest exact attention there is.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=adapter.scale,
@@ -59,14 +59,8 @@ def prefill(adapter: Adapter, cache: StaticKVCache, config, slot: int, input_ids
             idx = select_tokens(scores, n_recent, n_heavy)  # (H_kv, n)
             idx = idx[..., None].expand(-1, -1, adapter.head_dim)
             k_sel, v_sel = k[0].gather(1, idx), v[0].gather(1, idx)
-        ops.cache_write_prefill(k_sel.contiguous(), v_sel.contiguous(), slot, *lc.buffers(),
-                                cache.bits, cache.group_size)
+        ops.cache_write_prefill(k_sel.contiguous(), v_sel.contiguous(), slot, lc, cache.bits,
+                                cache.group_size)
         h = adapter.finish_layer(layer, h, out.transpose(1, 2).reshape(1, L, -1))
     return adapter.logits(h[:, -1])[0]
 
-
-def capacity_for(config, layer: int, num_layers: int) -> int:
-    """Quantized tokens layer ``layer`` must hold per slot: the most it keeps of a prompt plus
-    every generated token, rounded up to a whole group (the rounding is the report's padding)."""
-    need = config.max_kept(layer, num_layers) + config.max_new_tokens
-    return math.ceil(need / config.group_size) * config.group_size

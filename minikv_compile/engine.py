@@ -1,6 +1,9 @@
 """``minikv_compile(model)``: the compiled model object users hold."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -8,9 +11,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from minikv_compile.graphs.cache import KVMemoryReport, StaticKVCache, kv_memory_report
-from minikv_compile.graphs.decode import MAX_EOS_IDS, DecodeRunner, sample_tokens
-from minikv_compile.graphs.prefill import capacity_for, prefill
+from minikv_compile.graphs import budget
+from minikv_compile.graphs.cache import KVMemoryReport, kv_memory_report
+from minikv_compile.graphs.decode import MAX_EOS_IDS
+from minikv_compile.graphs.runtime import Request, SlotRuntime
+from minikv_compile.graphs.sampling import Sampling
 from minikv_compile.models import get_adapter
 
 from .config import MiniKVConfig
@@ -47,10 +52,16 @@ class GenerationOutput:
 class MiniKVModel:
     """An HF causal LM whose KV cache is MiniKV-compressed and whose decode loop is compiled.
 
-    Built by ``minikv_compile``; holds the model (weights are shared, not copied), the static
-    cache for ``config.max_batch_size`` sequences, and one compiled / captured decode step per
-    batch-size bucket (powers of two up to ``max_batch_size``) and mode (greedy, sample,
-    teacher): the largest greedy bucket at construction, the others when first used.
+    Built by ``minikv_compile``; holds the model (weights are shared, not copied) and the
+    runtime of ``config.max_batch_size`` slots (``runtime``): the static cache, the per-slot
+    state and one compiled / captured decode step per batch-size bucket (powers of two up to
+    ``max_batch_size``) and mode (greedy, sample, teacher): the largest greedy bucket at
+    construction, the others when first used. On CUDA the q/k/v and gate/up weights of each
+    layer are concatenated in place (the model's own modules then hold views into them, and
+    keep working); ``unfuse_projections()`` gives every module its own weights back.
+
+    One call at a time: ``generate``, ``teacher_force`` and the slot methods hold one lock, so
+    threads sharing a model are served one after another.
     """
 
     def __init__(self, model: nn.Module, config: MiniKVConfig):
@@ -74,31 +85,23 @@ class MiniKVModel:
                                       f"got {a.num_q_heads} % {a.num_kv_heads}")
         if a.head_dim % config.group_size:
             raise ValueError(f"group_size: expected a divisor of head_dim={a.head_dim}, got {config.group_size}")
-        n = a.num_layers
-        self.cache = StaticKVCache(
-            capacities=[capacity_for(config, layer, n) for layer in range(n)],
-            max_batch_size=config.max_batch_size, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-            ring=config.residual_length, bits=config.bits, group_size=config.group_size,
-            dtype=self.dtype, device=self.device)
-        self.runner = DecodeRunner(a, self.cache, max_new_tokens=config.max_new_tokens,
-                                   compile=use_compile, cuda_graphs=use_graphs)
-        self.buckets = _buckets(config.max_batch_size)
-        self.capture_seconds: Dict[tuple, float] = {}
-        if use_graphs:
-            # The full bucket is captured now; smaller buckets and other modes on first use
-            # (each costs one compile, so a batch-1 user of a batch-64 engine pays only for 1).
-            with torch.no_grad():
-                self._prepare(self.buckets[-1], "greedy")
+        self._lock = threading.RLock()
+        with _engine_mode():
+            self.runtime = SlotRuntime(a, config, device=self.device, dtype=self.dtype,
+                                       compile=use_compile, cuda_graphs=use_graphs)
+            if use_graphs:
+                # The full bucket is captured now; smaller buckets and other modes on first use
+                # (each costs one compile, so a batch-1 user of a batch-64 engine pays only for 1).
+                self.runtime.prepare(self.runtime.buckets[-1], "greedy")
 
     # -- public ------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate(self, input_ids: Prompts, attention_mask: Optional[torch.Tensor] = None,
                  max_new_tokens: int = 256, do_sample: bool = False, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Union[int, Sequence[int], None] = None,
                  streamer: Optional[Callable[[List[Optional[int]]], None]] = None,
-                 eos_check_every: int = 8) -> GenerationOutput:
+                 eos_check_every: int = 8, seed: Optional[int] = None) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` tokens for each prompt.
 
         input_ids: ``(B, L)`` int64 (with ``attention_mask (B, L)`` marking real tokens, left or
@@ -106,88 +109,107 @@ class MiniKVModel:
         streamer: called once per generated position with one entry per sequence (the new token,
             or ``None`` once that sequence has stopped). Streaming syncs with the host every step.
         eos_check_every: steps between host checks of "all sequences finished" (each is a sync).
+        seed: sampling seed of the first sequence (sequence ``i`` draws with ``seed + i``); None
+            draws seeds from torch's global generator.
         """
         prompts = self._check_prompts(input_ids, attention_mask)
-        B = len(prompts)
-        eos = _eos_list(eos_token_id)
-        mode = _check_sampling(do_sample, temperature, top_k, top_p)
+        eos = tuple(_eos_list(eos_token_id))
+        sampling = _check_sampling(do_sample, temperature, top_k, top_p)
         self._check_new_tokens(max_new_tokens)
-        r = self.runner
-        bucket, first, prefill_s = self._start(prompts, mode, eos, temperature, top_k, top_p)
-        t1 = time.perf_counter()
-        if streamer is not None:
-            streamer(first.tolist())
-            finished = r.done[:B].tolist()
-        steps = 0
-        for steps in range(1, max_new_tokens):
-            if eos and steps % eos_check_every == 0 and bool(r.done[:B].all()):
-                steps -= 1  # columns 0..steps-1 were produced
-                break
-            r.run_step(bucket, mode)
-            if streamer is not None:
-                col = r.generated[:B, steps].tolist()
-                streamer([None if f else t for t, f in zip(col, finished)])
-                finished = r.done[:B].tolist()
-                if eos and all(finished):
-                    break
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        requests = [Request(p, max_new_tokens, eos, _seeded(sampling, seed, i))
+                    for i, p in enumerate(prompts)]
+        with self._lock, _engine_mode():
+            return self._run(requests, streamer, eos_check_every)
 
-        gen = r.generated[:B, : steps + 1].tolist()
-        sequences, reasons = [], []
-        for row in gen:
-            cut = next((i for i, t in enumerate(row) if t in eos), None) if eos else None
-            sequences.append(row if cut is None else row[: cut + 1])
-            reasons.append("length" if cut is None else "eos")
-        return GenerationOutput(sequences=sequences, stop_reasons=reasons, prefill_seconds=prefill_s,
-                                decode_seconds=t2 - t1, decode_steps=steps, batch_bucket=bucket)
-
-    @torch.no_grad()
     def teacher_force(self, input_ids: Prompts, targets: Sequence[Sequence[int]],
                       attention_mask: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Log-probabilities of ``targets[i]`` after ``input_ids[i]``, through the decode path.
 
         The prompt is prefilled (and compressed) as in ``generate``; then each target token is
-        fed through the same compiled / captured decode step instead of a sampled one, so flushes
+        fed through the same compiled / captured decode step instead of a chosen one, so flushes
         and the ring are exercised exactly as in generation. Returns one (len(targets[i]),) fp32
         CPU tensor per sequence: ``log p(targets[i][j] | prompt, targets[i][:j])``.
         """
         prompts = self._check_prompts(input_ids, attention_mask)
         if len(targets) != len(prompts):
             raise ValueError(f"targets: expected one list per prompt ({len(prompts)}), got {len(targets)}")
-        n = max(len(t) for t in targets)
-        self._check_new_tokens(n)
         rows = [_token_list(t, self.adapter.vocab_size, f"targets[{i}]") for i, t in enumerate(targets)]
         if any(len(t) == 0 for t in rows):
             raise ValueError("targets: expected at least one token per sequence, got an empty list")
-        r = self.runner
-        forced = torch.zeros(len(rows), n, dtype=torch.int64)
-        for i, t in enumerate(rows):
-            forced[i, : len(t)] = torch.tensor(t)
-        bucket, _, _ = self._start(prompts, "teacher", [], 1.0, None, None, forced=forced)
-        for _ in range(1, n):
-            r.run_step(bucket, "teacher")
-        logprobs = r.logprobs[: len(rows), :n].cpu()
+        cap = self.config.max_new_tokens
+        if max(len(t) for t in rows) > cap:
+            raise ValueError(f"targets: expected at most {cap} tokens per sequence (max_new_tokens), "
+                             f"got {max(len(t) for t in rows)}")
+        requests = [Request(p, len(t), (), Sampling(), forced=t) for p, t in zip(prompts, rows)]
+        with self._lock, _engine_mode():
+            self._run(requests, None, 1 << 30)
+            logprobs = self.runtime.state.logprobs[: len(rows)].cpu()
         return [logprobs[i, : len(t)].clone() for i, t in enumerate(rows)]
 
     def kv_memory(self, prompt_len: Optional[int] = None, new_tokens: Optional[int] = None) -> KVMemoryReport:
         """Bytes the cache allocated, against the fp16 cache for the configured maxima."""
         L = prompt_len or self.config.max_prompt_len
-        n = self.adapter.num_layers
-        kept = [sum(self.config.kept_tokens(L, layer, n)) for layer in range(n)]
-        return kv_memory_report(self.cache, kept=kept, prompt_len=L,
+        kept = budget.kept_per_layer(self.config, L, self.adapter.num_layers)
+        return kv_memory_report(self.runtime.cache, kept=kept, prompt_len=L,
                                 new_tokens=new_tokens or self.config.max_new_tokens)
+
+    def unfuse_projections(self) -> None:
+        """Give the model's q/k/v and gate/up modules their own weights back (undoing the
+        in-place concatenation done on CUDA); this engine must not be used afterwards."""
+        with self._lock:
+            self.adapter.unfuse()
+            self.runtime = None
 
     @property
     def stats(self) -> Dict[str, object]:
         """Compiles and replays so far: proof that the decode step is compiled once per bucket
         and really replayed from CUDA graphs."""
-        r = self.runner
-        return {"compiles": r.compiles, "replays": r.replays, "graphs": sorted(r._graphs),
-                "compile_seconds": dict(r.compile_seconds), "capture_seconds": dict(self.capture_seconds)}
+        r = self.runtime.runner
+        return {"compiles": r.compiles, "replays": r.replays, "graphs": r.graphs,
+                "compile_seconds": dict(r.compile_seconds), "capture_seconds": dict(r.capture_seconds)}
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _run(self, requests: List[Request], streamer, eos_check_every: int) -> GenerationOutput:
+        """Admit every request (slots 0..B-1), replay until all finished, collect, release."""
+        rt, B = self.runtime, len(requests)
+        slots = list(range(B))
+        rt.release_all()  # whatever an interrupted call left behind
+        try:
+            t0 = time.perf_counter()
+            for slot, request in zip(slots, requests):
+                rt.admit(slot, request)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            finished = rt.finished(slots) if streamer is not None else None
+            if streamer is not None:
+                streamer([out[0] for out in rt.outputs(slots)])
+            last = max(r.max_new_tokens for r in requests) - 1  # steps after the first token
+            steps = 0
+            eos = any(r.eos_ids for r in requests)
+            while steps < last:
+                if eos and steps and steps % eos_check_every == 0 and all(rt.finished(slots)):
+                    break
+                rt.step()
+                steps += 1
+                if streamer is not None:
+                    outs = rt.outputs(slots)
+                    streamer([None if f else out[-1] for f, out in zip(finished, outs)])
+                    finished = rt.finished(slots)
+                    if all(finished):
+                        break
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            sequences = rt.outputs(slots)
+        finally:
+            rt.release_all()
+        reasons = ["eos" if seq and seq[-1] in r.eos_ids else "length"
+                   for seq, r in zip(sequences, requests)]
+        bucket = next(b for b in rt.buckets if b >= B)
+        return GenerationOutput(sequences=sequences, stop_reasons=reasons, prefill_seconds=t1 - t0,
+                                decode_seconds=t2 - t1, decode_steps=steps, batch_bucket=bucket)
 
     def _check_prompts(self, input_ids, attention_mask) -> List[List[int]]:
         cfg = self.config
@@ -205,57 +227,6 @@ class MiniKVModel:
         cap = self.config.max_new_tokens
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cap:
             raise ValueError(f"max_new_tokens: expected 1..{cap} (the configured capacity), got {n!r}")
-
-    def _start(self, prompts, mode, eos, temperature, top_k, top_p, forced=None):
-        """Prefill every prompt into its slot and set the runner's buffers for step 1.
-
-        Returns (bucket, first tokens (B,), prefill seconds). Everything the previous request
-        left behind is reset first, so a failed request never poisons the next one.
-        """
-        B = len(prompts)
-        bucket = next(b for b in self.buckets if b >= B)
-        r = self.runner
-        self._prepare(bucket, mode)
-        self.cache.reset(bucket)
-        r.reset()
-        r.eos_ids.fill_(-1)
-        if eos:
-            r.eos_ids[: len(eos)] = torch.tensor(eos, device=self.device)
-        r.temperature.fill_(float(temperature))
-        r.top_k.fill_(self.adapter.vocab_size if top_k is None else int(top_k))
-        r.top_p.fill_(1.0 if top_p is None else float(top_p))
-        if forced is not None:
-            r.forced[:B, : forced.shape[1]] = forced.to(self.device)
-
-        t0 = time.perf_counter()
-        first = []
-        for slot, p in enumerate(prompts):
-            ids = torch.tensor(p, dtype=torch.int64, device=self.device)
-            logits = prefill(self.adapter, self.cache, self.config, slot, ids)[None]  # (1, V)
-            if mode == "greedy":
-                first.append(logits.argmax(dim=-1))
-            elif mode == "sample":
-                noise = torch.empty_like(logits).exponential_()
-                first.append(sample_tokens(logits, r.temperature[:1], r.top_k[:1], r.top_p[:1], noise))
-            else:
-                tok = r.forced[slot: slot + 1, 0]
-                r.logprobs[slot, 0] = logits.log_softmax(dim=-1)[0, tok[0]]
-                first.append(tok)
-        first = torch.cat(first)
-        r.tokens[:B] = first
-        r.generated[:B, 0] = first
-        r.positions[:B] = torch.tensor([len(p) for p in prompts], device=self.device)
-        r.done[:B] = (first[:, None] == r.eos_ids[None, :]).any(dim=-1)
-        r.done[B:bucket] = True  # padding slots of the bucket never count as unfinished
-        r.step.fill_(1)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return bucket, first, time.perf_counter() - t0
-
-    def _prepare(self, bucket: int, mode: str) -> None:
-        spent = self.runner.prepare(bucket, mode)
-        if spent is not None:
-            self.capture_seconds[(bucket, mode)] = spent
 
 
 def minikv_compile(model: nn.Module, config: Optional[MiniKVConfig] = None) -> MiniKVModel:
@@ -284,14 +255,6 @@ def _model_device_and_dtype(model: nn.Module):
     if len(dtypes) != 1:
         raise ValueError(f"model: expected one floating dtype, got {sorted(map(str, dtypes))}")
     return devices.pop(), dtypes.pop()
-
-
-def _buckets(max_batch: int) -> List[int]:
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
 
 
 def _prompts(input_ids: Prompts, attention_mask, vocab: int) -> List[List[int]]:
@@ -337,14 +300,30 @@ def _eos_list(eos_token_id) -> List[int]:
     return eos
 
 
-def _check_sampling(do_sample, temperature, top_k, top_p) -> str:
-    """The decode mode for these arguments: "greedy" or "sample"."""
+def _check_sampling(do_sample, temperature, top_k, top_p) -> Sampling:
+    """The sampling parameters for these arguments (greedy unless ``do_sample``)."""
     if not do_sample:
-        return "greedy"
+        return Sampling()
     if not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected a positive int or None, got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected a value in (0, 1], got {top_p!r}")
-    return "sample"
+    return Sampling(greedy=False, temperature=float(temperature), top_k=top_k,
+                    top_p=1.0 if top_p is None else float(top_p))
+
+
+def _seeded(sampling: Sampling, seed: Optional[int], index: int) -> Sampling:
+    """``sampling`` with the seed of sequence ``index`` of a call (``seed + index``)."""
+    if seed is None or sampling.greedy:
+        return sampling
+    return dataclasses.replace(sampling, seed=seed + index)
+
+
+@contextlib.contextmanager
+def _engine_mode():
+    """No autograd, and never inference mode: the engine's buffers are ordinary tensors that a
+    later call may update in place, whether or not the caller is under ``inference_mode()``."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield

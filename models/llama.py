@@ -61,6 +61,19 @@ class LlamaFamilyAdapter:
         # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
         self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
 
+    def unfuse(self) -> None:
+        """Undo ``_fuse_layer``: every q/k/v and gate/up module gets weights (and biases) of its
+        own again, and the fused tensors are dropped. Decode then runs the modules one by one."""
+        if self.fused is None:
+            return
+        for block in self.layers:
+            attn, mlp = block.self_attn, block.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                m.weight.data = m.weight.data.clone()
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.clone()
+        self.fused, self.fused_decode = None, False
+
     # -- pieces -------------------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -219,7 +232,7 @@ def _fuse_layer(block: nn.Module) -> dict:
     Decoding at small batch reads every weight once per token; one GEMV over the concatenated
     matrix replaces three (two) launches, and the small k/v GEMVs no longer run far under the
     bandwidth. The modules' own parameters are re-pointed at slices of the fused tensors, so the
-    model keeps working unchanged and no weight is stored twice.
+    model keeps working unchanged and no weight is stored twice (``unfuse`` undoes it).
     """
     attn, mlp = block.self_attn, block.mlp
     return {"qkv": _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj]),

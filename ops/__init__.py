@@ -7,8 +7,8 @@ traces through it; on CPU tensors the op runs its reference, on CUDA tensors the
 from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from .attention_prefill import selective_attention
 from .attention_decode import decode_attention
-from .cache_update import (cache_append, cache_begin_step, cache_table, cache_write_prefill,
-                           cache_write_ring)
+from .cache_layout import CacheLayout, LayerBuffers
+from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
 
 __all__ = [
@@ -18,9 +18,9 @@ __all__ = [
     "dequantize_values",
     "selective_attention",
     "decode_attention",
-    "cache_append",
+    "CacheLayout",
+    "LayerBuffers",
     "cache_begin_step",
-    "cache_table",
     "cache_write_ring",
     "cache_write_prefill",
     "fused_linear",

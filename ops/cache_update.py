@@ -1,38 +1,25 @@
-"""Writes into the static cache: the per-step ring append of one layer (with its flush), the same
-for every layer of a decode step at once (``cache_begin_step``, then ``cache_write_ring`` per
-layer), and the end-of-prefill write.
+"""Writes into the static cache (layout: :mod:`.cache_layout`): one decode step of every layer
+(``cache_begin_step`` flushes full rings and advances the counters of the live slots, then
+``cache_write_ring`` writes each layer's new token), and the end-of-prefill write of one slot.
 
-Buffers (``Bmax`` slots, ``T_cap`` quantized tokens per slot, ring of ``R`` tokens, ``P = 32 /
-bits`` codes per int32, group ``G``; the layout of :mod:`.quant`)::
-
-    k_cache  (Bmax, H, T_cap / P, D) int32     v_cache  (Bmax, H, T_cap, D / P) int32
-    k_scale, k_zero (Bmax, H, T_cap / G, D) fp16  v_scale, v_zero (Bmax, H, T_cap, D / G) fp16
-    k_ring, v_ring  (Bmax, H, R, D) model dtype
-    lens            (Bmax, 2) int32: [quantized tokens, ring tokens] per slot
-
-With ``bits == 16`` k_cache/v_cache are ``(Bmax, H, T_cap, D)`` in the model dtype and the four
-scale/zero tensors are empty and ignored. Slot ``b`` holds, in order, region tokens
-``[0, lens[b, 0])`` then ring tokens ``[0, lens[b, 1])``.
-
-``cache_append`` flushes lazily: a ring that became full at step ``s`` is quantized into the region
-at the start of step ``s + 1``, so the attention of step ``s`` still saw it in full precision;
-``cache_begin_step`` does the same for every layer.
+Flushes are lazy: a ring that became full at step ``s`` is quantized into the region at the
+start of step ``s + 1``, so the attention of step ``s`` still saw it in full precision.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import FLOAT_DTYPES, check_choice, check_tensor, codes_per_word, sm_count
+from ._checks import FLOAT_DTYPES, check_tensor, codes_per_word, sm_count
+from .cache_layout import (BUFFER_NAMES, TABLE_COLS, CacheLayout, LayerBuffers, check_base,
+                           check_layer, table_rows)
 from .quant import (_quantize_key_block, _quantize_value_block, quantize_keys, quantize_keys_ref,
                     quantize_values, quantize_values_ref)
 
-_GROUP_SIZES = (16, 32, 64, 128)
 # Elements of one input tensor that a program holds at once (16 registers per thread at 4 warps).
 # A flush program quantizes one G x D block of ring keys and as many ring values: for B = 8 slots,
 # H_kv = 8, R = D = 128, G = 16 that is B * H * R / G = 512 programs, enough for every SM of an
@@ -151,30 +138,6 @@ def _flush_chunk(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_r
 
 
 @triton.jit
-def _flush_kernel(
-    k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    H, D, T_cap,
-    RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Launch 1 of cache_append. One program per (slot, kv head, ring chunk).
-    # Programs read the ring and lens and write only their own region cells, so no program reads
-    # what another writes. The new token's ring write and the counter update come in launch 2.
-    gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    c = tl.program_id(2)
-    n_quant = tl.load(lens + 2 * b)
-    n_ring = tl.load(lens + 2 * b + 1)
-    flush, _, _, _, _ = _append_plan(n_quant, n_ring, T_cap, RING)
-    if flush:  # the other slots' programs end here (the common step: no slot flushes)
-        _flush_chunk(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring,
-                     (b * H + h).to(tl.int64), n_quant, c, D, T_cap, RING, BITS, G, SPLIT,
-                     BLOCK_DK, TOKENS, BLOCK_NG, BLOCK_D)
-
-
-@triton.jit
 def _write_token(k_new, v_new, k_ring, v_ring, b64, index,
                  stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
                  H, D, RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -194,29 +157,6 @@ def _write_token(k_new, v_new, k_ring, v_ring, b64, index,
 
 
 @triton.jit
-def _append_kernel(
-    k_new, v_new, k_ring, v_ring, lens,
-    stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
-    H, D, T_cap,
-    RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-):
-    # Launch 2 of cache_append, after every flush program has read the ring and lens. One program
-    # per slot, all heads: it is the only reader and writer of lens[b] in this launch, so it can
-    # advance the counters itself instead of a third launch (which would cost every decode step
-    # another ~2 us per layer, not just the flush step).
-    gdc.launch_dependents_then_wait(PDL)
-    b = tl.program_id(0)
-    b64 = b.to(tl.int64)
-    n_quant = tl.load(lens + 2 * b)
-    n_ring = tl.load(lens + 2 * b + 1)
-    _, write, index, new_quant, new_ring = _append_plan(n_quant, n_ring, T_cap, RING)
-    if write:
-        _write_token(k_new, v_new, k_ring, v_ring, b64, index, stride_kb, stride_kh, stride_kd,
-                     stride_vb, stride_vh, stride_vd, H, D, RING, BLOCK_H, BLOCK_D)
-    _store_counters(lens, b, write, new_quant, new_ring)
-
-
-@triton.jit
 def _store_counters(lens, b, write, new_quant, new_ring):
     """``lens[b] = (new_quant, new_ring)`` where ``write``, after the CTA's reads of ``lens[b]``.
 
@@ -230,12 +170,10 @@ def _store_counters(lens, b, write, new_quant, new_ring):
 
 # -- one decode step of every layer: the flushes and counters up front, the ring rows later ----
 #
-# The layers' buffers are separate allocations (their capacities differ under the pyramid
-# policy), so a launch over all layers reaches them through a table of addresses: row ``l`` holds
-# the data pointers of layer l's nine buffers in ``_CACHE_BUFFERS`` order, then its ``T_cap``.
-_TABLE_COLS = 10
-# The same as kernel constants (a @triton.jit function reads only constexpr globals).
-_COLS = tl.constexpr(_TABLE_COLS)
+# A launch over all layers reaches their buffers through the layout's address table
+# (``CacheLayout.table``). Its columns as kernel constants (a @triton.jit function reads only
+# constexpr globals):
+_COLS = tl.constexpr(TABLE_COLS)
 _LENS_COL = tl.constexpr(8)
 _CAP_COL = tl.constexpr(9)
 
@@ -247,15 +185,15 @@ def _layer_ptr(table, layer, COL: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _flush_layers_kernel(
-    table, L, batch, H, D,
+    table, live, L, batch, H, D,
     RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
     CHUNKS: tl.constexpr, RING_DT: tl.constexpr, CODE_DT: tl.constexpr, BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Launch 1 of cache_begin_step: every full ring of every layer, as one list of work items.
-    # A (layer, slot) pair whose ring is full brings H * CHUNKS items (the programs of one
-    # layer's _flush_kernel); program p takes items p, p + P, p + 2P, ... of the list. Every
+    # A (layer, live slot) pair whose ring is full brings H * CHUNKS items (``_flush_tiles``);
+    # program p takes items p, p + P, p + 2P, ... of the list. Every
     # program reads all the counters (from L2: 8 bytes a pair) and on the common step, with no
     # full ring, that is all it does: a grid sized to the GPU, not to the possible work.
     gdc.launch_dependents_then_wait(PDL)
@@ -274,7 +212,8 @@ def _flush_layers_kernel(
         n_quant = tl.load(lens + 2 * slot, mask=ok, other=0)
         n_ring = tl.load(lens + 2 * slot + 1, mask=ok, other=0)
         t_cap = tl.load(table + layer * _COLS + _CAP_COL, mask=ok, other=0)
-        full = (ok & (n_ring == RING) & (n_quant + RING <= t_cap)).to(tl.int32)
+        alive = tl.load(live + slot, mask=ok, other=0) != 0
+        full = (ok & alive & (n_ring == RING) & (n_quant + RING <= t_cap)).to(tl.int32)
         rank = tl.cumsum(full, 0)           # full rings among pairs [p0, p]
         count = tl.sum(full, 0)
         lo = done * per_pair                # this tile's items: [lo, hi) of the list
@@ -299,10 +238,10 @@ def _flush_layers_kernel(
 
 
 @triton.jit
-def _commit_kernel(table, ring_index, batch, RING: tl.constexpr, BLOCK_B: tl.constexpr,
+def _commit_kernel(table, live, ring_index, batch, RING: tl.constexpr, BLOCK_B: tl.constexpr,
                    PDL: tl.constexpr):
     # Launch 2 of cache_begin_step, after every flush program has read the counters: one program
-    # per layer advances its slots' counters and says where each slot's new token goes.
+    # per layer advances its live slots' counters and says where each one's new token goes.
     gdc.launch_dependents_then_wait(PDL)
     layer = tl.program_id(0)
     lens = _layer_ptr(table, layer, _LENS_COL, tl.int32)
@@ -311,7 +250,9 @@ def _commit_kernel(table, ring_index, batch, RING: tl.constexpr, BLOCK_B: tl.con
     ok = b < batch
     n_quant = tl.load(lens + 2 * b, mask=ok, other=0)
     n_ring = tl.load(lens + 2 * b + 1, mask=ok, other=0)
+    alive = tl.load(live + b, mask=ok, other=0) != 0
     _, write, index, new_quant, new_ring = _append_plan(n_quant, n_ring, t_cap, RING)
+    write = write & alive
     tl.store(ring_index + layer * batch + b, tl.where(write, index, -1), mask=ok)
     _store_counters(lens, b, ok & write, new_quant, new_ring)
 
@@ -369,20 +310,6 @@ def _write_constants(H: int, D: int) -> dict:
                 BLOCK_D=block_d)
 
 
-def _cache_append_triton(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                         k_ring, v_ring, lens, bits: int, group_size: int) -> None:
-    B, H, D = k_new.shape
-    R, T_cap = k_ring.shape[2], v_cache.shape[2]
-    chunks, flush = _flush_constants(R, D, bits, group_size)
-    pdl = gdc.supported(k_new.device)
-    _flush_kernel[(B, H, chunks)](
-        k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, H, D, T_cap,
-        PDL=pdl, launch_pdl=pdl, **flush)
-    _append_kernel[(B,)](
-        k_new, v_new, k_ring, v_ring, lens, *k_new.stride(), *v_new.stride(), H, D, T_cap,
-        RING=R, PDL=pdl, launch_pdl=pdl, **_write_constants(H, D))
-
-
 # The flush of cache_begin_step: programs per SM. Enough warps per SM to overlap the dependent
 # loads of the items when many rings are full at once (every layer of every slot that started
 # together), and one wave, so that the common step (nothing full) costs one launch of L2 reads.
@@ -391,20 +318,17 @@ _PAIRS_PER_TILE = 1024  # (layer, slot) counters a flush program holds at once
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def _cache_begin_step_triton(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
-                             v_ring, lens, batch: int, bits: int, group_size: int
-                             ) -> torch.Tensor:
+def _cache_begin_step_triton(table, table_host, k_cache, k_scale, k_zero, v_cache, v_scale,
+                             v_zero, k_ring, v_ring, lens, live, batch: int, bits: int,
+                             group_size: int) -> torch.Tensor:
+    layers = list(zip(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens))
+    if tuple(map(tuple, table_host.tolist())) != table_rows(layers):
+        raise ValueError("table: expected the address table of the buffers given "
+                         "(CacheLayout.table of these very tensors), got one of other buffers; "
+                         "copies of a layout's buffers need a layout of their own")
     L = len(lens)
     _, H, R, D = k_ring[0].shape
     dev = table.device
-    rows = _table_rows(list(zip(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
-                                v_ring, lens)))
-    if _TABLES.get(table.data_ptr()) != rows:
-        # Not cache_table() of these very tensors: AOT tracing and torch.library.opcheck pass
-        # copies of the buffers, and the kernels must write the tensors the op was given. A
-        # table of their own (a host-to-device copy: not possible inside a graph capture, where
-        # the engine passes its cache's own table).
-        table = torch.tensor(rows, dtype=torch.int64, device=dev)
     ring_index = torch.empty(L, batch, dtype=torch.int32, device=dev)
     chunks, flush = _flush_constants(R, D, bits, group_size)
     pairs = L * batch
@@ -412,11 +336,11 @@ def _cache_begin_step_triton(table, k_cache, k_scale, k_zero, v_cache, v_scale, 
     pdl = gdc.supported(dev)
     ring_dt = _TL_DTYPES[k_ring[0].dtype]
     _flush_layers_kernel[(programs,)](
-        table, L, batch, H, D, CHUNKS=chunks, RING_DT=ring_dt,
+        table, live, L, batch, H, D, CHUNKS=chunks, RING_DT=ring_dt,
         CODE_DT=ring_dt if bits == 16 else tl.int32,
         BLOCK_P=min(_PAIRS_PER_TILE, triton.next_power_of_2(pairs)), PDL=pdl, launch_pdl=pdl,
         **flush)
-    _commit_kernel[(L,)](table, ring_index, batch, RING=R,
+    _commit_kernel[(L,)](table, live, ring_index, batch, RING=R,
                          BLOCK_B=triton.next_power_of_2(batch), PDL=pdl, num_warps=1,
                          launch_pdl=pdl)
     return ring_index
@@ -457,8 +381,8 @@ def _store_region(slot, start, k_tok, v_tok, k_cache, k_scale, k_zero, v_cache, 
 
 def _begin_slot_ref(b, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
                     bits: int, group_size: int) -> int:
-    """Slot ``b``'s flush (if its ring is full and the region has room) and counters for one new
-    token; returns the ring row the token goes to, or -1 (full ring, no room: no token)."""
+    """Live slot ``b``'s flush (if its ring is full and the region has room) and counters for one
+    new token; returns the ring row the token goes to, or -1 (full ring, no room: no token)."""
     R, T_cap = k_ring.shape[2], v_cache.shape[2]
     n_quant, n_ring = lens[b].tolist()
     flush = n_ring == R and n_quant + R <= T_cap
@@ -481,22 +405,17 @@ def cache_write_ring_ref(k_new, v_new, k_ring, v_ring, ring_index) -> None:
             v_ring[b, :, index] = v_new[b]
 
 
-def cache_append_ref(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                     k_ring, v_ring, lens, bits: int, group_size: int) -> None:
-    """Reference for :func:`cache_append`: the same per-slot plan, one slot at a time."""
-    index = [_begin_slot_ref(b, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
-                             v_ring, lens, bits, group_size) for b in range(k_new.shape[0])]
-    cache_write_ring_ref(k_new, v_new, k_ring, v_ring, torch.tensor(index))
-
-
-def cache_begin_step_ref(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
-                         v_ring, lens, batch: int, bits: int, group_size: int) -> torch.Tensor:
-    """Reference for :func:`cache_begin_step` (lists of the layers' buffers; ``table`` unused)."""
-    ring_index = torch.empty(len(lens), batch, dtype=torch.int32, device=lens[0].device)
+def cache_begin_step_ref(table, table_host, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
+                         k_ring, v_ring, lens, live, batch: int, bits: int, group_size: int
+                         ) -> torch.Tensor:
+    """Reference for :func:`cache_begin_step` (lists of the layers' buffers; tables unused)."""
+    ring_index = torch.full((len(lens), batch), -1, dtype=torch.int32, device=lens[0].device)
+    alive = live.tolist()
     for layer, bufs in enumerate(zip(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
                                      v_ring, lens)):
         for b in range(batch):
-            ring_index[layer, b] = _begin_slot_ref(b, *bufs, bits, group_size)
+            if alive[b]:
+                ring_index[layer, b] = _begin_slot_ref(b, *bufs, bits, group_size)
     return ring_index
 
 
@@ -504,29 +423,8 @@ def cache_begin_step_ref(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_ze
 # Registered ops
 # ----------------------------------------------------------------------------------------------
 
-_CACHE_BUFFERS = ("k_cache", "k_scale", "k_zero", "v_cache", "v_scale", "v_zero", "k_ring",
-                  "v_ring", "lens")
 
-
-@torch.library.custom_op("minikv::cache_append", mutates_args=_CACHE_BUFFERS)
-def _cache_append_op(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                     k_scale: torch.Tensor, k_zero: torch.Tensor, v_cache: torch.Tensor,
-                     v_scale: torch.Tensor, v_zero: torch.Tensor, k_ring: torch.Tensor,
-                     v_ring: torch.Tensor, lens: torch.Tensor, bits: int, group_size: int) -> None:
-    cache_append_ref(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
-                     v_ring, lens, bits, group_size)
-
-
-@_cache_append_op.register_fake
-def _(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      bits, group_size):
-    return None
-
-
-_cache_append_op.register_kernel("cuda")(_cache_append_triton)
-
-
-@torch.library.custom_op("minikv::cache_write_prefill", mutates_args=_CACHE_BUFFERS)
+@torch.library.custom_op("minikv::cache_write_prefill", mutates_args=BUFFER_NAMES)
 def _cache_write_prefill_op(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
                             k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                             v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
@@ -550,20 +448,21 @@ def _(k_sel, v_sel, slot, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_
     return None
 
 
-@torch.library.custom_op("minikv::cache_begin_step", mutates_args=_CACHE_BUFFERS[:6] + ("lens",))
-def _cache_begin_step_op(table: torch.Tensor, k_cache: List[torch.Tensor],
-                         k_scale: List[torch.Tensor], k_zero: List[torch.Tensor],
-                         v_cache: List[torch.Tensor], v_scale: List[torch.Tensor],
-                         v_zero: List[torch.Tensor], k_ring: List[torch.Tensor],
-                         v_ring: List[torch.Tensor], lens: List[torch.Tensor], batch: int,
-                         bits: int, group_size: int) -> torch.Tensor:
-    return cache_begin_step_ref(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                                k_ring, v_ring, lens, batch, bits, group_size)
+@torch.library.custom_op("minikv::cache_begin_step", mutates_args=BUFFER_NAMES[:6] + ("lens",))
+def _cache_begin_step_op(table: torch.Tensor, table_host: torch.Tensor,
+                         k_cache: List[torch.Tensor], k_scale: List[torch.Tensor],
+                         k_zero: List[torch.Tensor], v_cache: List[torch.Tensor],
+                         v_scale: List[torch.Tensor], v_zero: List[torch.Tensor],
+                         k_ring: List[torch.Tensor], v_ring: List[torch.Tensor],
+                         lens: List[torch.Tensor], live: torch.Tensor, batch: int, bits: int,
+                         group_size: int) -> torch.Tensor:
+    return cache_begin_step_ref(table, table_host, k_cache, k_scale, k_zero, v_cache, v_scale,
+                                v_zero, k_ring, v_ring, lens, live, batch, bits, group_size)
 
 
 @_cache_begin_step_op.register_fake
-def _(table, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, batch,
-      bits, group_size):
+def _(table, table_host, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+      live, batch, bits, group_size):
     return table.new_empty(len(lens), batch, dtype=torch.int32)
 
 
@@ -589,92 +488,6 @@ _cache_write_ring_op.register_kernel("cuda")(_cache_write_ring_triton)
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_base(name: str, t: torch.Tensor) -> None:
-    # A mutating op must see the whole allocation, not a view: kernels index the base layout.
-    if t._base is not None:
-        raise ValueError(f"{name}: expected a whole cache buffer, got a view of shape "
-                         f"{tuple(t.shape)} into a {tuple(t._base.shape)} tensor")
-
-
-def _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-                 bits: int, group_size: int):
-    """Validate one layer's buffers against the layout contract; return (Bmax, H, T_cap, R, D)."""
-    check_choice("bits", bits, (2, 4, 16))
-    check_choice("group_size", group_size, _GROUP_SIZES)
-    G = group_size
-    check_tensor("k_ring", k_ring, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
-    Bmax, H, R, D = k_ring.shape
-    dev, dtype = k_ring.device, k_ring.dtype
-    check_tensor("v_ring", v_ring, shape=(Bmax, H, R, D), dtypes=(dtype,), device=dev,
-                 contiguous=True)
-    check_tensor("lens", lens, shape=(Bmax, 2), dtypes=(torch.int32,), device=dev,
-                 contiguous=True)
-    if bits == 16:
-        check_tensor("v_cache", v_cache, shape=(Bmax, H, None, D), dtypes=(dtype,), device=dev,
-                     contiguous=True)
-        T_cap = v_cache.shape[2]
-        check_tensor("k_cache", k_cache, shape=(Bmax, H, T_cap, D), dtypes=(dtype,), device=dev,
-                     contiguous=True)
-        for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale),
-                        ("v_zero", v_zero)):
-            check_tensor(name, t)  # unused with bits == 16
-    else:
-        P = codes_per_word(bits)
-        if R % G or D % G:
-            raise ValueError(f"k_ring: expected ring length R (dim 2) and head dim D (dim 3) "
-                             f"divisible by group_size={G}, got shape {tuple(k_ring.shape)}")
-        check_tensor("v_cache", v_cache, shape=(Bmax, H, None, D // P), dtypes=(torch.int32,),
-                     device=dev, contiguous=True)
-        T_cap = v_cache.shape[2]
-        if T_cap % G:
-            raise ValueError(f"v_cache: expected capacity T_cap (dim 2) divisible by "
-                             f"group_size={G}, got shape {tuple(v_cache.shape)}")
-        check_tensor("k_cache", k_cache, shape=(Bmax, H, T_cap // P, D), dtypes=(torch.int32,),
-                     device=dev, contiguous=True)
-        for name, t in (("k_scale", k_scale), ("k_zero", k_zero)):
-            check_tensor(name, t, shape=(Bmax, H, T_cap // G, D), dtypes=(torch.float16,),
-                         device=dev, contiguous=True)
-        for name, t in (("v_scale", v_scale), ("v_zero", v_zero)):
-            check_tensor(name, t, shape=(Bmax, H, T_cap, D // G), dtypes=(torch.float16,),
-                         device=dev, contiguous=True)
-    for name, t in zip(_CACHE_BUFFERS, (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                                        k_ring, v_ring, lens)):
-        _check_base(name, t)
-    return Bmax, H, T_cap, R, D
-
-
-def cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                 k_scale: torch.Tensor, k_zero: torch.Tensor, v_cache: torch.Tensor,
-                 v_scale: torch.Tensor, v_zero: torch.Tensor, k_ring: torch.Tensor,
-                 v_ring: torch.Tensor, lens: torch.Tensor, bits: int, group_size: int) -> None:
-    """Append one decode token per slot to the ring, flushing full rings first.
-
-    For every slot ``b < B``: if ``lens[b, 1] == R`` (the ring filled up last step), the R ring
-    tokens are quantized into the region at token offset ``lens[b, 0]``, ``lens[b, 0] += R`` and
-    ``lens[b, 1] = 0``; then the new token is written at ring index ``lens[b, 1]`` and
-    ``lens[b, 1] += 1``. Slots flush independently, driven by their own counters; slots ``>= B``
-    are not touched. A full ring whose flush would pass ``T_cap`` is left as it is and the token
-    is dropped (size ``T_cap`` so that this never happens).
-
-    Args:
-        k_new, v_new: ``(B, H, D)`` in the ring's dtype, ``B <= Bmax``, any strides.
-        k_cache ... lens: the layer's whole buffers (module docstring), contiguous, not views.
-            Mutated in place; fixed shapes and addresses, so the op can sit in a CUDA graph.
-        bits: 2, 4, or 16 (no quantization).
-        group_size: 16, 32, 64 or 128; divides R, D and T_cap when bits < 16.
-
-    On CUDA this is two launches. 1: the flush, one program per (slot, head, ring chunk) of about
-    G x D keys and values (``_flush_tiles``); programs of slots that do not flush exit at once.
-    2: one program per slot writes the new token of every head to the ring and advances
-    ``lens``; it runs after the flush has read ring row 0 and the old counters.
-    """
-    _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens, bits,
-                 group_size)
-    _check_new_tokens(k_new, v_new, k_ring)
-    torch.ops.minikv.cache_append(k_new, v_new, k_cache, k_scale, k_zero, v_cache, v_scale,
-                                  v_zero, k_ring, v_ring, lens, bits, group_size)
-
-
 def _check_new_tokens(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor) -> None:
     Bmax, H, _, D = k_ring.shape
     check_tensor("k_new", k_new, shape=(None, H, D), dtypes=(k_ring.dtype,), device=k_ring.device)
@@ -685,92 +498,45 @@ def _check_new_tokens(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Te
                          f"got shape {tuple(k_new.shape)}")
 
 
-def _check_layers(layers: Sequence[Sequence[torch.Tensor]]) -> None:
-    if not layers:
-        raise ValueError("layers: expected at least one layer's buffers, got none")
-    for i, bufs in enumerate(layers):
-        if len(bufs) != len(_CACHE_BUFFERS):
-            raise ValueError(f"layers[{i}]: expected the {len(_CACHE_BUFFERS)} buffers "
-                             f"{_CACHE_BUFFERS}, got {len(bufs)}")
-
-
-def _table_rows(layers) -> tuple:
-    """Per layer: its nine buffers' data pointers, then ``T_cap`` (``v_cache`` dim 2)."""
-    return tuple(tuple(t.data_ptr() for t in bufs) + (bufs[3].shape[2],) for bufs in layers)
-
-
-# data_ptr of every live table made by cache_table -> its rows (what the device holds), so that
-# a launch can tell, without reading the device, whether a table addresses the tensors it got.
-_TABLES: Dict[int, tuple] = {}
-
-
-def cache_table(layers: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """The address table of :func:`cache_begin_step` for these layers' buffers.
-
-    Row ``l``: the data pointers of layer ``l``'s nine buffers (``k_cache ... lens``, the
-    argument order of :func:`cache_append`), then its capacity ``T_cap``; int64 on the buffers'
-    device. Build it once, after allocating the buffers and before capturing a graph, and keep
-    it as long as the graph: the captured launches read it at every replay.
-    """
-    _check_layers(layers)
-    rows = _table_rows(layers)
-    table = torch.tensor(rows, dtype=torch.int64, device=layers[0][8].device)
-    _TABLES[table.data_ptr()] = rows
-    weakref.finalize(table, _TABLES.pop, table.data_ptr(), None)
-    return table
-
-
-def cache_begin_step(layers: Sequence[Sequence[torch.Tensor]], table: torch.Tensor, batch: int,
-                     bits: int, group_size: int) -> torch.Tensor:
+def cache_begin_step(layout: CacheLayout, batch: int, live: torch.Tensor) -> torch.Tensor:
     """Start one decode step of every layer: flush full rings, advance the counters, and say
-    which ring row each slot's new token goes to. :func:`cache_write_ring` then writes the
-    token, layer by layer; the two together are :func:`cache_append` for every layer.
+    which ring row each live slot's new token goes to. :func:`cache_write_ring` then writes the
+    token, layer by layer.
 
-    For every layer ``l`` and slot ``b < batch``, as :func:`cache_append` plans it: a full ring
-    with room in the region is quantized into it (``lens[b] = (n_quant + R, 0)``); then the slot
-    takes a token at ring row ``i = lens[b, 1]``, ``lens[b, 1] += 1``, and ``ring_index[l, b] =
-    i``. A full ring without room is left as it is and ``ring_index[l, b] = -1``. Slots ``>=
-    batch`` are not touched. Between this op and the ring writes, ``lens`` counts a token that
-    is not in the ring yet: write it before anything reads the ring.
+    For every layer ``l`` and live slot ``b < batch``: a full ring with room in the region is
+    quantized into it (``lens[b] = (n_quant + R, 0)``); then the slot takes a token at ring row
+    ``i = lens[b, 1]``, ``lens[b, 1] += 1``, and ``ring_index[l, b] = i``. A full ring without
+    room is left as it is and ``ring_index[l, b] = -1`` (the engine sizes ``T_cap`` so that this
+    never happens). Slots that are not live, and slots ``>= batch``, are not touched (-1).
+    Between this op and the ring writes, ``lens`` counts a token that is not in the ring yet:
+    write it before anything reads the ring.
 
-    Why: ``cache_append`` is two launches per layer, and the flush launch does nothing on 127
-    steps of 128 but still costs a launch on the step's critical path. Here every layer's
-    flushes and counters are two launches per step, and a layer keeps one small launch (the
-    ring write).
+    Why all layers at once: a per-layer flush launch does nothing on 127 steps of 128 but still
+    sits on the step's critical path; here every layer's flushes and counters are two launches
+    per step, and a layer keeps one small launch (the ring write).
 
     Args:
-        layers: per layer, its nine buffers in :func:`cache_append`'s order (``k_cache ...
-            lens``); every layer with the same ``(Bmax, H, R, D)``, ring dtype and device (the
-            capacity ``T_cap`` may differ). Mutated in place: the regions and ``lens``.
-        table: ``cache_table(layers)`` of these same buffers: the kernels reach the layers
-            through it. (Given another table, or copies of the buffers, the launch makes a
-            table of its own first, which a graph capture does not allow.)
-        batch: slots ``[0, batch)`` take a token; ``1 <= batch <= Bmax``.
-        bits, group_size: as in :func:`cache_append`.
+        layout: the cache (mutated in place: the regions and ``lens``); the kernels reach the
+            layers through ``layout.table``.
+        batch: slots ``[0, batch)`` are stepped; ``1 <= batch <= Bmax``.
+        live: ``(batch,)`` bool: which of them hold a request that is still generating.
 
     Returns:
         ``ring_index (L, batch)`` int32: the ring row of each slot's new token, or -1.
 
-    On CUDA this is two launches. 1: the flushes of every layer as one list of work items (a
-    full ring brings the work of one layer-slot of ``cache_append``'s flush launch) over a grid
-    sized to the GPU; on a step with no full ring each program reads the counters and ends. 2:
-    one program per layer advances its counters after launch 1 has read them.
+    On CUDA this is two launches. 1: the flushes of every layer as one list of work items over a
+    grid sized to the GPU; on a step with no full ring each program reads the counters and ends.
+    2: one program per layer advances its counters after launch 1 has read them.
     """
-    _check_layers(layers)
-    shapes = set()
-    for bufs in layers:
-        Bmax, H, _, R, D = _check_cache(*bufs, bits, group_size)
-        shapes.add((Bmax, H, R, D, bufs[6].dtype, bufs[6].device))
-    if len(shapes) > 1:
-        raise ValueError(f"layers: expected one (Bmax, H, R, D, ring dtype, device) for every "
-                         f"layer, got {sorted(shapes, key=str)}")
-    Bmax, _, _, _, _, dev = shapes.pop()
-    check_tensor("table", table, shape=(len(layers), _TABLE_COLS), dtypes=(torch.int64,),
-                 device=dev, contiguous=True)
-    if not (isinstance(batch, int) and 0 < batch <= Bmax):
-        raise ValueError(f"batch: expected an int in [1, max_batch_size={Bmax}], got {batch!r}")
-    columns = [list(c) for c in zip(*layers)]
-    return torch.ops.minikv.cache_begin_step(table, *columns, batch, bits, group_size)
+    if not isinstance(layout, CacheLayout):
+        raise ValueError(f"layout: expected a CacheLayout, got {type(layout).__name__}")
+    if not (isinstance(batch, int) and 0 < batch <= layout.max_batch_size):
+        raise ValueError(f"batch: expected an int in [1, max_batch_size={layout.max_batch_size}],"
+                         f" got {batch!r}")
+    check_tensor("live", live, shape=(batch,), dtypes=(torch.bool,), device=layout.device,
+                 contiguous=True)
+    return torch.ops.minikv.cache_begin_step(layout.table, layout.table_host, *layout.columns(),
+                                             live, batch, layout.bits, layout.group_size)
 
 
 def cache_write_ring(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor,
@@ -789,7 +555,7 @@ def cache_write_ring(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Ten
     check_tensor("v_ring", v_ring, shape=tuple(k_ring.shape), dtypes=(k_ring.dtype,),
                  device=k_ring.device, contiguous=True)
     for name, t in (("k_ring", k_ring), ("v_ring", v_ring)):
-        _check_base(name, t)
+        check_base(name, t)
     _check_new_tokens(k_new, v_new, k_ring)
     check_tensor("ring_index", ring_index, shape=(k_new.shape[0],), dtypes=(torch.int32,),
                  device=k_ring.device, contiguous=True)
@@ -797,11 +563,9 @@ def cache_write_ring(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Ten
 
 
 def cache_write_prefill(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
-                        k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-                        v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-                        k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
-                        bits: int, group_size: int) -> None:
-    """Store one sequence's selected prompt tokens in slot ``slot`` (eager, end of prefill).
+                        layer: LayerBuffers, bits: int, group_size: int) -> None:
+    """Store one sequence's selected prompt tokens in slot ``slot`` of one layer (eager, end of
+    prefill).
 
     The first ``n_q = floor(n / G) * G`` tokens go to the region from token 0 (quantized unless
     ``bits == 16``), the last ``n % G`` to the ring from index 0, and ``lens[slot] = (n_q, n % G)``.
@@ -811,10 +575,12 @@ def cache_write_prefill(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
         k_sel, v_sel: ``(H, n, D)`` in the ring's dtype, tokens in position order, any strides;
             ``n <= T_cap + G - 1``.
         slot: ``0 <= slot < Bmax``.
-        k_cache ... lens, bits, group_size: as in :func:`cache_append`.
+        layer: the layer's nine buffers (``CacheLayout.layers[l]``, or any sequence of them in
+            that order), mutated in place.
+        bits, group_size: the layout's.
     """
-    Bmax, H, T_cap, R, D = _check_cache(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
-                                        k_ring, v_ring, lens, bits, group_size)
+    Bmax, H, T_cap, R, D = check_layer(layer, bits, group_size)
+    k_ring = layer[6]
     check_tensor("k_sel", k_sel, shape=(H, None, D), dtypes=(k_ring.dtype,), device=k_ring.device)
     check_tensor("v_sel", v_sel, shape=tuple(k_sel.shape), dtypes=(k_ring.dtype,),
                  device=k_ring.device)
@@ -824,5 +590,4 @@ def cache_write_prefill(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
                          f"tokens (and n % G <= R = {R}), got shape {tuple(k_sel.shape)}")
     if not (isinstance(slot, int) and 0 <= slot < Bmax):
         raise ValueError(f"slot: expected an int in [0, {Bmax}), got {slot!r}")
-    torch.ops.minikv.cache_write_prefill(k_sel, v_sel, slot, k_cache, k_scale, k_zero, v_cache,
-                                         v_scale, v_zero, k_ring, v_ring, lens, bits, group_size)
+    torch.ops.minikv.cache_write_prefill(k_sel, v_sel, slot, *layer, bits, group_size)

@@ -13,7 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.graphs import budget
 from minikv_compile.graphs import prefill as prefill_module
+from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.selection import (block_scores, mean_attention_scores, rank_union_scores,
                                              select_tokens, snapkv_scores, token_scores)
 
@@ -164,8 +166,10 @@ def test_prefill_keeps_what_the_rule_selects(monkeypatch, over):
     prompt = torch.randint(0, 101, (97,), generator=torch.Generator().manual_seed(5)).tolist()
     cm.generate([prompt], max_new_tokens=1)  # prefill only: the cache holds the selection
     assert len(calls) == 2
-    for layer, (call, lc) in enumerate(zip(calls, cm.cache.layers)):
-        n_recent, n_heavy = config.kept_tokens(97, layer, 2)
+    # generate() releases its slots, which empties them: look at the cache through admit
+    cm.runtime.admit(0, Request(prompt, 1))
+    for layer, (call, lc) in enumerate(zip(calls[2:], cm.runtime.cache.layers)):
+        n_recent, n_heavy = budget.kept_tokens(config, 97, layer, 2)
         assert call["n_recent"] == n_recent
         idx = select_tokens(call["scores"], n_recent, n_heavy)  # (H_kv, n)
         expected = call["k"][0].gather(1, idx[..., None].expand(-1, -1, 32))

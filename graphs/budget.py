@@ -1,0 +1,75 @@
+"""Budget arithmetic: tokens kept per layer, the cache's capacity, and KV bytes.
+
+The one place these numbers are computed (docs/algorithm.md, "Budgets" and "KV bytes"); prefill,
+allocation, ``kv_memory()`` and ``perf`` all call it. ``config`` is a ``MiniKVConfig`` (read
+only: ``heavy_budget``, ``recent_budget``, ``budget_policy``, ``pyramid_depth``,
+``max_prompt_len``, ``max_new_tokens``, ``bits``, ``group_size``).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+
+def heavy_fraction(config, layer: int, num_layers: int) -> float:
+    """``a_HH(l)``: the heavy-hitter fraction of layer ``layer`` (0 = bottom).
+
+    Uniform: ``heavy_budget`` everywhere. Pyramid of depth ``d``: linear from
+    ``heavy_budget * (2 - 1/d)`` at the bottom to ``heavy_budget / d`` at the top (mean
+    ``heavy_budget``), more in the lower layers.
+    """
+    if config.budget_policy == "uniform" or num_layers == 1:
+        return config.heavy_budget
+    d = config.pyramid_depth
+    bottom, top = config.heavy_budget * (2.0 - 1.0 / d), config.heavy_budget / d
+    return bottom + (top - bottom) * layer / (num_layers - 1)
+
+
+def kept_tokens(config, prompt_len: int, layer: int, num_layers: int) -> Tuple[int, int]:
+    """``(n_RW, n_HH(l))`` for a prompt of ``prompt_len`` tokens; their sum is capped at L.
+
+    ``n_RW = ceil(recent_budget * L)`` (the 1e-9 keeps 0.25 * 4096 from rounding up to 1025),
+    ``n_HH = round(a_HH(l) * L)``.
+    """
+    n_rw = min(prompt_len, math.ceil(config.recent_budget * prompt_len - 1e-9))
+    n_hh = round(heavy_fraction(config, layer, num_layers) * prompt_len)
+    return n_rw, max(0, min(n_hh, prompt_len - n_rw))
+
+
+def kept_per_layer(config, prompt_len: int, num_layers: int) -> List[int]:
+    """Prompt tokens each layer keeps of a prompt of ``prompt_len`` tokens."""
+    return [sum(kept_tokens(config, prompt_len, layer, num_layers)) for layer in range(num_layers)]
+
+
+def capacities(config, num_layers: int) -> List[int]:
+    """``T_cap`` per layer: the most tokens a slot of that layer holds in its quantized region.
+
+    The kept count of the longest prompt (``ceil`` and ``round`` are non-decreasing, so it grows
+    with ``L``) plus every generated token, rounded up to a whole group (the report's padding).
+    """
+    G = config.group_size
+    return [math.ceil((kept + config.max_new_tokens) / G) * G
+            for kept in kept_per_layer(config, config.max_prompt_len, num_layers)]
+
+
+def bytes_per_kv_value(bits: int, group_size: int, dtype_bytes: int = 2) -> float:
+    """Bytes one cached K or V value costs: ``bits / 8`` plus an fp16 scale and zero per group;
+    ``dtype_bytes`` when unquantized (``bits == 16``)."""
+    if bits == 16:
+        return float(dtype_bytes)
+    return bits / 8 + 4 / group_size
+
+
+def formula_kv_bytes(*, bits: int, group_size: int, kv_width: int, kept: List[int],
+                     new_tokens: int, batch: int, dtype_bytes: int = 2) -> int:
+    """The compressed cache's KV bytes by formula: K and V of ``kept[l] + new_tokens`` tokens per
+    layer, ``kv_width`` (KV heads x head dim) values each, at ``bytes_per_kv_value``; the
+    residual ring and any padding are on top (the paper's Appendix I count at 2 bits)."""
+    per_value = bytes_per_kv_value(bits, group_size, dtype_bytes)
+    return int(sum(2 * kv_width * (k + new_tokens) * per_value for k in kept) * batch)
+
+
+def full_kv_bytes(*, num_layers: int, kv_width: int, tokens: int, batch: int,
+                  dtype_bytes: int) -> int:
+    """An uncompressed cache of ``tokens`` tokens per sequence in a ``dtype_bytes`` dtype."""
+    return 2 * num_layers * kv_width * tokens * dtype_bytes * batch

@@ -1,0 +1,189 @@
+"""The runtime of slots: requests join (``admit``) and leave (``release``) a running batch.
+
+The runtime owns the static cache, the per-slot device state and the graph runner. ``admit``
+prefills one prompt into a free slot's region of the cache (eager) and sets only that slot's
+state; ``release`` frees it; ``step`` advances every live slot by one token with one replay of
+the smallest captured bucket that covers the admitted slots. All three run between replays
+while other slots are mid-generation, and none of them touches another slot.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .cache import StaticKVCache
+from .decode import MAX_EOS_IDS, SlotState, decode_step
+from .graph_runner import GraphRunner
+from .prefill import prefill
+from .sampling import Sampling
+
+# top_p at or above 1 turns top-p off; stored above 1 so that a cumulative sum that rounds to
+# 1.0 before the last tokens never drops them.
+_TOP_P_OFF = 2.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sequence to generate (validated by the public API before it gets here).
+
+    prompt: token ids, ``1 <= len <= max_prompt_len``. max_new_tokens: ``1 ..`` the engine's
+    ``max_new_tokens``. eos_ids: up to 8 ids that end the sequence (the eos is kept).
+    forced: teacher forcing: the tokens fed instead of chosen ones (``max_new_tokens`` of them);
+    their log-probabilities are recorded.
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    eos_ids: Tuple[int, ...] = ()
+    sampling: Sampling = Sampling()
+    forced: Optional[Sequence[int]] = None
+
+    @property
+    def mode(self) -> str:
+        """The decode step this request needs: ``"teacher"``, ``"sample"`` or ``"greedy"``."""
+        if self.forced is not None:
+            return "teacher"
+        return "sample" if self.sampling.needs_sampling_step else "greedy"
+
+
+class SlotRuntime:
+    """``config.max_batch_size`` slots over one static cache, stepped by captured graphs.
+
+    Buckets are the powers of two below ``max_batch_size``, and ``max_batch_size``; a step
+    replays the smallest bucket above the highest admitted slot, so ``admit`` into the lowest
+    free slot keeps buckets small. Modes: ``"greedy"`` (the fast path), ``"sample"`` (the
+    general rule: a batch may mix greedy and sampled slots), ``"teacher"`` (alone).
+    """
+
+    def __init__(self, adapter, config, *, device: torch.device, dtype: torch.dtype,
+                 compile: bool, cuda_graphs: bool):
+        self.adapter, self.config, self.device = adapter, config, device
+        self.cache = StaticKVCache(config, num_layers=adapter.num_layers,
+                                   num_kv_heads=adapter.num_kv_heads, head_dim=adapter.head_dim,
+                                   dtype=dtype, device=device)
+        self.state = SlotState(config.max_batch_size, config.max_new_tokens, adapter.vocab_size,
+                               device)
+        self.runner = GraphRunner(functools.partial(decode_step, adapter, self.cache, self.state),
+                                  device=device, compile=compile, cuda_graphs=cuda_graphs,
+                                  state_buffers=self.state.buffers(), active=self.state.active)
+        self.buckets = _buckets(config.max_batch_size)
+        self._requests: List[Optional[Request]] = [None] * config.max_batch_size
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    @property
+    def admitted(self) -> List[int]:
+        """Slots holding a request (finished or not), in order."""
+        return [i for i, r in enumerate(self._requests) if r is not None]
+
+    def free_slots(self) -> List[int]:
+        return [i for i, r in enumerate(self._requests) if r is None]
+
+    def admit(self, slot: int, request: Request) -> None:
+        """Prefill ``request`` into free slot ``slot`` and choose its first token.
+
+        Sets only that slot's state: the first token is chosen by the step's own rule
+        (``SlotState.choose``, the request's seed at count 0) and recorded as a step records
+        its token, so the slot's next replay feeds it at position ``len(prompt)``.
+        """
+        self._check_slot(slot)
+        if self._requests[slot] is not None:
+            raise ValueError(f"slot: expected a free slot, got slot {slot}, which holds a request")
+        modes = {r.mode for r in self._requests if r is not None} | {request.mode}
+        if "teacher" in modes and len(modes) > 1:
+            raise ValueError(f"request: teacher forcing runs alone, got it beside other modes "
+                             f"{sorted(modes)}")
+        st, s, dev = self.state, slot, self.device
+        ids = torch.tensor(list(request.prompt), dtype=torch.int64, device=dev)
+        st.limit[s] = request.max_new_tokens
+        st.eos_ids[s] = -1
+        if request.eos_ids:
+            st.eos_ids[s, : len(request.eos_ids)] = torch.tensor(request.eos_ids, device=dev)
+        p = request.sampling
+        st.greedy[s] = p.greedy
+        st.temperature[s] = 1.0 if p.greedy else float(p.temperature)
+        st.top_k[s] = self.adapter.vocab_size if p.greedy or p.top_k is None else int(p.top_k)
+        st.top_p[s] = _TOP_P_OFF if p.greedy or p.top_p >= 1.0 else float(p.top_p)
+        st.penalty[s] = float(p.repetition_penalty)
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        st.seed[s] = seed
+        st.seen[s] = False
+        st.seen[s, ids] = True
+        if request.forced is not None:
+            st.forced[s] = 0
+            st.forced[s, : len(request.forced)] = torch.tensor(list(request.forced), device=dev)
+        st.count[s] = 0
+        st.done[s] = False
+        st.active[s] = False  # not stepped until admission is complete
+        logits = prefill(self.adapter, self.cache, self.config, s, ids)[None]  # (1, V) fp32
+        rows = slice(s, s + 1)
+        first = st.choose(logits, rows, request.mode)
+        st.positions[s] = len(request.prompt) - 1  # the last prompt token, which prefill fed
+        st.record(first, rows, torch.ones(1, dtype=torch.bool, device=dev))
+        st.active[s] = True
+        self._requests[s] = request
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` (its request finished or was cancelled); other slots are untouched."""
+        self._check_slot(slot)
+        if self._requests[slot] is None:
+            raise ValueError(f"slot: expected a slot holding a request, got free slot {slot}")
+        self.state.active[slot] = False
+        self.cache.empty_slots(slot, slot + 1)
+        self._requests[slot] = None
+
+    def release_all(self) -> None:
+        for slot in self.admitted:
+            self.release(slot)
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def step_key(self) -> Tuple[int, str]:
+        """(bucket, mode) the next step replays."""
+        admitted = self.admitted
+        if not admitted:
+            raise RuntimeError("step: expected at least one admitted slot, got none")
+        bucket = next(b for b in self.buckets if b > admitted[-1])
+        modes = {self._requests[i].mode for i in admitted}
+        mode = "teacher" if "teacher" in modes else "sample" if "sample" in modes else "greedy"
+        return bucket, mode
+
+    def step(self) -> None:
+        """Advance every live slot by one token (no host synchronization)."""
+        self.runner.run(self.step_key())
+
+    def prepare(self, bucket: int, mode: str) -> Optional[float]:
+        """Compile and capture ``(bucket, mode)`` ahead of use; seconds spent, None if ready."""
+        if bucket not in self.buckets:
+            raise ValueError(f"bucket: expected one of {self.buckets}, got {bucket!r}")
+        return self.runner.prepare((bucket, mode))
+
+    def finished(self, slots: Sequence[int]) -> List[bool]:
+        """Whether each of ``slots`` has finished (a host sync)."""
+        done = self.state.done.tolist()
+        return [done[s] for s in slots]
+
+    def outputs(self, slots: Sequence[int]) -> List[List[int]]:
+        """The tokens each of ``slots`` generated so far (a host sync)."""
+        count = self.state.count.tolist()
+        rows = self.state.generated[: max(slots) + 1].tolist()
+        return [rows[s][: count[s]] for s in slots]
+
+    def _check_slot(self, slot) -> None:
+        n = self.config.max_batch_size
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < n:
+            raise ValueError(f"slot: expected an int in [0, {n}), got {slot!r}")
+
+
+def _buckets(max_batch: int) -> List[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+__all__ = ["Request", "SlotRuntime", "MAX_EOS_IDS"]

@@ -1,0 +1,215 @@
+"""The runtime of slots: requests that join and leave a running batch, and the sampling rule.
+
+CPU, fp32, tiny random models (tests/test_engine.py's `tiny`): a row's arithmetic does not
+depend on the other rows, so "the same tokens as alone" is exact here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList,
+                                                    RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.graphs.runtime import Request
+from minikv_compile.graphs.sampling import Sampling, choose_tokens, exponential_noise
+from test_engine import prompt_of, tiny
+
+CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=120, max_batch_size=4)
+SAMPLED = Sampling(greedy=False, temperature=1.3, top_k=40, top_p=0.9, seed=1234)
+
+
+def alone(cm, request):
+    """The tokens ``request`` gets in slot 0 of an otherwise empty engine."""
+    rt = cm.runtime
+    rt.release_all()
+    rt.admit(0, request)
+    while not rt.finished([0])[0]:
+        rt.step()
+    out = rt.outputs([0])[0]
+    rt.release(0)
+    return out
+
+
+def run_until_done(rt, slots):
+    while not all(rt.finished(slots)):
+        rt.step()
+
+
+@pytest.mark.parametrize("joining", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_request_joining_mid_generation_gets_its_tokens_alone(joining):
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    rt = cm.runtime
+    running = [Request(prompt_of(100, seed=1), 120),
+               Request(prompt_of(37, seed=2), 90, sampling=Sampling(greedy=False, seed=7))]
+    late = Request(prompt_of(61, seed=3), 64, sampling=joining)
+    want = [alone(cm, r) for r in running + [late]]
+    assert want[2] != want[0][:64]
+    for slot, r in enumerate(running):
+        rt.admit(slot, r)
+    for _ in range(50):  # the others are 50 tokens into their generation (one flush behind them)
+        rt.step()
+    assert rt.step_key() == (2, "sample")
+    rt.admit(2, late)    # bucket 2 -> 4 from the next step on
+    assert rt.step_key() == (4, "sample")
+    run_until_done(rt, [0, 1, 2])
+    assert rt.outputs([0, 1, 2]) == want
+
+
+def test_released_slots_are_free_and_others_are_untouched():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    rt = cm.runtime
+    a, b, c = (Request(prompt_of(n, seed=n), 100) for n in (90, 20, 45))
+    want_a, want_c = alone(cm, a), alone(cm, c)
+    rt.admit(0, a)
+    rt.admit(1, b)
+    for _ in range(30):
+        rt.step()
+    rt.release(1)                      # cancelled mid-generation
+    assert rt.free_slots() == [1, 2, 3]
+    for _ in range(10):
+        rt.step()
+    rt.admit(1, c)                     # its slot, reused while slot 0 runs on
+    run_until_done(rt, [0, 1])
+    assert rt.outputs([0, 1]) == [want_a, want_c]
+    with pytest.raises(ValueError, match="expected a free slot, got slot 0"):
+        rt.admit(0, c)
+    rt.release_all()
+    with pytest.raises(ValueError, match="expected a slot holding a request, got free slot 1"):
+        rt.release(1)
+    with pytest.raises(ValueError, match=r"slot: expected an int in \[0, 4\), got 4"):
+        rt.admit(4, c)
+    with pytest.raises(RuntimeError, match="at least one admitted slot"):
+        rt.step()
+
+
+def test_a_graph_compiled_mid_generation_leaves_running_slots_alone():
+    # compile=True on the CPU: the first sampled request makes the runner compile the "sample"
+    # step while a greedy request is 40 tokens in. Compiling runs the step for real (with every
+    # slot masked) and must leave the running slot's cache and state as they were.
+    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 2}, compile=True)
+    cm = minikv_compile(tiny(num_hidden_layers=1), cfg)
+    greedy = Request(prompt_of(70, seed=4), 100)
+    sampled = Request(prompt_of(30, seed=5), 40, sampling=SAMPLED)
+    want = [alone(cm, greedy), alone(cm, sampled)]
+    compiles = cm.stats["compiles"]
+    fresh = minikv_compile(tiny(num_hidden_layers=1), cfg)
+    fresh.runtime.admit(0, greedy)
+    for _ in range(40):
+        fresh.runtime.step()
+    fresh.runtime.admit(1, sampled)  # (2, "sample") is compiled now, mid-generation
+    run_until_done(fresh.runtime, [0, 1])
+    assert fresh.runtime.outputs([0, 1]) == want
+    assert fresh.stats["compiles"] == compiles == 2  # one compile per (bucket, mode) used
+    assert sorted(fresh.stats["compile_seconds"]) == [(1, "greedy"), (2, "sample")]
+
+
+def test_generate_seed_is_reproducible_alone_and_in_a_batch():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    p, q = prompt_of(40, seed=8), prompt_of(90, seed=9)
+    kw = dict(max_new_tokens=60, do_sample=True, temperature=1.2)
+    first = cm.generate([p], seed=11, **kw).sequences[0]
+    assert cm.generate([p], seed=11, **kw).sequences[0] == first
+    # sequence i draws with seed + i, whatever else is in the batch
+    assert cm.generate([q, p], seed=10, **kw).sequences[1] == first
+    assert cm.generate([p], seed=12, **kw).sequences[0] != first
+
+
+# -- the sampling rule against HF's own processors -----------------------------------------------
+
+def _hf_probs(logits, seen_ids, temperature, top_k, top_p, penalty):
+    procs = LogitsProcessorList()
+    if penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(penalty))
+    procs.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    ids = torch.tensor([seen_ids])
+    return procs(ids, logits[None].clone())[0].softmax(-1)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, penalty", [
+    (1.0, None, 1.0, 1.0),
+    (0.7, None, 1.0, 1.0),
+    (1.0, 5, 1.0, 1.0),
+    (1.0, None, 0.8, 1.0),
+    (1.5, 6, 0.7, 1.0),       # top-p over the renormalized top 6
+    (1.0, 2, 0.292, 1.0),     # HF keeps one token: p1 / (p1 + p2) > 0.292
+    (0.9, None, 1.0, 1.8),    # repetition penalty on the raw logits, then temperature
+])
+def test_sampling_matches_hf_processors(temperature, top_k, top_p, penalty):
+    V, N = 24, 6000
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(V, generator=g) * 2
+    logits[3] = logits[7]  # a tie
+    seen_ids = [1, 3, 5, 11]
+    want = _hf_probs(logits, seen_ids, temperature, top_k, top_p, penalty)
+    seen = torch.zeros(N, V, dtype=torch.bool)
+    seen[:, seen_ids] = True
+    row = lambda x, dt: torch.full((N,), x, dtype=dt)  # noqa: E731
+    drawn = choose_tokens(logits.expand(N, V), greedy=row(False, torch.bool),
+                          temperature=row(temperature, torch.float32),
+                          top_k=row(V if top_k is None else top_k, torch.int64),
+                          top_p=row(top_p if top_p < 1 else 2.0, torch.float32),
+                          penalty=row(penalty, torch.float32), seen=seen,
+                          seed=row(99, torch.int64), counter=torch.arange(N))
+    freq = torch.bincount(drawn, minlength=V).double() / N
+    assert (freq[want == 0] == 0).all()                   # what HF removes is never drawn
+    # Multinomial standard error: sqrt(p (1 - p) / N) <= 0.0065 at N = 6000; 5 sigma.
+    tol = 5 * (want.double() * (1 - want.double()) / N).sqrt() + 1e-9
+    assert ((freq - want.double()).abs() <= tol).all(), (freq, want)
+    # greedy rows take the first maximum of the penalized logits, as HF's greedy search does
+    greedy = choose_tokens(logits[None], greedy=torch.tensor([True]), temperature=row(1.0, torch.float32)[:1],
+                           top_k=torch.tensor([V]), top_p=torch.tensor([2.0]),
+                           penalty=row(penalty, torch.float32)[:1], seen=seen[:1],
+                           seed=torch.tensor([0]), counter=torch.tensor([0]))
+    assert greedy.item() == _hf_probs(logits, seen_ids, 1.0, None, 1.0, penalty).argmax().item()
+
+
+def test_noise_is_a_function_of_seed_counter_and_token():
+    ids = torch.arange(1000)[None].expand(3, -1)
+    a = exponential_noise(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), ids)
+    assert torch.equal(a, exponential_noise(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), ids))
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    assert (a > 0).all() and torch.isfinite(a).all()
+    assert abs(a.mean().item() - 1.0) < 0.05        # Exp(1): mean 1, 3000 draws
+    big = exponential_noise(torch.tensor([2**62 + 3]), torch.tensor([2**40]), ids[:1])
+    assert torch.isfinite(big).all()
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_join_and_capture_under_the_sync_guard():
+    # bf16 on the GPU: bucket 1 and bucket 4 run other kernels (rounding differs), so a joining
+    # request is compared with the same request joining again, not with a run alone.
+    model = tiny(dtype=torch.bfloat16, device="cuda")
+    cm = minikv_compile(model, MiniKVConfig(**CFG))
+    rt = cm.runtime
+    reqs = [Request(prompt_of(100, seed=1), 120), Request(prompt_of(61, seed=3), 64,
+                                                          sampling=SAMPLED)]
+
+    def join():
+        rt.release_all()
+        rt.admit(0, reqs[0])
+        for _ in range(50):
+            rt.step()
+        rt.admit(1, reqs[1])  # (2, "sample") is captured here, mid-generation
+        run_until_done(rt, [0, 1])
+        return rt.outputs([0, 1])
+
+    first = join()
+    replays = cm.stats["replays"]
+    torch.cuda.set_sync_debug_mode("error")  # a host sync inside a replayed step would raise
+    try:
+        for _ in range(5):
+            rt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cm.stats["replays"] == replays + 5
+    assert join() == first
+    assert cm.stats["compiles"] == len(cm.stats["graphs"])  # one compile per captured graph
