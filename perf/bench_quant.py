@@ -6,16 +6,15 @@ flush).
 Rows:
 - quantize_keys / quantize_values (and their dequantize twins) on (B=8, H=8, T=4096, D=128) bf16,
   2 and 4 bit, G = 16;
-- cache_append for B = 8 slots, H_kv = 8, D = 128, ring R = 128, 2 bit: a step that only writes
-  the new token, and a step where every slot flushes its full ring of 128 tokens first; once for
-  one layer and once for 32 layers in a row (a Llama-3-8B-sized decode step);
-- step / step_flush: the same work for 32 layers the way the engine's decode step does it,
-  ``cache_begin_step`` over every layer then ``cache_write_ring`` per layer.
+- step / step_flush: the cache writes of one decode step for B = 8 slots, H_kv = 8, D = 128,
+  ring R = 128, 2 bit, 32 layers (a Llama-3-8B-sized step) as the engine runs them,
+  ``cache_begin_step`` over every layer then ``cache_write_ring`` per layer: a step that only
+  writes the new token, and a step where every slot flushes its full ring of 128 tokens first.
 
 Each row gives the median time of an eager call (``triton.testing.do_bench``; includes Python and
 launch overhead) and of the same work replayed from a CUDA graph (how the engine runs the decode
 step), the bytes the op must move, and the bandwidth that graph time achieves, also as a fraction
-of the NVML-derived peak (memory clock x bus width x 2). cache_append mutates its counters, so
+of the NVML-derived peak (memory clock x bus width x 2). The step mutates its counters, so
 every timed call first restores them (``lens.copy_``); that copy is timed alone and subtracted
 ("net"). The flush cost of a step is the 32-layer flush row minus the 32-layer plain row; amortized
 over the R steps between flushes, it is what the flush adds to an average decode step.
@@ -38,19 +37,19 @@ RING = 128
 @dataclass(frozen=True)
 class ExperimentConfig:
     op: str                 # quantize_keys | quantize_values | dequantize_keys | dequantize_values
-                            # | append | append_flush | step | step_flush
+                            # | step | step_flush
     B: int = 8
     H: int = 8
-    T: int = 4096           # tokens quantized (quant ops); unused by append rows (ring = RING)
+    T: int = 4096           # tokens quantized (quant ops); unused by step rows (ring = RING)
     D: int = 128
     bits: int = 2
     group_size: int = 16
     dtype: str = "bfloat16"
-    layers: int = 1         # append rows: consecutive layer caches per timed step
+    layers: int = 1         # step rows: layer caches per timed step
 
     @property
     def name(self) -> str:
-        if self.op.startswith(("append", "step")):
+        if self.op.startswith("step"):
             return f"{self.op} B{self.B} H{self.H} D{self.D} {self.bits}b x{self.layers} layers"
         return f"{self.op} ({self.B},{self.H},{self.T},{self.D}) {self.bits}b G{self.group_size}"
 
@@ -58,8 +57,8 @@ class ExperimentConfig:
 @dataclass(frozen=True)
 class ExperimentResult:
     config: ExperimentConfig
-    eager_us: float         # median eager call (net of the lens reset for append rows)
-    graph_us: float         # median CUDA-graph replay (net of the lens reset for append rows)
+    eager_us: float         # median eager call (net of the lens reset for step rows)
+    graph_us: float         # median CUDA-graph replay (net of the lens reset for step rows)
     reset_us: float         # the subtracted lens resets, replayed from a graph (0 for quant ops)
     bytes_moved: int
     gbps: float             # bytes_moved / graph_us
@@ -71,10 +70,8 @@ def get_configs() -> List[ExperimentConfig]:
              for bits in (2, 4)
              for op in ("quantize_keys", "quantize_values", "dequantize_keys",
                         "dequantize_values")]
-    append = [ExperimentConfig(op, layers=layers)
-              for layers in (1, 32) for op in ("append", "append_flush")]
     step = [ExperimentConfig(op, layers=32) for op in ("step", "step_flush")]
-    return quant + append + step
+    return quant + step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +143,7 @@ def _layer_cache(cfg: ExperimentConfig, T_cap: int):
             torch.zeros(B, 2, dtype=torch.int32, **z)]
 
 
-def _append_bytes(cfg: ExperimentConfig) -> int:
+def _step_bytes(cfg: ExperimentConfig) -> int:
     B, H, D, G = cfg.B, cfg.H, cfg.D, cfg.group_size
     elem = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
     token = 2 * B * H * D * elem * 2             # k and v: read the new token, write the ring row
@@ -158,7 +155,7 @@ def _append_bytes(cfg: ExperimentConfig) -> int:
     return cfg.layers * (token + counters + flush)
 
 
-def _run_append(cfg: ExperimentConfig, peak: Optional[float]) -> ExperimentResult:
+def _run_step(cfg: ExperimentConfig, peak: Optional[float]) -> ExperimentResult:
     from minikv_compile import ops
 
     dtype = getattr(torch, cfg.dtype)
@@ -175,16 +172,12 @@ def _run_append(cfg: ExperimentConfig, peak: Optional[float]) -> ExperimentResul
         for bufs in layers:
             bufs[8].copy_(lens0)
 
-    table = ops.cache_table(layers)
+    layout = ops.CacheLayout(layers, cfg.bits, cfg.group_size)
+    live = torch.ones(cfg.B, dtype=torch.bool, device="cuda")
 
     def step():
-        if cfg.op.startswith("append"):
-            for bufs in layers:
-                bufs[8].copy_(lens0)
-                ops.cache_append(k_new, v_new, *bufs, cfg.bits, cfg.group_size)
-            return
         reset()
-        ring_index = ops.cache_begin_step(layers, table, cfg.B, cfg.bits, cfg.group_size)
+        ring_index = ops.cache_begin_step(layout, cfg.B, live)
         for bufs, index in zip(layers, ring_index):
             ops.cache_write_ring(k_new, v_new, bufs[6], bufs[7], index)
 
@@ -196,15 +189,15 @@ def _run_append(cfg: ExperimentConfig, peak: Optional[float]) -> ExperimentResul
     reset_eager, reset_graph = _median_us(reset), _median_us(_graphed(reset))
     eager = _median_us(step) - reset_eager
     graph = _median_us(_graphed(step)) - reset_graph
-    nbytes = _append_bytes(cfg)
+    nbytes = _step_bytes(cfg)
     gbps = nbytes / graph * 1e-3
     return ExperimentResult(cfg, eager, graph, reset_graph, nbytes, gbps,
                             gbps / peak if peak else None)
 
 
 def run_experiment(cfg: ExperimentConfig, peak: Optional[float] = None) -> ExperimentResult:
-    if cfg.op.startswith(("append", "step")):
-        return _run_append(cfg, peak)
+    if cfg.op.startswith("step"):
+        return _run_step(cfg, peak)
     return _run_quant(cfg, peak)
 
 
@@ -227,14 +220,10 @@ def print_table(results: List[ExperimentResult]) -> None:
 def flush_summary(results: List[ExperimentResult]) -> dict:
     """Flush cost of a whole decode step (the deepest layer count measured), from graph times."""
     by = {(r.config.op, r.config.layers): r for r in results}
-    layers = max(r.config.layers for r in results if r.config.op.startswith("append"))
-    flush_us = by["append_flush", layers].graph_us - by["append", layers].graph_us
-    step_flush_us = by["step_flush", layers].graph_us - by["step", layers].graph_us
+    layers = max(r.config.layers for r in results if r.config.op.startswith("step"))
+    flush_us = by["step_flush", layers].graph_us - by["step", layers].graph_us
     return {"layers": layers, "ring": RING, "flush_us": flush_us,
             "flush_us_per_step_amortized": flush_us / RING,
-            "append_us_per_step": by["append", layers].graph_us,
-            "step_flush_us": step_flush_us,
-            "step_flush_us_per_step_amortized": step_flush_us / RING,
             "step_us_per_step": by["step", layers].graph_us}
 
 
@@ -257,14 +246,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.cuda.empty_cache()
     print_table(results)
     summary = flush_summary(results)
-    print(f"\nflush of {summary['ring']} tokens in all {summary['layers']} layers: "
-          f"{summary['flush_us']:.1f} us once every {summary['ring']} steps = "
-          f"{summary['flush_us_per_step_amortized']:.2f} us per step on average "
-          f"(the plain append of {summary['layers']} layers: "
-          f"{summary['append_us_per_step']:.1f} us per step)")
-    print(f"the same as the engine's step runs it (cache_begin_step + cache_write_ring): flush "
-          f"{summary['step_flush_us']:.1f} us = {summary['step_flush_us_per_step_amortized']:.2f} "
-          f"us per step on average (no flush: {summary['step_us_per_step']:.1f} us per step)")
+    print(f"\nflush of {summary['ring']} tokens in all {summary['layers']} layers "
+          f"(cache_begin_step + cache_write_ring): {summary['flush_us']:.1f} us once every "
+          f"{summary['ring']} steps = {summary['flush_us_per_step_amortized']:.2f} us per step on "
+          f"average (no flush: {summary['step_us_per_step']:.1f} us per step)")
     if args.out:
         rows = [{**env, "peak_gbps": peak, **dataclasses.asdict(r)} for r in results]
         write_json(args.out, {"rows": rows, "flush_summary": {**env, **summary}})

@@ -31,6 +31,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.graphs import budget
 
 from .measure import NvmlSampler, Skip
 
@@ -635,7 +636,7 @@ def kv_bytes_read(model, method: str, prompt_len: int, generated: int, batch: in
     cfg = engine_config(method)
     total = 0.0
     for layer in range(s["layers"]):
-        kept = sum(cfg.kept_tokens(prompt_len, layer, s["layers"]))
+        kept = sum(budget.kept_tokens(cfg, prompt_len, layer, s["layers"]))
         held = kept + generated
         if cfg.bits == 16:
             total += 2 * width * held * elt

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from minikv_compile import MiniKVConfig
+from minikv_compile.graphs import budget
 
 
 # -- methods --------------------------------------------------------------------------------------
@@ -109,12 +110,12 @@ def kv_bytes(config: MiniKVConfig, num_layers: int, width: int, prompt_len: int,
 
     ``width`` = KV heads x head dim. 16-bit: 2 bytes per value; b-bit: b/8 bytes of codes plus an
     fp16 scale and zero per ``group_size`` values. Kept prompt tokens per layer follow the budgets
-    (``config.kept_tokens``); generated tokens are all kept. The residual ring (at most
+    (``budget.kept_tokens``); generated tokens are all kept. The residual ring (at most
     ``residual_length`` tokens in 16 bit) and padding come on top and are reported apart.
     """
-    per_value = 2.0 if config.bits == 16 else config.bits / 8 + 4 / config.group_size
-    kept = [sum(config.kept_tokens(prompt_len, layer, num_layers)) for layer in range(num_layers)]
-    return int(sum(2 * width * (k + new_tokens) * per_value for k in kept))
+    return budget.formula_kv_bytes(bits=config.bits, group_size=config.group_size, kv_width=width,
+                                   kept=budget.kept_per_layer(config, prompt_len, num_layers),
+                                   new_tokens=new_tokens, batch=1)
 
 
 def fp16_bytes(num_layers: int, width: int, prompt_len: int, new_tokens: int) -> int:
