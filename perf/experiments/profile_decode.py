@@ -39,16 +39,18 @@ def main(argv=None) -> int:
     cm = minikv_compile(model, MiniKVConfig(max_batch_size=args.batch, max_prompt_len=args.prompt,
                                             max_new_tokens=args.steps + 8))
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt)).tolist()
-    cm.generate(prompts, max_new_tokens=2)  # prefill + a replay; the cache now holds the prompt
-    bucket = cm.buckets[-1]
-    r = cm.runner
+    from minikv_compile.graphs.runtime import Request
+
+    rt = cm.runtime
+    for slot, p in enumerate(prompts):  # prefill every slot; the cache now holds the prompts
+        rt.admit(slot, Request(p, args.steps + 8))
     for _ in range(3):
-        r.run_step(bucket, "greedy")
+        rt.step()
     torch.cuda.synchronize()
 
     def replay():
         for _ in range(args.steps):
-            r.run_step(bucket, "greedy")
+            rt.step()
 
     totals, counts = kernel_times(replay)
     step_us = sum(totals.values()) / args.steps
