@@ -55,8 +55,9 @@ class CacheLayout:
     ``table (L, 10)`` int64 on the device: row ``l`` holds the data pointers of layer ``l``'s nine
     buffers, then its ``T_cap``. Captured launches read it at every replay, so it lives as long
     as the buffers. ``table_host`` is the same rows on the CPU: a launch compares them with the
-    buffers it was handed (a host-side check, no device read, no copy) and refuses any others,
-    e.g. the clones that functionalization makes when a compiler cannot write in place.
+    buffers it was handed (a host-side check, no device read) and, for any others (the copies
+    functionalization makes when a compiler cannot write in place), writes a table of those on
+    the device instead of copying one from the host.
     """
 
     def __init__(self, layers: Sequence[Sequence[torch.Tensor]], bits: int, group_size: int):

@@ -258,6 +258,22 @@ def _commit_kernel(table, live, ring_index, batch, RING: tl.constexpr, BLOCK_B: 
 
 
 @triton.jit
+def _table_row_kernel(row, a0, a1, a2, a3, a4, a5, a6, a7, a8, t_cap):
+    # One row of an address table, from scalar arguments: a table written on the device, where
+    # a copy from the host would not be allowed (inside a graph capture).
+    tl.store(row + 0, a0.to(tl.int64))
+    tl.store(row + 1, a1.to(tl.int64))
+    tl.store(row + 2, a2.to(tl.int64))
+    tl.store(row + 3, a3.to(tl.int64))
+    tl.store(row + 4, a4.to(tl.int64))
+    tl.store(row + 5, a5.to(tl.int64))
+    tl.store(row + 6, a6.to(tl.int64))
+    tl.store(row + 7, a7.to(tl.int64))
+    tl.store(row + 8, a8.to(tl.int64))
+    tl.store(row + 9, t_cap.to(tl.int64))
+
+
+@triton.jit
 def _write_ring_kernel(
     k_new, v_new, k_ring, v_ring, ring_index,
     stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
@@ -322,13 +338,17 @@ def _cache_begin_step_triton(table, table_host, k_cache, k_scale, k_zero, v_cach
                              v_zero, k_ring, v_ring, lens, live, batch: int, bits: int,
                              group_size: int) -> torch.Tensor:
     layers = list(zip(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens))
-    if tuple(map(tuple, table_host.tolist())) != table_rows(layers):
-        raise ValueError("table: expected the address table of the buffers given "
-                         "(CacheLayout.table of these very tensors), got one of other buffers; "
-                         "copies of a layout's buffers need a layout of their own")
     L = len(lens)
     _, H, R, D = k_ring[0].shape
     dev = table.device
+    rows = table_rows(layers)
+    if tuple(map(tuple, table_host.tolist())) != rows:
+        # Not the layout's own buffers (functionalization hands the op copies when it cannot
+        # write in place: opcheck, AOT tracing): the kernels must write the tensors they were
+        # given, so they get a table of those, written on the device (one launch per layer).
+        table = torch.empty(L, TABLE_COLS, dtype=torch.int64, device=dev)
+        for layer, row in enumerate(rows):
+            _table_row_kernel[(1,)](table[layer], *row)
     ring_index = torch.empty(L, batch, dtype=torch.int32, device=dev)
     chunks, flush = _flush_constants(R, D, bits, group_size)
     pairs = L * batch

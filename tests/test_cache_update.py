@@ -387,19 +387,23 @@ def test_all_layer_kernels_compile_for_sm90():
 
 
 @pytest.mark.interpret
-def test_triton_begin_step_refuses_a_table_of_other_buffers():
+def test_triton_begin_step_with_copies_of_the_buffers():
     # Functionalization (AOT tracing, opcheck, or a compiler that cannot write in place) hands
-    # the op copies of the buffers: the layout's table addresses the originals, so the launch
-    # must refuse, before writing anything, rather than write buffers it was not given.
+    # the op copies of the buffers with the layout's table: the launch must write the tensors
+    # it was given, and nothing else.
     tri, B, H = _layers_case(2, 32, 16, torch.float16)
     layout = CacheLayout(tri, 2, 16)
-    copies = [clone_all(bufs) for bufs in tri]
-    before = [clone_all(bufs) for bufs in tri]
-    with pytest.raises(ValueError, match="table: expected the address table of the buffers"):
-        _cache_begin_step_triton(layout.table, layout.table_host,
-                                 *[list(c) for c in zip(*copies)], live_slots(B), B, 2, 16)
-    for layer, (bufs, was) in enumerate(zip(tri, before)):
-        assert_buffers_equal(bufs, was, f"layer {layer}")
+    copies, ref = [clone_all(bufs) for bufs in tri], [clone_all(bufs) for bufs in tri]
+    untouched = [clone_all(bufs) for bufs in tri]
+    news = [new_tokens(B, H, 32, torch.float16, torch.Generator().manual_seed(i))
+            for i in range(len(tri))]
+    index = _cache_begin_step_triton(layout.table, layout.table_host,
+                                     *[list(c) for c in zip(*copies)], live_slots(B), B, 2, 16)
+    assert torch.equal(index, step_all_layers(ref, None, news, B, 2, 16, impl="ref"))
+    for layer, (bufs, (k_new, v_new)) in enumerate(zip(copies, news)):
+        _cache_write_ring_triton(k_new, v_new, bufs[6], bufs[7], index[layer])
+        assert_buffers_equal(bufs, ref[layer], f"copy of layer {layer}")
+        assert_buffers_equal(tri[layer], untouched[layer], f"layer {layer}")
 
 
 def test_slots_that_are_not_live_are_not_touched():
@@ -729,14 +733,9 @@ def test_begin_step_cuda_graph_replay_gpu():
 def test_opcheck_begin_step_gpu(bits):
     cuda, B, H, D, G = _gpu_layers(bits, torch.bfloat16)
     layout = CacheLayout(cuda, bits, G)
-    # test_schema and test_aot_dispatch_* hand the op copies of the buffers, which the layout's
-    # table does not address: the launch refuses them (the interpreter test above). The schema
-    # and the functionalized trace are checked on the CPU (test_opcheck_begin_step), where the
-    # op runs its reference and no table is read.
     torch.library.opcheck(torch.ops.minikv.cache_begin_step.default,
                           (layout.table, layout.table_host, *layout.columns(),
-                           live_slots(B, "cuda", dead=(4,)), B, bits, G),
-                          test_utils=("test_autograd_registration", "test_faketensor"))
+                           live_slots(B, "cuda", dead=(4,)), B, bits, G))
     k_new, v_new = (t.cuda() for t in new_tokens(B, H, D, torch.bfloat16,
                                                   torch.Generator().manual_seed(0)))
     index = torch.tensor([0, -1, 5, 127, 3, -1], dtype=torch.int32, device="cuda")
