@@ -133,8 +133,8 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
     width = H * D  # d: KV width of one layer
     fp16 = budget.full_kv_bytes(num_layers=len(cache.layers), kv_width=width,
                                 tokens=prompt_len + new_tokens, batch=B, dtype_bytes=2)
-    formula = budget.formula_kv_bytes(bits=cache.bits, group_size=cache.group_size, kv_width=width, kept=kept,
-                                      new_tokens=new_tokens, batch=B)
+    formula = budget.formula_kv_bytes(bits=cache.bits, group_size=cache.group_size,
+                                      kv_width=width, kept=kept, new_tokens=new_tokens, batch=B)
     notes = [
         f"ring: {cache.ring} tokens per slot and layer in {cache.dtype} on top of the formula",
         "padding: capacity rounded up to a whole quantization group",

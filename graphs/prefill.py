@@ -1,8 +1,8 @@
 """Eager prefill of one request: selective attention, persistent selection, write into a slot.
 
-docs/algorithm.md, "Prefill" to "Quantization". Runs once per request, outside any graph; everything here is
-allowed to allocate. Memory stays linear in the prompt: attention never materializes L x L, and
-only the last position goes through the LM head.
+docs/algorithm.md, "Prefill" to "Quantization". Runs once per request, outside any graph;
+everything here is allowed to allocate. Memory stays linear in the prompt: attention never
+materializes L x L, and only the last position goes through the LM head.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which prompt tokens a layer keeps: scoring rules and the persistent selection.
 
-DESIGN.md section 2, step 4. Each rule maps one layer's prefill attention to a score per
+docs/algorithm.md, "Selection". Each rule maps one layer's prefill attention to a score per
 (KV head, position); the kept set is the recent window plus the highest-scoring older positions,
 in position order, fixed for the whole generation.
 

@@ -1,6 +1,6 @@
 """An independent, deliberately plain MiniKV generator: lists of tensors, loops, no custom ops.
 
-Written from DESIGN.md section 2 alone to check the engine against; it shares no code with the
+Written from docs/algorithm.md alone to check the engine against; it shares no code with the
 project (it calls the HF modules directly). Greedy decoding, one sequence, CPU.
 """
 from __future__ import annotations
