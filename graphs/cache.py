@@ -43,11 +43,11 @@ class StaticKVCache:
 
 @dataclass(frozen=True)
 class LayerBytes:
-    codes: int        # packed 2/4-bit codes (or the plain 16-bit region)
+    codes: int        # packed 2/4-bit codes (or the plain 16-bit region) of the tokens held
     scale_zero: int   # fp16 scales and zeros
     ring: int         # the full-precision residual ring
     counters: int     # per-slot lens
-    padding: int      # part of the quantized region no request of the configured size can fill
+    padding: int      # of codes + scale_zero: the held tokens rounded up to whole groups
 
     @property
     def total(self) -> int:
@@ -56,17 +56,25 @@ class LayerBytes:
 
 @dataclass(frozen=True)
 class KVMemoryReport:
-    """KV bytes actually allocated, against the uncompressed cache and the formula
-    (``budget.formula_kv_bytes``).
+    """KV bytes of ``batch`` sequences of ``prompt_len + new_tokens`` tokens, like with like.
 
-    ``formula_bytes`` is the paper's Appendix-I count for this configuration (2-bit:
-    ``H * d * (kept + L_gen)`` bytes per sequence; ``H`` layers, ``d`` KV width); the allocated
-    quantized region (codes + scales/zeros) equals it up to ``padding``; ``ring`` is extra.
+    ``layers`` / ``total_bytes``: what those sequences occupy in the compressed cache (their
+    slots' share of the allocation for the tokens they hold: codes, scales / zeros rounded up
+    to whole groups, the ring, the counters). ``full_bytes``: an uncompressed cache of the same
+    batch and lengths in the model's dtype (``full_dtype``); ``ratio`` compares the two.
+    ``fp16_bytes``: the same uncompressed cache at 2 bytes a value, the figure the MiniKV
+    paper compares with. ``formula_bytes``: the paper's count for this configuration
+    (``budget.formula_kv_bytes``, 16-bit values at 2 bytes); the quantized region equals it up
+    to ``padding`` (for a 16-bit cache, in a 2-byte dtype).
+    ``allocated_bytes``: every buffer of the cache (all slots, at full capacity).
     """
 
     layers: List[LayerBytes]
-    fp16_bytes: int          # 2 * H * d * (L + L_gen) * 2 * batch: the uncompressed cache
+    full_bytes: int
+    full_dtype: torch.dtype
+    fp16_bytes: int
     formula_bytes: int
+    allocated_bytes: int
     batch: int
     prompt_len: int
     new_tokens: int
@@ -91,13 +99,14 @@ class KVMemoryReport:
 
     @property
     def ratio(self) -> float:
-        """Allocated bytes over the fp16 cache's bytes (smaller is better)."""
-        return self.total_bytes / self.fp16_bytes
+        """The compressed bytes over the uncompressed cache's in the model's dtype."""
+        return self.total_bytes / self.full_bytes
 
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:10.2f} MiB"  # noqa: E731
         codes = sum(layer.codes for layer in self.layers)
         sz = sum(layer.scale_zero for layer in self.layers)
+        dtype = str(self.full_dtype).replace("torch.", "")
         lines = [
             f"KV cache for batch {self.batch} x (prompt {self.prompt_len} + {self.new_tokens} new), "
             f"{len(self.layers)} layers, {self.bits}-bit",
@@ -105,39 +114,47 @@ class KVMemoryReport:
             f"  scales + zeros      {mib(sz)}",
             f"  residual ring       {mib(self.ring_bytes)}",
             f"  counters            {mib(sum(layer.counters for layer in self.layers))}",
-            f"  allocated total     {mib(self.total_bytes)}",
+            f"  total               {mib(self.total_bytes)}",
             f"    of which padding  {mib(self.padding_bytes)}",
-            f"  formula (App. I)    {mib(self.formula_bytes)}   quantized region "
+            f"  formula (paper)     {mib(self.formula_bytes)}   quantized region "
             f"{mib(self.quantized_region_bytes)}",
-            f"  fp16 cache          {mib(self.fp16_bytes)}",
-            f"  allocated / fp16    {self.ratio:10.4f}   ({100 * (1 - self.ratio):.1f}% smaller)",
+            f"  uncompressed {dtype:<7}{mib(self.full_bytes)}",
+            f"  total / uncompressed {self.ratio:9.4f}   ({100 * (1 - self.ratio):.1f}% smaller)",
+            f"  allocated (all slots, full capacity) {mib(self.allocated_bytes)}",
         ]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
-def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, new_tokens: int
-                     ) -> KVMemoryReport:
-    """Bytes of ``cache``'s buffers, with ``kept[l]`` = prompt tokens layer ``l`` keeps at most."""
-    B, H, D = cache.max_batch_size, cache.num_kv_heads, cache.head_dim
+def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, new_tokens: int,
+                     batch: int) -> KVMemoryReport:
+    """Bytes ``batch`` sequences of ``prompt_len + new_tokens`` tokens occupy in ``cache``, with
+    ``kept[l]`` = prompt tokens layer ``l`` keeps of such a prompt."""
+    Bmax, H, D, G = cache.max_batch_size, cache.num_kv_heads, cache.head_dim, cache.group_size
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    layers = []
+    layers, allocated = [], 0
     for layer, n_kept in zip(cache.layers, kept):
-        region = nbytes(layer.k_cache) + nbytes(layer.v_cache)
-        sz = sum(nbytes(t) for t in (layer.k_scale, layer.k_zero, layer.v_scale, layer.v_zero))
-        unused_tokens = layer.capacity - (n_kept + new_tokens)
-        per_token = (region + sz) // layer.capacity
-        layers.append(LayerBytes(codes=region, scale_zero=sz,
-                                 ring=nbytes(layer.k_ring) + nbytes(layer.v_ring),
-                                 counters=nbytes(layer.lens),
-                                 padding=max(0, unused_tokens) * per_token))
+        allocated += sum(nbytes(t) for t in layer)
+        cap = layer.capacity
+        codes_tok = (nbytes(layer.k_cache) + nbytes(layer.v_cache)) // (Bmax * cap)
+        sz_tok = sum(nbytes(t) for t in (layer.k_scale, layer.k_zero, layer.v_scale,
+                                         layer.v_zero)) // (Bmax * cap)
+        need = n_kept + new_tokens
+        held = min(cap, -(-need // G) * G)
+        layers.append(LayerBytes(codes=codes_tok * held * batch, scale_zero=sz_tok * held * batch,
+                                 ring=(nbytes(layer.k_ring) + nbytes(layer.v_ring)) // Bmax * batch,
+                                 counters=nbytes(layer.lens) // Bmax * batch,
+                                 padding=(held - need) * (codes_tok + sz_tok) * batch))
     width = H * D  # d: KV width of one layer
-    fp16 = budget.full_kv_bytes(num_layers=len(cache.layers), kv_width=width,
-                                tokens=prompt_len + new_tokens, batch=B, dtype_bytes=2)
-    formula = budget.formula_kv_bytes(bits=cache.bits, group_size=cache.group_size,
-                                      kv_width=width, kept=kept, new_tokens=new_tokens, batch=B)
+    full = lambda n: budget.full_kv_bytes(num_layers=len(cache.layers), kv_width=width,  # noqa: E731
+                                          tokens=prompt_len + new_tokens, batch=batch, dtype_bytes=n)
+    # the paper's count: 16-bit values at 2 bytes, as fp16_bytes
+    formula = budget.formula_kv_bytes(bits=cache.bits, group_size=G, kv_width=width, kept=kept,
+                                      new_tokens=new_tokens, batch=batch)
     notes = [
         f"ring: {cache.ring} tokens per slot and layer in {cache.dtype} on top of the formula",
-        "padding: capacity rounded up to a whole quantization group",
+        "padding: the held tokens rounded up to a whole quantization group",
     ]
-    return KVMemoryReport(layers=layers, fp16_bytes=fp16, formula_bytes=formula, batch=B,
-                          prompt_len=prompt_len, new_tokens=new_tokens, bits=cache.bits, notes=notes)
+    return KVMemoryReport(layers=layers, full_bytes=full(cache.dtype.itemsize),
+                          full_dtype=cache.dtype, fp16_bytes=full(2), formula_bytes=formula,
+                          allocated_bytes=allocated, batch=batch, prompt_len=prompt_len,
+                          new_tokens=new_tokens, bits=cache.bits, notes=notes)

@@ -37,7 +37,9 @@ class SlotState:
         positions   (Bmax,)       int64  its logical position (prompt length + tokens fed so far)
         count       (Bmax,)       int64  tokens the slot has generated (its next column)
         limit       (Bmax,)       int64  its max_new_tokens
-        active      (Bmax,)       bool   admitted and not released
+        minimum     (Bmax,)       int64  its min_new_tokens: eos ids are banned before
+        active      (Bmax,)       bool   admitted (set once its first token is chosen), not
+                                         released
         done        (Bmax,)       bool   finished: an eos id, or ``count == limit``
         eos_ids     (Bmax, 8)     int64  its eos ids, -1 padded
         greedy      (Bmax,)       bool   and temperature, top_p, penalty (Bmax,) fp32,
@@ -46,7 +48,8 @@ class SlotState:
         generated   (Bmax, N + 1) int64  column ``count`` gets the next token; column N is
                                          the scratch column of slots that are not live
         forced      (Bmax, N)     int64  teacher mode: the tokens to feed instead of choosing
-        logprobs    (Bmax, N + 1) fp32   teacher mode: log-prob of the forced token per column
+        logprobs    (Bmax, N + 1) fp32   teacher mode: log-prob of the forced token per column;
+                                         column N is the scratch column again
     """
 
     def __init__(self, max_batch_size: int, max_new_tokens: int, vocab_size: int,
@@ -59,6 +62,7 @@ class SlotState:
         self.positions = torch.zeros(B, **i64)
         self.count = torch.zeros(B, **i64)
         self.limit = torch.zeros(B, **i64)
+        self.minimum = torch.zeros(B, **i64)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self.eos_ids = torch.full((B, MAX_EOS_IDS), -1, **i64)
@@ -75,26 +79,34 @@ class SlotState:
 
     def buffers(self) -> list:
         """Every buffer (what a graph's warm-up must leave as it found)."""
-        return [self.tokens, self.positions, self.count, self.limit, self.active, self.done,
+        return [self.tokens, self.positions, self.count, self.limit, self.minimum, self.active,
+                self.done,
                 self.eos_ids, self.greedy, self.temperature, self.top_k, self.top_p, self.penalty,
                 self.seed, self.seen, self.generated, self.forced, self.logprobs]
 
-    def choose(self, logits: torch.Tensor, rows: slice, mode: str) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, rows: slice, mode: str, live: torch.Tensor
+               ) -> torch.Tensor:
         """The next token of slots ``rows`` from their logits (B, V) fp32 -> (B,) int64.
 
         The one rule of the project: the decode step calls it for its bucket, admission for the
-        first token of one slot. Teacher mode feeds ``forced`` and records its log-probability.
+        first token of one slot. Teacher mode feeds ``forced`` and records its log-probability
+        (live rows at their column, the others in the scratch column).
         """
         count = self.count[rows]
         if mode == "greedy":
             return argmax_rows(logits)
         if mode == "sample":
+            eos = self.eos_ids[rows]                                # (B, 8), -1 padded
+            is_eos = torch.zeros_like(logits, dtype=torch.int32).scatter_add_(
+                1, eos.clamp(min=0), (eos >= 0).int()) > 0          # (B, V)
+            banned = is_eos & (count < self.minimum[rows])[:, None]
+            logits = logits.masked_fill(banned, float("-inf"))
             return choose_tokens(logits, greedy=self.greedy[rows],
                                  temperature=self.temperature[rows], top_k=self.top_k[rows],
                                  top_p=self.top_p[rows], penalty=self.penalty[rows],
                                  seen=self.seen[rows], seed=self.seed[rows], counter=count)
-        col = count.clamp(max=self.max_new_tokens - 1)[:, None]
-        forced = self.forced[rows].gather(1, col)
+        forced = self.forced[rows].gather(1, count.clamp(max=self.max_new_tokens - 1)[:, None])
+        col = torch.where(live, count, self.max_new_tokens)[:, None]
         self.logprobs[rows].scatter_(1, col, logits.log_softmax(dim=-1).gather(1, forced))
         return forced[:, 0]
 
@@ -105,7 +117,7 @@ class SlotState:
         nxt = torch.where(live, nxt, self.tokens[rows])
         col = torch.where(live, count, self.max_new_tokens)[:, None]
         self.generated[rows].scatter_(1, col, nxt[:, None])
-        self.seen[rows].scatter_(1, nxt[:, None], True)  # a slot that is not live re-marks its own token
+        self.seen[rows].scatter_(1, nxt[:, None], True)  # not live: re-marks its own token
         count.add_(live.long())
         self.positions[rows].add_(live.long())
         eos = (nxt[:, None] == self.eos_ids[rows]).any(dim=-1)
@@ -130,4 +142,4 @@ def decode_step(adapter, cache: StaticKVCache, state: SlotState, batch: int, mod
         o = ops.decode_attention(q[:, :, 0], *lc, a.scale, cache.bits, cache.group_size)
         h, normed = a.finish_layer_normed(layer, h, o.reshape(batch, 1, -1))  # o (B, H_q, D)
     logits = a.logits(h[:, 0])                                 # (B, V) fp32
-    state.record(state.choose(logits, rows, mode), rows, live)
+    state.record(state.choose(logits, rows, mode, live), rows, live)

@@ -8,6 +8,7 @@ while other slots are mid-generation, and none of them touches another slot.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -19,6 +20,15 @@ from .decode import MAX_EOS_IDS, SlotState, decode_step
 from .graph_runner import GraphRunner
 from .prefill import prefill
 from .sampling import Sampling
+
+@contextlib.contextmanager
+def engine_mode():
+    """No autograd, and never inference mode: the engine's buffers are ordinary tensors that a
+    later call may update in place, and every step is traced under one grad mode (another
+    would recompile), whatever mode the caller is in."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
 
 # top_p at or above 1 turns top-p off; stored above 1 so that a cumulative sum that rounds to
 # 1.0 before the last tokens never drops them.
@@ -32,7 +42,8 @@ class Request:
     prompt: token ids, ``1 <= len <= max_prompt_len``. max_new_tokens: ``1 ..`` the engine's
     ``max_new_tokens``. eos_ids: up to 8 ids that end the sequence (the eos is kept).
     forced: teacher forcing: the tokens fed instead of chosen ones (``max_new_tokens`` of them);
-    their log-probabilities are recorded.
+    their log-probabilities are recorded. min_new_tokens: eos ids cannot be chosen before this
+    many tokens (HF's ``min_new_tokens``).
     """
 
     prompt: Sequence[int]
@@ -40,13 +51,15 @@ class Request:
     eos_ids: Tuple[int, ...] = ()
     sampling: Sampling = Sampling()
     forced: Optional[Sequence[int]] = None
+    min_new_tokens: int = 0
 
     @property
     def mode(self) -> str:
         """The decode step this request needs: ``"teacher"``, ``"sample"`` or ``"greedy"``."""
         if self.forced is not None:
             return "teacher"
-        return "sample" if self.sampling.needs_sampling_step else "greedy"
+        banning = self.min_new_tokens > 0 and bool(self.eos_ids)
+        return "sample" if self.sampling.needs_sampling_step or banning else "greedy"
 
 
 class SlotRuntime:
@@ -92,6 +105,29 @@ class SlotRuntime:
         self._check_slot(slot)
         if self._requests[slot] is not None:
             raise ValueError(f"slot: expected a free slot, got slot {slot}, which holds a request")
+        self._check_request(request)
+        with engine_mode():
+            self._admit(slot, request)
+
+    def _check_request(self, r: Request) -> None:
+        cfg, V = self.config, self.adapter.vocab_size
+        if not 1 <= len(r.prompt) <= cfg.max_prompt_len:
+            raise ValueError(f"request.prompt: expected 1..{cfg.max_prompt_len} tokens "
+                             f"(max_prompt_len), got {len(r.prompt)}")
+        if not 1 <= r.max_new_tokens <= cfg.max_new_tokens:
+            raise ValueError(f"request.max_new_tokens: expected 1..{cfg.max_new_tokens} (the "
+                             f"engine's max_new_tokens), got {r.max_new_tokens}")
+        if not 0 <= r.min_new_tokens <= r.max_new_tokens:
+            raise ValueError(f"request.min_new_tokens: expected 0..{r.max_new_tokens}, "
+                             f"got {r.min_new_tokens}")
+        if len(r.eos_ids) > MAX_EOS_IDS or any(not 0 <= t < V for t in r.eos_ids):
+            raise ValueError(f"request.eos_ids: expected up to {MAX_EOS_IDS} ids in [0, {V}), "
+                             f"got {r.eos_ids}")
+        if r.forced is not None and len(r.forced) < r.max_new_tokens:
+            raise ValueError(f"request.forced: expected max_new_tokens={r.max_new_tokens} "
+                             f"tokens, got {len(r.forced)}")
+
+    def _admit(self, slot: int, request: Request) -> None:
         modes = {r.mode for r in self._requests if r is not None} | {request.mode}
         if "teacher" in modes and len(modes) > 1:
             raise ValueError(f"request: teacher forcing runs alone, got it beside other modes "
@@ -99,6 +135,7 @@ class SlotRuntime:
         st, s, dev = self.state, slot, self.device
         ids = torch.tensor(list(request.prompt), dtype=torch.int64, device=dev)
         st.limit[s] = request.max_new_tokens
+        st.minimum[s] = request.min_new_tokens
         st.eos_ids[s] = -1
         if request.eos_ids:
             st.eos_ids[s, : len(request.eos_ids)] = torch.tensor(request.eos_ids, device=dev)
@@ -108,8 +145,10 @@ class SlotRuntime:
         st.top_k[s] = self.adapter.vocab_size if p.greedy or p.top_k is None else int(p.top_k)
         st.top_p[s] = _TOP_P_OFF if p.greedy or p.top_p >= 1.0 else float(p.top_p)
         st.penalty[s] = float(p.repetition_penalty)
-        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        st.seed[s] = seed
+        if p.seed is not None:
+            st.seed[s] = p.seed
+        elif not p.greedy:  # greedy requests leave the caller's generator alone
+            st.seed[s] = int(torch.randint(0, 2**62, ()).item())
         st.seen[s] = False
         st.seen[s, ids] = True
         if request.forced is not None:
@@ -120,9 +159,10 @@ class SlotRuntime:
         st.active[s] = False  # not stepped until admission is complete
         logits = prefill(self.adapter, self.cache, self.config, s, ids)[None]  # (1, V) fp32
         rows = slice(s, s + 1)
-        first = st.choose(logits, rows, request.mode)
+        live = torch.ones(1, dtype=torch.bool, device=dev)
+        first = st.choose(logits, rows, request.mode, live)
         st.positions[s] = len(request.prompt) - 1  # the last prompt token, which prefill fed
-        st.record(first, rows, torch.ones(1, dtype=torch.bool, device=dev))
+        st.record(first, rows, live)
         st.active[s] = True
         self._requests[s] = request
 
@@ -134,6 +174,14 @@ class SlotRuntime:
         self.state.active[slot] = False
         self.cache.empty_slots(slot, slot + 1)
         self._requests[slot] = None
+
+    def finish(self, slot: int) -> None:
+        """Mark ``slot`` finished (a stopping criterion of the caller's said so); it keeps its
+        outputs until released."""
+        self._check_slot(slot)
+        if self._requests[slot] is None:
+            raise ValueError(f"slot: expected a slot holding a request, got free slot {slot}")
+        self.state.done[slot] = True
 
     def release_all(self) -> None:
         for slot in self.admitted:
@@ -153,13 +201,16 @@ class SlotRuntime:
 
     def step(self) -> None:
         """Advance every live slot by one token (no host synchronization)."""
-        self.runner.run(self.step_key())
+        key = self.step_key()
+        with engine_mode():
+            self.runner.run(key)
 
     def prepare(self, bucket: int, mode: str) -> Optional[float]:
         """Compile and capture ``(bucket, mode)`` ahead of use; seconds spent, None if ready."""
         if bucket not in self.buckets:
             raise ValueError(f"bucket: expected one of {self.buckets}, got {bucket!r}")
-        return self.runner.prepare((bucket, mode))
+        with engine_mode():
+            return self.runner.prepare((bucket, mode))
 
     def finished(self, slots: Sequence[int]) -> List[bool]:
         """Whether each of ``slots`` has finished (a host sync)."""
@@ -171,6 +222,18 @@ class SlotRuntime:
         count = self.state.count.tolist()
         rows = self.state.generated[: max(slots) + 1].tolist()
         return [rows[s][: count[s]] for s in slots]
+
+    def last_tokens(self, slots: Sequence[int]) -> List[int]:
+        """The newest token of each of ``slots`` (a host sync of one column, not the outputs)."""
+        st, index = self.state, torch.tensor(list(slots), device=self.device)
+        col = (st.count[index] - 1).clamp(min=0)
+        return st.generated[index].gather(1, col[:, None])[:, 0].tolist()
+
+    def logprobs(self, slots: Sequence[int]) -> List[torch.Tensor]:
+        """Teacher mode: the log-probability of each forced token of ``slots`` so far, fp32 CPU."""
+        count = self.state.count.tolist()
+        rows = self.state.logprobs[: max(slots) + 1].cpu()
+        return [rows[s, : count[s]].clone() for s in slots]
 
     def _check_slot(self, slot) -> None:
         n = self.config.max_batch_size

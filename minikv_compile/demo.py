@@ -96,8 +96,9 @@ def run(model, tokenizer, prompt: NeedlePrompt, name: str, config: MiniKVConfig)
           + (f", selection={config.selection}" if evicts else " (nothing evicted)"))
     print(f"answer:        {answer!r}  ({out.stop_reasons[0]}, {len(out.sequences[0])} tokens)")
     print(f"correct:       {answer_is_right(answer, prompt.expected)}  (expected one of {list(prompt.expected)})")
-    print(f"KV memory:     {report.total_bytes / 2**20:.2f} MiB vs {report.fp16_bytes / 2**20:.2f} MiB fp16 "
-          f"(ratio {report.ratio:.3f})")
+    dtype = str(report.full_dtype).replace("torch.", "")
+    print(f"KV memory:     {report.total_bytes / 2**20:.2f} MiB vs {report.full_bytes / 2**20:.2f} MiB "
+          f"uncompressed {dtype} (ratio {report.ratio:.3f})")
     print(f"setup:         {setup_s:.2f} s (allocation{', compile and capture' if config.compile else ''})")
     print(f"prefill:       {out.prefill_seconds:.2f} s for {len(prompt.input_ids)} tokens")
     print(f"decode:        {out.decode_tokens_per_second:.1f} tokens/s")

@@ -1,7 +1,6 @@
 """``minikv_compile(model)``: the compiled model object users hold."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -11,14 +10,17 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
 from minikv_compile.graphs import budget
 from minikv_compile.graphs.cache import KVMemoryReport, kv_memory_report
-from minikv_compile.graphs.decode import MAX_EOS_IDS
-from minikv_compile.graphs.runtime import Request, SlotRuntime
+from minikv_compile.graphs.runtime import Request, SlotRuntime, engine_mode
 from minikv_compile.graphs.sampling import Sampling
 from minikv_compile.models import get_adapter
 
+from . import generation
 from .config import MiniKVConfig
+from .inputs import check_int, token_rows
 
 _DTYPES_CUDA = (torch.float16, torch.bfloat16)
 _DTYPES_CPU = (torch.float16, torch.bfloat16, torch.float32)
@@ -60,8 +62,9 @@ class MiniKVModel:
     layer are concatenated in place (the model's own modules then hold views into them, and
     keep working); ``unfuse_projections()`` gives every module its own weights back.
 
-    One call at a time: ``generate``, ``teacher_force`` and the slot methods hold one lock, so
-    threads sharing a model are served one after another.
+    ``generate`` and ``teacher_force`` hold one lock, so threads sharing a model are served one
+    after another. ``runtime`` (admit / release / step) is for one owner, such as a scheduler
+    loop; ``generate`` refuses to run while slots it did not admit are in use.
     """
 
     def __init__(self, model: nn.Module, config: MiniKVConfig):
@@ -86,7 +89,7 @@ class MiniKVModel:
         if a.head_dim % config.group_size:
             raise ValueError(f"group_size: expected a divisor of head_dim={a.head_dim}, got {config.group_size}")
         self._lock = threading.RLock()
-        with _engine_mode():
+        with engine_mode():
             self.runtime = SlotRuntime(a, config, device=self.device, dtype=self.dtype,
                                        compile=use_compile, cuda_graphs=use_graphs)
             if use_graphs:
@@ -96,30 +99,67 @@ class MiniKVModel:
 
     # -- public ------------------------------------------------------------------------------
 
-    def generate(self, input_ids: Prompts, attention_mask: Optional[torch.Tensor] = None,
-                 max_new_tokens: int = 256, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_token_id: Union[int, Sequence[int], None] = None,
-                 streamer: Optional[Callable[[List[Optional[int]]], None]] = None,
-                 eos_check_every: int = 8, seed: Optional[int] = None) -> GenerationOutput:
-        """Generate up to ``max_new_tokens`` tokens for each prompt.
+    def generate(self, inputs=None, generation_config=None, streamer=None,
+                 stopping_criteria=None, *, input_ids=None, attention_mask=None,
+                 seed: Optional[int] = None, eos_check_every: int = 8, **kwargs):
+        """Generate for each prompt, with HF's arguments (decoder-only greedy and sampling).
 
-        input_ids: ``(B, L)`` int64 (with ``attention_mask (B, L)`` marking real tokens, left or
-            right padding), or a list of ``B`` token-id lists of any lengths.
-        streamer: called once per generated position with one entry per sequence (the new token,
-            or ``None`` once that sequence has stopped). Streaming syncs with the host every step.
-        eos_check_every: steps between host checks of "all sequences finished" (each is a sync).
+        inputs / input_ids: ``(B, L)`` or ``(L,)`` integer ids (tensor or numpy), a list of
+            token-id lists of any lengths, or a ``BatchEncoding`` / dict from a tokenizer (also as
+            ``**tokenizer(...)``); attention_mask: 0/1 of the ids' shape (left or right padding).
+        generation_config, kwargs: HF's settings (``max_new_tokens``, ``max_length``,
+            ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+            ``repetition_penalty``, ``eos_token_id``, ``pad_token_id``,
+            ``return_dict_in_generate``); defaults from ``model.generation_config``, then HF's,
+            and the engine's ``max_new_tokens`` for the length. ``eos_token_id=[]`` turns eos off.
+        streamer: an HF streamer (``put`` the prompt, then each step's tokens, then ``end``), or
+            a callable given one list per step (each sequence's new token, None once stopped).
+        stopping_criteria: HF's (``criteria(ids (B, L + n), None) -> (B,) bool``), asked after
+            every token; each ask syncs with the host.
         seed: sampling seed of the first sequence (sequence ``i`` draws with ``seed + i``); None
-            draws seeds from torch's global generator.
+            draws from torch's global generator.
+        eos_check_every: steps between host checks of "all sequences finished".
+
+        Returns a ``GenerationOutput`` (new tokens per sequence, cut after the eos), or, with
+        ``return_dict_in_generate=False`` / ``True``, what HF returns: a ``(B, L + n)`` tensor of
+        the input and the new tokens (padded with the pad id), or HF's
+        ``GenerateDecoderOnlyOutput`` with that tensor as ``sequences``.
         """
-        prompts = self._check_prompts(input_ids, attention_mask)
-        eos = tuple(_eos_list(eos_token_id))
-        sampling = _check_sampling(do_sample, temperature, top_k, top_p)
-        self._check_new_tokens(max_new_tokens)
-        requests = [Request(p, max_new_tokens, eos, _seeded(sampling, seed, i))
-                    for i, p in enumerate(prompts)]
-        with self._lock, _engine_mode():
-            return self._run(requests, streamer, eos_check_every)
+        if inputs is not None and input_ids is not None:
+            raise ValueError("input_ids: expected the prompt once (inputs or input_ids), got both")
+        ids = input_ids if inputs is None else inputs
+        if ids is None:
+            raise ValueError("input_ids: expected token ids, got None")
+        vocab = self.adapter.vocab_size
+        plan = generation.resolve(self.model, generation_config, kwargs, vocab_size=vocab,
+                                  capacity=self.config.max_new_tokens,
+                                  input_width=_input_width(ids), seed=seed)
+        prompts = self._check_prompts(ids, attention_mask, plan.declared_pad)
+        every = check_int("eos_check_every", eos_check_every, lo=1)
+        generation.check_streamer(streamer)
+        if stopping_criteria is not None and not callable(stopping_criteria):
+            raise ValueError(f"stopping_criteria: expected a callable (HF's StoppingCriteriaList), "
+                             f"got {type(stopping_criteria).__name__}")
+        requests = [Request(p, plan.max_new_tokens, plan.eos, _seeded(plan.sampling, seed, i),
+                            min_new_tokens=plan.min_new_tokens) for i, p in enumerate(prompts)]
+        hf_streamer = streamer is not None and not callable(streamer)
+        if hf_streamer:
+            streamer.put(generation.hf_sequences(ids, prompts, [[]] * len(prompts), plan.pad))
+        stop = None
+        if stopping_criteria is not None:
+            stop = lambda outs: stopping_criteria(  # noqa: E731
+                generation.hf_sequences(ids, prompts, outs, plan.pad), None)
+        with self._lock:
+            out = self._run(requests, _stream_to(streamer, plan.pad) if hf_streamer else streamer,
+                            every, stop)
+        if hf_streamer:
+            streamer.end()
+        if plan.output == "engine":
+            return out
+        sequences = generation.hf_sequences(ids, prompts, out.sequences, plan.pad)
+        if plan.output == "tensor":
+            return sequences
+        return GenerateDecoderOnlyOutput(sequences=sequences)
 
     def teacher_force(self, input_ids: Prompts, targets: Sequence[Sequence[int]],
                       attention_mask: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
@@ -130,10 +170,13 @@ class MiniKVModel:
         and the ring are exercised exactly as in generation. Returns one (len(targets[i]),) fp32
         CPU tensor per sequence: ``log p(targets[i][j] | prompt, targets[i][:j])``.
         """
-        prompts = self._check_prompts(input_ids, attention_mask)
+        prompts = self._check_prompts(input_ids, attention_mask, None)
+        vocab = self.adapter.vocab_size
+        if isinstance(targets, (str, bytes)) or not hasattr(targets, "__len__"):
+            raise ValueError(f"targets: expected one token-id list per prompt, got {targets!r}")
         if len(targets) != len(prompts):
             raise ValueError(f"targets: expected one list per prompt ({len(prompts)}), got {len(targets)}")
-        rows = [_token_list(t, self.adapter.vocab_size, f"targets[{i}]") for i, t in enumerate(targets)]
+        rows = [token_rows([list(t)], None, vocab)[0] if len(t) else [] for t in targets]
         if any(len(t) == 0 for t in rows):
             raise ValueError("targets: expected at least one token per sequence, got an empty list")
         cap = self.config.max_new_tokens
@@ -141,17 +184,23 @@ class MiniKVModel:
             raise ValueError(f"targets: expected at most {cap} tokens per sequence (max_new_tokens), "
                              f"got {max(len(t) for t in rows)}")
         requests = [Request(p, len(t), (), Sampling(), forced=t) for p, t in zip(prompts, rows)]
-        with self._lock, _engine_mode():
-            self._run(requests, None, 1 << 30)
-            logprobs = self.runtime.state.logprobs[: len(rows)].cpu()
-        return [logprobs[i, : len(t)].clone() for i, t in enumerate(rows)]
+        with self._lock:
+            return self._run(requests, None, 1 << 30, None, logprobs=True)
 
-    def kv_memory(self, prompt_len: Optional[int] = None, new_tokens: Optional[int] = None) -> KVMemoryReport:
-        """Bytes the cache allocated, against the fp16 cache for the configured maxima."""
-        L = prompt_len or self.config.max_prompt_len
-        kept = budget.kept_per_layer(self.config, L, self.adapter.num_layers)
-        return kv_memory_report(self.runtime.cache, kept=kept, prompt_len=L,
-                                new_tokens=new_tokens or self.config.max_new_tokens)
+    def kv_memory(self, prompt_len: Optional[int] = None, new_tokens: Optional[int] = None,
+                  batch: Optional[int] = None) -> KVMemoryReport:
+        """KV bytes of ``batch`` sequences of ``prompt_len + new_tokens`` tokens (the configured
+        maxima by default) in this cache, against an uncompressed cache of the same batch and
+        lengths in the model's dtype; the whole allocation is reported beside."""
+        cfg = self.config
+        L = cfg.max_prompt_len if prompt_len is None else check_int(
+            "prompt_len", prompt_len, lo=1, hi=cfg.max_prompt_len)
+        n = cfg.max_new_tokens if new_tokens is None else check_int(
+            "new_tokens", new_tokens, lo=0, hi=cfg.max_new_tokens)
+        B = cfg.max_batch_size if batch is None else check_int(
+            "batch", batch, lo=1, hi=cfg.max_batch_size)
+        kept = budget.kept_per_layer(cfg, L, self.adapter.num_layers)
+        return kv_memory_report(self.runtime.cache, kept=kept, prompt_len=L, new_tokens=n, batch=B)
 
     def unfuse_projections(self) -> None:
         """Give the model's q/k/v and gate/up modules their own weights back (undoing the
@@ -170,11 +219,19 @@ class MiniKVModel:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _run(self, requests: List[Request], streamer, eos_check_every: int) -> GenerationOutput:
-        """Admit every request (slots 0..B-1), replay until all finished, collect, release."""
+    def _run(self, requests: List[Request], streamer, eos_check_every: int, stop,
+             logprobs: bool = False):
+        """Admit every request (slots 0..B-1), step until all finished, collect, release.
+
+        streamer: a callable given one list per step; stop: given the outputs so far, returns a
+        (B,) bool of sequences to end (HF's stopping criteria). Returns a ``GenerationOutput``,
+        or with ``logprobs`` the teacher-forced log-probabilities of each sequence."""
         rt, B = self.runtime, len(requests)
         slots = list(range(B))
-        rt.release_all()  # whatever an interrupted call left behind
+        if rt.admitted:
+            raise ValueError(f"generate: expected a runtime without requests, got slots "
+                             f"{rt.admitted} admitted through model.runtime; release them first")
+        stopped = [False] * B
         try:
             t0 = time.perf_counter()
             for slot, request in zip(slots, requests):
@@ -182,38 +239,53 @@ class MiniKVModel:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
-            finished = rt.finished(slots) if streamer is not None else None
+            watch = streamer is not None or stop is not None  # a host sync every step
+            finished = rt.finished(slots) if watch else None
             if streamer is not None:
                 streamer([out[0] for out in rt.outputs(slots)])
             last = max(r.max_new_tokens for r in requests) - 1  # steps after the first token
             steps = 0
             eos = any(r.eos_ids for r in requests)
             while steps < last:
-                if eos and steps and steps % eos_check_every == 0 and all(rt.finished(slots)):
-                    break
+                if watch:  # one sync a step anyway: look before every step
+                    if stop is not None:
+                        for slot, end in zip(slots, stop(rt.outputs(slots)).tolist()):
+                            if end and not finished[slot]:
+                                rt.finish(slot)
+                                stopped[slot] = True
+                        finished = rt.finished(slots)
+                    if all(finished):
+                        break
+                elif eos and steps % eos_check_every == 0 and all(rt.finished(slots)):
+                    break  # (at step 0 too: every sequence may have ended with its first token)
                 rt.step()
                 steps += 1
                 if streamer is not None:
-                    outs = rt.outputs(slots)
-                    streamer([None if f else out[-1] for f, out in zip(finished, outs)])
+                    new = rt.last_tokens(slots)
+                    streamer([None if f else t for f, t in zip(finished, new)])
+                if watch:
                     finished = rt.finished(slots)
-                    if all(finished):
-                        break
+            if stop is not None:  # the criteria see the last token too
+                for slot, end in zip(slots, stop(rt.outputs(slots)).tolist()):
+                    stopped[slot] = stopped[slot] or (end and not finished[slot])
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
+            if logprobs:
+                return rt.logprobs(slots)
             sequences = rt.outputs(slots)
         finally:
             rt.release_all()
-        reasons = ["eos" if seq and seq[-1] in r.eos_ids else "length"
-                   for seq, r in zip(sequences, requests)]
+        reasons = ["eos" if seq and seq[-1] in r.eos_ids else "stop" if s else "length"
+                   for seq, r, s in zip(sequences, requests, stopped)]
         bucket = next(b for b in rt.buckets if b >= B)
         return GenerationOutput(sequences=sequences, stop_reasons=reasons, prefill_seconds=t1 - t0,
                                 decode_seconds=t2 - t1, decode_steps=steps, batch_bucket=bucket)
 
-    def _check_prompts(self, input_ids, attention_mask) -> List[List[int]]:
+    def _check_prompts(self, input_ids, attention_mask, pad_token_id) -> List[List[int]]:
         cfg = self.config
-        prompts = _prompts(input_ids, attention_mask, self.adapter.vocab_size)
+        prompts = token_rows(input_ids, attention_mask, self.adapter.vocab_size,
+                             pad_token_id=pad_token_id)
         if len(prompts) > cfg.max_batch_size:
             raise ValueError(f"batch: expected at most max_batch_size={cfg.max_batch_size} prompts, "
                              f"got {len(prompts)}")
@@ -222,11 +294,6 @@ class MiniKVModel:
                 raise ValueError(f"prompt {i}: expected 1..{cfg.max_prompt_len} tokens "
                                  f"(max_prompt_len), got {len(p)}")
         return prompts
-
-    def _check_new_tokens(self, n) -> None:
-        cap = self.config.max_new_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cap:
-            raise ValueError(f"max_new_tokens: expected 1..{cap} (the configured capacity), got {n!r}")
 
 
 def minikv_compile(model: nn.Module, config: Optional[MiniKVConfig] = None) -> MiniKVModel:
@@ -257,61 +324,24 @@ def _model_device_and_dtype(model: nn.Module):
     return devices.pop(), dtypes.pop()
 
 
-def _prompts(input_ids: Prompts, attention_mask, vocab: int) -> List[List[int]]:
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids: expected a (B, L) integer tensor, got {tuple(input_ids.shape)} "
-                             f"{input_ids.dtype}")
-        rows = input_ids.tolist()
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != tuple(input_ids.shape):
-                raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)}, "
-                                 f"got {tuple(attention_mask.shape)}")
-            mask = attention_mask.bool().tolist()
-            rows = [[t for t, m in zip(r, mr) if m] for r, mr in zip(rows, mask)]
-    else:
-        if attention_mask is not None:
-            raise ValueError("attention_mask: expected None with a list of token lists, got a mask")
-        try:
-            rows = [[int(t) for t in r] for r in input_ids]
-        except TypeError as e:
-            raise ValueError(f"input_ids: expected a (B, L) tensor or a list of token-id lists ({e})")
-    if not rows:
-        raise ValueError("input_ids: expected at least one prompt, got none")
-    return [_token_list(r, vocab, f"prompt {i}") for i, r in enumerate(rows)]
+def _input_width(ids) -> int:
+    """The input length HF measures ``max_length`` against: a tensor's (padded) width, the
+    longest list."""
+    if hasattr(ids, "keys") and "input_ids" in ids:
+        ids = ids["input_ids"]
+    shape = getattr(ids, "shape", None)
+    if shape is not None and len(shape) >= 1:
+        return int(shape[-1])
+    if isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple)):
+        return max(len(r) for r in ids)
+    return len(ids) if isinstance(ids, (list, tuple)) else 0
 
 
-def _token_list(tokens, vocab: int, what: str) -> List[int]:
-    tokens = [int(t) for t in tokens]
-    bad = [t for t in tokens if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"{what}: expected token ids in [0, {vocab}), got {bad[:5]}")
-    return tokens
-
-
-def _eos_list(eos_token_id) -> List[int]:
-    if eos_token_id is None:
-        return []
-    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if len(eos) > MAX_EOS_IDS or not all(isinstance(t, int) and t >= 0 for t in eos):
-        raise ValueError(f"eos_token_id: expected up to {MAX_EOS_IDS} non-negative ints, got {eos_token_id!r}")
-    return eos
-
-
-def _check_sampling(do_sample, temperature, top_k, top_p) -> Sampling:
-    """The sampling parameters for these arguments (greedy unless ``do_sample``)."""
-    if not do_sample:
-        return Sampling()
-    if not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: expected a positive int or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p: expected a value in (0, 1], got {top_p!r}")
-    return Sampling(greedy=False, temperature=float(temperature), top_k=top_k,
-                    top_p=1.0 if top_p is None else float(top_p))
+def _stream_to(streamer, pad: Optional[int]):
+    """A step callback feeding an HF streamer each step's tokens as a (B,) tensor (the pad id,
+    or 0 without one, for sequences that have stopped, as HF does)."""
+    fill = 0 if pad is None else pad
+    return lambda tokens: streamer.put(torch.tensor([fill if t is None else t for t in tokens]))
 
 
 def _seeded(sampling: Sampling, seed: Optional[int], index: int) -> Sampling:
@@ -319,11 +349,3 @@ def _seeded(sampling: Sampling, seed: Optional[int], index: int) -> Sampling:
     if seed is None or sampling.greedy:
         return sampling
     return dataclasses.replace(sampling, seed=seed + index)
-
-
-@contextlib.contextmanager
-def _engine_mode():
-    """No autograd, and never inference mode: the engine's buffers are ordinary tensors that a
-    later call may update in place, whether or not the caller is under ``inference_mode()``."""
-    with torch.inference_mode(False), torch.no_grad():
-        yield

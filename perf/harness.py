@@ -244,7 +244,8 @@ class EngineRunner:
         times: List[float] = []
         start = time.perf_counter()
         streamer = (lambda _tokens: times.append(time.perf_counter() - start)) if stream else None
-        out = self.engine.generate(prompts, max_new_tokens=n, streamer=streamer)
+        out = self.engine.generate(prompts, max_new_tokens=n, streamer=streamer,
+                                   eos_token_id=[])  # exactly n tokens, as HFRunner
         wall = time.perf_counter() - start
         made = min(len(s) for s in out.sequences)
         if made != n:
@@ -663,6 +664,8 @@ def floor_figures(model, method: str, prompt_len: int, batch: int, generated: in
 
 
 # -- the paper's memory formula (docs/algorithm.md, KV bytes; the paper's Appendix I) ----------
+# Written as the paper writes it, apart from graphs.budget on purpose: memory-claim checks the
+# engine's own arithmetic and allocation against it.
 
 
 def paper_fp16_kv_bytes(layers: int, width: int, prompt_len: int, new_tokens: int) -> int:

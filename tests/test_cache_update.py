@@ -414,7 +414,7 @@ def test_slots_that_are_not_live_are_not_touched():
     news = [new_tokens(B, H, 32, torch.float16, torch.Generator().manual_seed(i))
             for i in range(len(tri))]
     ring_index = step_all_layers(tri, CacheLayout(tri, 2, 16), news, B, 2, 16, dead=(1,))
-    assert (ring_index[:, 1] == -1).all() and (ring_index[:, [0, 2]] >= -1).all()
+    assert (ring_index[:, 1] == -1).all()
     for layer, (bufs, was) in enumerate(zip(tri, ref)):
         for name, a, b in zip(NAMES, bufs, was):
             if a.numel():
@@ -534,7 +534,7 @@ def test_compile_fullgraph_all_layer_steps_across_flush(device):
         if i == 0:
             _, (code,) = run_and_get_code(compiled, layouts[1], news)
             # The ops mutate the caller's buffers in place (the kernels reach them through the
-            # table, and refuse copies): no clone of any buffer.
+            # layout's table): no clone of any buffer.
             assert "minikv.cache_begin_step.default(" in code and "clone" not in code
         else:
             compiled(layouts[1], news)

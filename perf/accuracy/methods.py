@@ -120,7 +120,8 @@ def kv_bytes(config: MiniKVConfig, num_layers: int, width: int, prompt_len: int,
 
 def fp16_bytes(num_layers: int, width: int, prompt_len: int, new_tokens: int) -> int:
     """The uncompressed cache of one sequence: K and V, 2 bytes per value."""
-    return 2 * num_layers * width * (prompt_len + new_tokens) * 2
+    return budget.full_kv_bytes(num_layers=num_layers, kv_width=width,
+                                tokens=prompt_len + new_tokens, batch=1, dtype_bytes=2)
 
 
 def matched_budget(target_bytes: int, base: MiniKVConfig, num_layers: int, width: int,
