@@ -8,7 +8,8 @@ own: the engine owns the cache and the attention.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch import nn
 
 from minikv_compile import ops
 
-# Decode steps of up to this many rows run ``ops.fused_linear`` (``_fused_rows``).
+# Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``).
 FUSED_MAX_ROWS = 8
 
 # What a several-row decode step hands from one launch to the next in place of an RMSNorm:
@@ -26,6 +27,39 @@ Normed = tuple[torch.Tensor, torch.Tensor]
 # The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
 # what ``ops.fused_linear`` computes in front of a projection (and ``ops.rms_norm`` on its own).
 _PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The kernels a decode step of ``rows`` rows (one bucket) runs per layer, decided once.
+
+    ``fused_linear``: each projection is one ``ops.fused_linear`` launch with the RMSNorm or
+    SiLU-gate before it and the residual add or RoPE after it (CUDA, plain RMSNorms, SiLU MLP,
+    at most ``FUSED_MAX_ROWS`` rows; measured on the H200 against inductor's kernels around
+    cuBLAS, ``perf/NOTES.md``, "Fused linear layers"); otherwise GEMMs (cuBLAS on CUDA) with
+    the norms, RoPE and gates around them (fused by inductor when compiled). ``split_norm``: at several rows (not fp16) each
+    RMSNorm is split over the launch before it (which hands on ``weight * h`` and the row sums
+    of squares) and the projection after it (which scales by 1 / RMS): no launch for the norm.
+    """
+
+    rows: int
+    fused_linear: bool
+    split_norm: bool
+
+    def kernels(self) -> List[str]:
+        """One layer's launches in order, for reading and for ``MiniKVModel.stats``."""
+        if not self.fused_linear:
+            return ["input norm, q/k/v GEMM, RoPE", "minikv::cache_write_ring",
+                    "minikv::decode_attention", "o_proj GEMM, residual",
+                    "post-attention norm, gate/up GEMM, SiLU-gate", "down GEMM, residual"]
+        first = ("fused_linear q/k/v (RoPE; input norm handed on)" if self.split_norm
+                 else "fused_linear q/k/v (input norm, RoPE)")
+        last = ("fused_linear down (+ residual, next input norm's share)" if self.split_norm
+                else "fused_linear down (+ residual)")
+        norm = "post-attention norm's share" if self.split_norm else "post-attention norm"
+        return [first, "minikv::cache_write_ring", "minikv::decode_attention",
+                f"fused_linear o_proj (+ residual, {norm})", "fused_linear gate/up (SiLU-gate)",
+                last]
 
 
 class LlamaFamilyAdapter:
@@ -60,6 +94,14 @@ class LlamaFamilyAdapter:
         # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
         # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
         self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
+
+    def decode_plan(self, rows: int, dtype: torch.dtype) -> DecodePlan:
+        """What a decode step of ``rows`` rows in ``dtype`` runs (``DecodePlan``)."""
+        fused = self.fused_decode and rows <= FUSED_MAX_ROWS
+        # fp16 keeps a separate norm: ``weight * h`` rounded before the division could overflow
+        # (a residual stream of 3e4 and a weight of 4 would).
+        return DecodePlan(rows=rows, fused_linear=fused,
+                          split_norm=fused and rows > 1 and dtype != torch.float16)
 
     def unfuse(self) -> None:
         """Undo ``_fuse_layer``: every q/k/v and gate/up module gets weights (and biases) of its
@@ -143,14 +185,14 @@ class LlamaFamilyAdapter:
 
     def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, hand_on: bool
                 ) -> tuple[torch.Tensor, Optional[Normed]]:
-        """The layer's output, and with ``hand_on`` (where ``_split_norm``) the next layer's
-        input norm share (``_norm_prologue``)."""
+        """The layer's output, and with ``hand_on`` (where the plan splits the norm) the next
+        layer's input norm share (``_norm_prologue``)."""
         block = self.layers[layer]
         if self._fused_rows(h):
             o, down = block.self_attn.o_proj, block.mlp.down_proj
             post = block.post_attention_layernorm
             w, b = self.fused[layer]["gate_up"]
-            split = _split_norm(h)
+            split = self.decode_plan(h.shape[0], h.dtype).split_norm
             if split:  # the norm split over o_proj and gate/up
                 x, *xn = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0],
                                           norm_out=post.weight)
@@ -178,13 +220,9 @@ class LlamaFamilyAdapter:
         return self.model.lm_head(self.decoder.norm(h)).float()
 
     def _fused_rows(self, h: torch.Tensor) -> bool:
-        """Whether this call runs the ``ops.fused_linear`` path: a decode step of at most
-        ``FUSED_MAX_ROWS`` rows.
-
-        Measured on the H200 (``linear_sweep_*``, each layer beside inductor's norm / gate / add
-        / RoPE kernels around cuBLAS): see ``perf/NOTES.md``, "Fused linear layers".
-        """
-        return self.fused_decode and h.shape[0] <= FUSED_MAX_ROWS and h.shape[1] == 1
+        """Whether this call runs the ``ops.fused_linear`` path: a decode step (one position)
+        whose plan says so."""
+        return h.shape[1] == 1 and self.decode_plan(h.shape[0], h.dtype).fused_linear
 
 
 def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = None
@@ -204,18 +242,10 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = 
     """
     if x.shape[0] == 1:
         return x, dict(rms_weight=norm.weight, eps=norm.variance_epsilon)
-    if normed is not None:  # only from a launch that split it (``_split_norm``)
+    if normed is not None:  # only from a launch that split it (``DecodePlan.split_norm``)
         x_scaled, sumsq = normed
         return x_scaled, dict(rms_sumsq=sumsq, eps=norm.variance_epsilon)
     return ops.rms_norm(x, norm.weight, norm.variance_epsilon), {}
-
-
-def _split_norm(h: torch.Tensor) -> bool:
-    """Whether the fused path splits the norms of these rows over the projections
-    (``_norm_prologue``): several rows, and not fp16, where ``norm.weight * h`` rounded before
-    the division could overflow (a residual stream of 3e4 and a weight of 4 would); fp16 models
-    run ``ops.rms_norm`` instead."""
-    return h.shape[0] > 1 and h.dtype != torch.float16
 
 
 def _fusable(block: nn.Module, config) -> bool:

@@ -307,6 +307,11 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert fused.finish_layer_normed(1, step, a_out)[1] is None  # the last layer
     assert not fused._fused_rows(h[0, :, None].expand(9, 1, -1))  # above FUSED_MAX_ROWS = 8
+    plans = {rows: fused.decode_plan(rows, torch.bfloat16) for rows in (1, 8, 9)}
+    assert [(p.fused_linear, p.split_norm) for p in plans.values()] == [
+        (True, False), (True, True), (False, False)]
+    assert "fused_linear q/k/v (input norm, RoPE)" in plans[1].kernels()
+    assert not plain.decode_plan(1, torch.float32).fused_linear
     # fp16 keeps ops.rms_norm: norm.weight * h, rounded before the division, could overflow.
     half = get_adapter(tiny(kind, dtype=torch.float16), 64, fuse_projections=True)
     step, a_out = h[0, 2:8, None].half(), attn[0, 2:8, None].half()

