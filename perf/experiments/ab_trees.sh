@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Engine A/B of two trees in one GPU call, alternating: each run a fresh process.
-# Usage (from the repo root, after perf/gpu_check.sh installed this tree in editable mode):
+# Usage (from the repo root, after perf/gpu_check.sh installed this tree into /tmp/mk):
 #   perf/experiments/ab_trees.sh OUTDIR OLD_TREE ROUNDS [perf args...]
 # OLD_TREE (e.g. a git-ignored `git archive` export carried to the machine) is installed into
 # /tmp/mk_old and put first on PYTHONPATH for its runs; every run starts in /tmp/run, outside
@@ -15,7 +15,7 @@ rm -rf /tmp/mk_old && pip install -q --no-deps --no-build-isolation --target /tm
 mkdir -p /tmp/run
 for i in $(seq 1 "$ROUNDS"); do
   for tree in new old; do
-    site=; [ "$tree" = old ] && site=/tmp/mk_old
+    site=/tmp/mk; [ "$tree" = old ] && site=/tmp/mk_old
     echo "== $tree $i"
     run=/tmp/ab/${tree}_$i; rm -rf "$run"
     (cd /tmp/run && PYTHONPATH=$site PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$tree \
