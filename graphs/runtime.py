@@ -9,6 +9,7 @@ while other slots are mid-generation, and none of them touches another slot.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -43,7 +44,9 @@ class Request:
     ``max_new_tokens``. eos_ids: up to 8 ids that end the sequence (the eos is kept).
     forced: teacher forcing: the tokens fed instead of chosen ones (``max_new_tokens`` of them);
     their log-probabilities are recorded. min_new_tokens: eos ids cannot be chosen before this
-    many tokens (HF's ``min_new_tokens``).
+    many tokens (HF's ``min_new_tokens``). budgets: ``(heavy_budget, recent_budget)`` of this
+    request's selection, each at most the engine's (so its kept tokens fit the capacity); None:
+    the engine's.
     """
 
     prompt: Sequence[int]
@@ -52,6 +55,7 @@ class Request:
     sampling: Sampling = Sampling()
     forced: Optional[Sequence[int]] = None
     min_new_tokens: int = 0
+    budgets: Optional[Tuple[float, float]] = None
 
     @property
     def mode(self) -> str:
@@ -123,6 +127,11 @@ class SlotRuntime:
         if len(r.eos_ids) > MAX_EOS_IDS or any(not 0 <= t < V for t in r.eos_ids):
             raise ValueError(f"request.eos_ids: expected up to {MAX_EOS_IDS} ids in [0, {V}), "
                              f"got {r.eos_ids}")
+        if r.budgets is not None:
+            limits = (cfg.heavy_budget, cfg.recent_budget)
+            if len(r.budgets) != 2 or any(not 0.0 <= b <= m for b, m in zip(r.budgets, limits)):
+                raise ValueError(f"request.budgets: expected (heavy, recent) each within the "
+                                 f"engine's {limits}, got {r.budgets}")
         if r.forced is not None and len(r.forced) < r.max_new_tokens:
             raise ValueError(f"request.forced: expected max_new_tokens={r.max_new_tokens} "
                              f"tokens, got {len(r.forced)}")
@@ -157,7 +166,9 @@ class SlotRuntime:
         st.count[s] = 0
         st.done[s] = False
         st.active[s] = False  # not stepped until admission is complete
-        logits = prefill(self.adapter, self.cache, self.config, s, ids)[None]  # (1, V) fp32
+        config = self.config if request.budgets is None else dataclasses.replace(
+            self.config, heavy_budget=request.budgets[0], recent_budget=request.budgets[1])
+        logits = prefill(self.adapter, self.cache, config, s, ids)[None]  # (1, V) fp32
         rows = slice(s, s + 1)
         live = torch.ones(1, dtype=torch.bool, device=dev)
         first = st.choose(logits, rows, request.mode, live)
@@ -222,6 +233,14 @@ class SlotRuntime:
         count = self.state.count.tolist()
         rows = self.state.generated[: max(slots) + 1].tolist()
         return [rows[s][: count[s]] for s in slots]
+
+    def poll(self, slots: Sequence[int]) -> Tuple[List[int], List[int], List[bool]]:
+        """(tokens generated, newest token, finished) of each of ``slots``: one host sync."""
+        st = self.state
+        packed = torch.stack([st.count, st.generated.gather(
+            1, (st.count - 1).clamp(min=0)[:, None])[:, 0], st.done.long()]).tolist()
+        return ([packed[0][s] for s in slots], [packed[1][s] for s in slots],
+                [bool(packed[2][s]) for s in slots])
 
     def last_tokens(self, slots: Sequence[int]) -> List[int]:
         """The newest token of each of ``slots`` (a host sync of one column, not the outputs)."""

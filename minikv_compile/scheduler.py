@@ -1,0 +1,320 @@
+"""Continuous batching: one loop owns the engine's slots; requests join and leave between steps.
+
+The loop admits waiting requests into free slots (the lowest first, so the replayed bucket stays
+small), replays one decode step for every live slot, reads each slot's new token (one host sync
+a step: the price of streaming), turns tokens into text incrementally, and ends a request the
+step it finishes (eos, a stop string, ``max_tokens``, cancellation), freeing its slot at once.
+A request that fails (bad input the checks missed, an error in its prefill) ends with an error
+of its own; the engine and every other request go on.
+
+Not yet: a long prompt's prefill runs whole between two steps (the running streams wait for it),
+and short prompts are prefilled one by one.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from minikv_compile.graphs.runtime import Request
+from minikv_compile.graphs.sampling import Sampling
+
+from .engine import MiniKVModel
+
+# Histogram bucket upper bounds (seconds) of the latency metrics.
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; try again after ``retry_after`` seconds."""
+
+    def __init__(self, depth: int, retry_after: float):
+        super().__init__(f"queue: expected fewer than {depth} waiting requests, got {depth}; "
+                         f"retry after {retry_after:.0f} s")
+        self.depth, self.retry_after = depth, retry_after
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """One completion to generate (validated by the caller: the server).
+
+    prompt_ids: the tokenized prompt (chat template already applied). max_tokens: new tokens at
+    most. stop: strings that end the completion when they appear in its text (not included).
+    eos_ids: token ids that end it (not included in the text). budgets: (heavy, recent) of this
+    request's selection, within the engine's; None for the engine's own.
+    """
+
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    stop: Tuple[str, ...] = ()
+    eos_ids: Tuple[int, ...] = ()
+    budgets: Optional[Tuple[float, float]] = None
+
+
+@dataclass
+class Delta:
+    """What a request produced since the last one: new text (never a broken character), its
+    token ids, and ``finish_reason`` on the last delta (``"stop"``, ``"length"``,
+    ``"cancelled"`` or ``"error"``; ``error`` then says why)."""
+
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, emitted only up to the last complete character.
+
+    Decodes a short window (``prefix`` .. end) each time and emits what it adds beyond the
+    window's earlier text; a decode ending in U+FFFD (half of a multi-byte character) waits.
+    """
+
+    def __init__(self, tokenizer, prompt_tail: Sequence[int] = ()):
+        self.tok = tokenizer
+        self.tokens: List[int] = list(prompt_tail)[-4:]  # context for the first tokens' spaces
+        self.prefix = 0
+        self.read = len(self.tokens)
+
+    def push(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        before = self.tok.decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tok.decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return after[len(before):]
+
+
+class Handle:
+    """A submitted request: iterate it for ``Delta`` s until one carries a finish reason."""
+
+    def __init__(self, request_id: str, request: ServeRequest):
+        self.id, self.request = request_id, request
+        self.created = time.perf_counter()
+        self.first_token_at: Optional[float] = None
+        self.prompt_tokens = len(request.prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: Optional[str] = None
+        self.cancelled = threading.Event()
+        self._deltas: "queue.Queue[Delta]" = queue.Queue()
+
+    def cancel(self) -> None:
+        """Ask the loop to end this request (its slot is freed at the next step)."""
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            delta = self._deltas.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def result(self) -> Tuple[str, str]:
+        """(the whole text, finish reason), waiting for the end."""
+        text, reason = [], None
+        for delta in self:
+            text.append(delta.text)
+            reason = delta.finish_reason if delta.error is None else f"error: {delta.error}"
+        return "".join(text), reason
+
+
+@dataclass
+class Metrics:
+    """Counters of the loop (read them through ``Scheduler.metrics``)."""
+
+    requests: Dict[str, int] = field(default_factory=lambda: collections.Counter())
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    ttft_sum: float = 0.0
+    itl: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    itl_sum: float = 0.0
+    steps: int = 0
+
+    def observe(self, hist: List[int], seconds: float) -> None:
+        hist[next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b),
+                  len(LATENCY_BUCKETS))] += 1
+
+
+class _Running:
+    """A request in a slot."""
+
+    def __init__(self, handle: Handle, tokenizer):
+        self.handle = handle
+        self.detok = IncrementalDetokenizer(tokenizer, handle.request.prompt_ids)
+        self.text = ""        # decoded so far
+        self.sent = 0         # characters of ``text`` already emitted
+        self.seen = 0         # tokens already read
+        self.last_at = handle.created
+
+
+class Scheduler:
+    """The loop that owns ``engine`` (its runtime of slots) and serves ``submit`` ted requests.
+
+    max_queue: requests waiting for a slot at most; one more raises ``QueueFull``.
+    """
+
+    def __init__(self, engine: MiniKVModel, tokenizer, *, max_queue: int = 64):
+        self.engine, self.tok, self.max_queue = engine, tokenizer, max_queue
+        self.rt = engine.runtime
+        self.metrics = Metrics()
+        self._waiting: Deque[Handle] = collections.deque()
+        self._running: Dict[int, _Running] = {}
+        self._cv = threading.Condition()
+        self._ids = itertools.count()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self.ready = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Compile and capture every bucket and mode before serving (no capture while serving)."""
+        for bucket in self.rt.buckets:
+            for mode in ("greedy", "sample"):
+                self.rt.prepare(bucket, mode)
+        self.ready = True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="minikv-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(self, request: ServeRequest) -> Handle:
+        """Queue ``request``; ``QueueFull`` (with a retry delay) past ``max_queue`` waiting."""
+        with self._cv:
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.requests["rejected"] += 1
+                raise QueueFull(self.max_queue, retry_after=max(1.0, 0.5 * len(self._waiting)))
+            handle = Handle(f"cmpl-{next(self._ids)}", request)
+            self._waiting.append(handle)
+            self._cv.notify_all()
+        return handle
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def slots_in_use(self) -> int:
+        return len(self._running)
+
+    def kv_bytes_in_use(self) -> int:
+        """KV bytes the running requests occupy (prompt + max_tokens each, by the report)."""
+        total = 0
+        for run in list(self._running.values()):
+            r = run.handle.request
+            total += self.engine.kv_memory(prompt_len=len(r.prompt_ids), new_tokens=r.max_tokens,
+                                           batch=1).total_bytes
+        return total
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._stop:
+                    break
+            self._admit_waiting()
+            if self._running:
+                self._step()
+        for slot in list(self._running):
+            self._finish(slot, "cancelled")
+        while self._waiting:
+            self._end(self._waiting.popleft(), "cancelled", None)
+
+    def _admit_waiting(self) -> None:
+        free = self.rt.free_slots()
+        while free:
+            with self._cv:
+                if not self._waiting:
+                    return
+                handle = self._waiting.popleft()
+            if handle.cancelled.is_set():
+                self._end(handle, "cancelled", None)
+                continue
+            r = handle.request
+            slot = free.pop(0)
+            try:
+                self.rt.admit(slot, Request(list(r.prompt_ids), r.max_tokens, tuple(r.eos_ids),
+                                            r.sampling, budgets=r.budgets))
+            except Exception as e:  # this request fails alone; the slot stays free
+                self._end(handle, "error", f"{type(e).__name__}: {e}")
+                free.insert(0, slot)
+                continue
+            self.metrics.prompt_tokens += handle.prompt_tokens
+            self._running[slot] = _Running(handle, self.tok)
+            self._collect([slot])  # the first token, chosen at admission
+
+    def _step(self) -> None:
+        for slot, run in list(self._running.items()):
+            if run.handle.cancelled.is_set():
+                self._finish(slot, "cancelled")
+        if not self._running:
+            return
+        self.rt.step()
+        self.metrics.steps += 1
+        self._collect(sorted(self._running))
+
+    def _collect(self, slots: List[int]) -> None:
+        counts, newest, done = self.rt.poll(slots)
+        now = time.perf_counter()
+        for slot, count, token, finished in zip(slots, counts, newest, done):
+            run = self._running[slot]
+            h, r = run.handle, run.handle.request
+            if count > run.seen:
+                run.seen = count
+                h.completion_tokens = count
+                self.metrics.completion_tokens += 1
+                if h.first_token_at is None:
+                    h.first_token_at = now
+                    self.metrics.observe(self.metrics.ttft, now - h.created)
+                    self.metrics.ttft_sum += now - h.created
+                else:
+                    self.metrics.observe(self.metrics.itl, now - run.last_at)
+                    self.metrics.itl_sum += now - run.last_at
+                run.last_at = now
+                if token not in r.eos_ids:
+                    run.text += run.detok.push(token)
+            cut = min((i for i in (run.text.find(s) for s in r.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                run.text = run.text[:cut]
+                self._finish(slot, "stop")
+            elif finished:
+                eos = count > 0 and token in r.eos_ids
+                self._finish(slot, "stop" if eos else "length")
+            else:
+                # hold back what could be the start of a stop string
+                hold = max((len(s) - 1 for s in r.stop), default=0)
+                upto = max(run.sent, len(run.text) - hold)
+                if upto > run.sent:
+                    h._deltas.put(Delta(run.text[run.sent:upto], [token]))
+                    run.sent = upto
+
+    def _finish(self, slot: int, reason: str) -> None:
+        run = self._running.pop(slot)
+        self.rt.release(slot)
+        run.handle._deltas.put(Delta(run.text[run.sent:], [], reason))
+        run.handle.finish_reason = reason
+        self.metrics.requests[reason] += 1
+
+    def _end(self, handle: Handle, reason: str, error: Optional[str]) -> None:
+        handle._deltas.put(Delta("", [], reason, error))
+        handle.finish_reason = reason
+        self.metrics.requests[reason] += 1
