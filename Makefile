@@ -16,7 +16,7 @@ $(BIN)/python:
 # `torch` requirement would pull several GB of CUDA wheels. Keep an already-installed torch.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,demo]"
+	$(BIN)/pip install -q -e ".[test,demo,serve]"
 	touch $(STAMP)
 
 setup: $(STAMP)

