@@ -117,7 +117,8 @@ class SlotState:
         nxt = torch.where(live, nxt, self.tokens[rows])
         col = torch.where(live, count, self.max_new_tokens)[:, None]
         self.generated[rows].scatter_(1, col, nxt[:, None])
-        self.seen[rows].scatter_(1, nxt[:, None], True)  # not live: re-marks its own token
+        seen = self.seen[rows]  # (a slot that is not live writes back what it held)
+        seen.scatter_(1, nxt[:, None], live[:, None] | seen.gather(1, nxt[:, None]))
         count.add_(live.long())
         self.positions[rows].add_(live.long())
         eos = (nxt[:, None] == self.eos_ids[rows]).any(dim=-1)

@@ -6,7 +6,7 @@ materializes L x L, and only the last position goes through the LM head.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Generator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +33,27 @@ class Adapter(Protocol):  # what prefill and decode need of a model (see models/
     def logits(self, h): ...
 
 
-@torch.no_grad()
 def prefill(adapter: Adapter, cache: StaticKVCache, config, slot: int, input_ids: torch.Tensor
             ) -> torch.Tensor:
     """Prefill one prompt into cache slot ``slot``; returns the last position's logits (V,) fp32.
 
     input_ids: (L,) int64 on the model's device, 1 <= L <= config.max_prompt_len.
     """
+    pieces = prefill_pieces(adapter, cache, config, slot, input_ids, adapter.num_layers)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_pieces(adapter: Adapter, cache: StaticKVCache, config, slot: int,
+                   input_ids: torch.Tensor, layers_per_piece: int
+                   ) -> Generator[None, None, torch.Tensor]:
+    """``prefill`` in pieces of ``layers_per_piece`` layers: a generator that yields after each
+    piece but the last and returns the logits, so that a scheduler can run decode steps of
+    other slots between the pieces (the slot's own counters are written layer by layer; its
+    state is set only once the whole prompt is in)."""
     L = input_ids.shape[0]
     n_layers = adapter.num_layers
     positions = torch.arange(L, device=input_ids.device)[None]
@@ -62,5 +76,7 @@ def prefill(adapter: Adapter, cache: StaticKVCache, config, slot: int, input_ids
         ops.cache_write_prefill(k_sel.contiguous(), v_sel.contiguous(), slot, lc, cache.bits,
                                 cache.group_size)
         h = adapter.finish_layer(layer, h, out.transpose(1, 2).reshape(1, L, -1))
+        if (layer + 1) % layers_per_piece == 0 and layer + 1 < n_layers:
+            yield
     return adapter.logits(h[:, -1])[0]
 

@@ -19,7 +19,7 @@ import torch
 from .cache import StaticKVCache
 from .decode import MAX_EOS_IDS, SlotState, decode_step
 from .graph_runner import GraphRunner
-from .prefill import prefill
+from .prefill import prefill_pieces
 from .sampling import Sampling
 
 @contextlib.contextmanager
@@ -88,6 +88,7 @@ class SlotRuntime:
                                   state_buffers=self.state.buffers(), active=self.state.active)
         self.buckets = _buckets(config.max_batch_size)
         self._requests: List[Optional[Request]] = [None] * config.max_batch_size
+        self._reserved: set = set()  # slots whose admission is under way (admit_in_pieces)
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class SlotRuntime:
         return [i for i, r in enumerate(self._requests) if r is not None]
 
     def free_slots(self) -> List[int]:
-        return [i for i, r in enumerate(self._requests) if r is None]
+        return [i for i, r in enumerate(self._requests) if r is None and i not in self._reserved]
 
     def admit(self, slot: int, request: Request) -> None:
         """Prefill ``request`` into free slot ``slot`` and choose its first token.
@@ -106,12 +107,38 @@ class SlotRuntime:
         (``SlotState.choose``, the request's seed at count 0) and recorded as a step records
         its token, so the slot's next replay feeds it at position ``len(prompt)``.
         """
+        for _ in self.admit_in_pieces(slot, request, self.adapter.num_layers):
+            pass
+
+    def admit_in_pieces(self, slot: int, request: Request, layers_per_piece: int):
+        """``admit`` as a generator that yields after every ``layers_per_piece`` layers of the
+        prefill, so that steps of the other slots can run in between (a 32k-token prompt's
+        prefill takes ~1.8 s on the 8B shape). The slot is reserved from the first ``next``;
+        closing the generator early gives it back empty."""
         self._check_slot(slot)
-        if self._requests[slot] is not None:
+        if self._requests[slot] is not None or slot in self._reserved:
             raise ValueError(f"slot: expected a free slot, got slot {slot}, which holds a request")
         self._check_request(request)
-        with engine_mode():
-            self._admit(slot, request)
+        if not (isinstance(layers_per_piece, int) and layers_per_piece >= 1):
+            raise ValueError(f"layers_per_piece: expected a positive int, got {layers_per_piece!r}")
+        self._reserved.add(slot)
+        done = False
+        try:
+            with engine_mode():
+                pieces = self._admit(slot, request, layers_per_piece)
+            while True:
+                with engine_mode():
+                    try:
+                        next(pieces)
+                    except StopIteration:
+                        break
+                yield
+            done = True
+        finally:
+            self._reserved.discard(slot)
+            if not done:
+                self.state.active[slot] = False
+                self.cache.empty_slots(slot, slot + 1)
 
     def _check_request(self, r: Request) -> None:
         cfg, V = self.config, self.adapter.vocab_size
@@ -136,7 +163,7 @@ class SlotRuntime:
             raise ValueError(f"request.forced: expected max_new_tokens={r.max_new_tokens} "
                              f"tokens, got {len(r.forced)}")
 
-    def _admit(self, slot: int, request: Request) -> None:
+    def _admit(self, slot: int, request: Request, layers_per_piece: int):
         modes = {r.mode for r in self._requests if r is not None} | {request.mode}
         if "teacher" in modes and len(modes) > 1:
             raise ValueError(f"request: teacher forcing runs alone, got it beside other modes "
@@ -168,7 +195,9 @@ class SlotRuntime:
         st.active[s] = False  # not stepped until admission is complete
         config = self.config if request.budgets is None else dataclasses.replace(
             self.config, heavy_budget=request.budgets[0], recent_budget=request.budgets[1])
-        logits = prefill(self.adapter, self.cache, config, s, ids)[None]  # (1, V) fp32
+        logits = yield from prefill_pieces(self.adapter, self.cache, config, s, ids,
+                                           layers_per_piece)
+        logits = logits[None]  # (1, V) fp32
         rows = slice(s, s + 1)
         live = torch.ones(1, dtype=torch.bool, device=dev)
         first = st.choose(logits, rows, request.mode, live)

@@ -1,14 +1,15 @@
 """Continuous batching: one loop owns the engine's slots; requests join and leave between steps.
 
 The loop admits waiting requests into free slots (the lowest first, so the replayed bucket stays
-small), replays one decode step for every live slot, reads each slot's new token (one host sync
+small), one prefill piece (``prefill_layers`` layers of one prompt) between two decode steps so
+that a long prompt does not freeze the running streams, replays one decode step for every live
+slot, reads each slot's new token (one host sync
 a step: the price of streaming), turns tokens into text incrementally, and ends a request the
 step it finishes (eos, a stop string, ``max_tokens``, cancellation), freeing its slot at once.
 A request that fails (bad input the checks missed, an error in its prefill) ends with an error
 of its own; the engine and every other request go on.
 
-Not yet: a long prompt's prefill runs whole between two steps (the running streams wait for it),
-and short prompts are prefilled one by one.
+Not yet: short prompts are prefilled one by one, not batched.
 """
 from __future__ import annotations
 
@@ -158,11 +159,19 @@ class Scheduler:
     """The loop that owns ``engine`` (its runtime of slots) and serves ``submit`` ted requests.
 
     max_queue: requests waiting for a slot at most; one more raises ``QueueFull``.
+    prefill_layers: layers of a prompt prefilled between two decode steps while other requests
+        run (None: an eighth of the model's layers, at least one).
     """
 
-    def __init__(self, engine: MiniKVModel, tokenizer, *, max_queue: int = 64):
+    def __init__(self, engine: MiniKVModel, tokenizer, *, max_queue: int = 64,
+                 prefill_layers: Optional[int] = None):
         self.engine, self.tok, self.max_queue = engine, tokenizer, max_queue
         self.rt = engine.runtime
+        layers = engine.adapter.num_layers
+        self.prefill_layers = max(1, layers // 8) if prefill_layers is None else prefill_layers
+        if not (isinstance(self.prefill_layers, int) and self.prefill_layers >= 1):
+            raise ValueError(f"prefill_layers: expected a positive int, got {prefill_layers!r}")
+        self._admitting: Optional[Tuple[int, Handle, Iterator[None]]] = None
         self.metrics = Metrics()
         self._waiting: Deque[Handle] = collections.deque()
         self._running: Dict[int, _Running] = {}
@@ -225,42 +234,69 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # The loop owns the engine while it runs: generate() from other threads waits.
+        with self.engine._lock:
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._running:
+                while (not self._stop and not self._waiting and not self._running
+                       and self._admitting is None):
                     self._cv.wait()
                 if self._stop:
                     break
-            self._admit_waiting()
+            self._admit_piece()
             if self._running:
                 self._step()
+        if self._admitting is not None:
+            _, handle, pieces = self._admitting
+            pieces.close()  # gives the slot back empty
+            self._end(handle, "cancelled", None)
         for slot in list(self._running):
             self._finish(slot, "cancelled")
         while self._waiting:
             self._end(self._waiting.popleft(), "cancelled", None)
 
-    def _admit_waiting(self) -> None:
-        free = self.rt.free_slots()
-        while free:
-            with self._cv:
-                if not self._waiting:
-                    return
-                handle = self._waiting.popleft()
+    def _admit_piece(self) -> None:
+        """One prefill piece of the request being admitted (a new one if none is), or, with
+        nothing running, the whole prefill: there is no stream to keep going."""
+        while True:
+            if self._admitting is None and not self._start_admission():
+                return
+            slot, handle, pieces = self._admitting
             if handle.cancelled.is_set():
+                pieces.close()
+                self._admitting = None
                 self._end(handle, "cancelled", None)
                 continue
-            r = handle.request
-            slot = free.pop(0)
             try:
-                self.rt.admit(slot, Request(list(r.prompt_ids), r.max_tokens, tuple(r.eos_ids),
-                                            r.sampling, budgets=r.budgets))
-            except Exception as e:  # this request fails alone; the slot stays free
+                next(pieces)
+                if self._running:
+                    return  # the next piece after a decode step
+                continue
+            except StopIteration:
+                self._admitting = None
+            except Exception as e:  # this request fails alone; its slot is given back empty
+                self._admitting = None
                 self._end(handle, "error", f"{type(e).__name__}: {e}")
-                free.insert(0, slot)
                 continue
             self.metrics.prompt_tokens += handle.prompt_tokens
             self._running[slot] = _Running(handle, self.tok)
             self._collect([slot])  # the first token, chosen at admission
+
+    def _start_admission(self) -> bool:
+        free = self.rt.free_slots()
+        with self._cv:
+            if not free or not self._waiting:
+                return False
+            handle = self._waiting.popleft()
+        r = handle.request
+        request = Request(list(r.prompt_ids), r.max_tokens, tuple(r.eos_ids), r.sampling,
+                          budgets=r.budgets)
+        self._admitting = (free[0], handle,
+                           self.rt.admit_in_pieces(free[0], request, self.prefill_layers))
+        return True
 
     def _step(self) -> None:
         for slot, run in list(self._running.items()):

@@ -131,3 +131,27 @@ def test_many_threads_submit_at_once(served):
     for t in threads:
         t.join(timeout=60)
     assert results == [(want, "length")] * 8
+
+
+def test_a_prompt_is_prefilled_in_pieces_between_decode_steps():
+    # Driven by hand (no loop thread): prefill_layers=1 on the 2-layer model is two pieces.
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer(), prefill_layers=1)
+    a, b = prompt_of(100, seed=1), prompt_of(120, seed=2)
+    want = [cm.generate([p], max_new_tokens=20, eos_token_id=[]).sequences[0] for p in (a, b)]
+    ha = sched.submit(ServeRequest(a, 20))
+    sched._admit_piece()            # nothing runs yet: A's whole prefill at once
+    assert list(sched._running) == [0] and sched._admitting is None
+    hb = sched.submit(ServeRequest(b, 20))
+    sched._admit_piece()            # B's first layer, then back to the running stream
+    assert sched._admitting is not None and list(sched._running) == [0]
+    assert cm.runtime.free_slots() == [2, 3]  # slot 1 is reserved for B meanwhile
+    count = ha.completion_tokens
+    sched._step()                   # A decodes while B is half prefilled
+    assert ha.completion_tokens == count + 1
+    sched._admit_piece()            # B's second layer: admitted, its first token out
+    assert sorted(sched._running) == [0, 1] and hb.completion_tokens == 1
+    while sched._running:
+        sched._step()
+    tok = CharTokenizer()
+    assert [ha.result()[0], hb.result()[0]] == [tok.decode(w) for w in want]
