@@ -1,8 +1,8 @@
 """Budget arithmetic: tokens kept per layer, the cache's capacity, and KV bytes.
 
 The one place these numbers are computed (docs/algorithm.md, "Budgets" and "KV bytes");
-prefill, allocation, ``kv_memory()`` and ``perf`` all call it. ``config`` is a ``MiniKVConfig`` (read
-only: ``heavy_budget``, ``recent_budget``, ``budget_policy``, ``pyramid_depth``,
+prefill, allocation, ``kv_memory()`` and ``perf`` all call it. ``config`` is a ``MiniKVConfig``
+(read only: ``heavy_budget``, ``recent_budget``, ``budget_policy``, ``pyramid_depth``,
 ``max_prompt_len``, ``max_new_tokens``, ``bits``, ``group_size``).
 """
 from __future__ import annotations

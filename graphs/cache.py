@@ -31,7 +31,8 @@ class StaticKVCache:
         self.layers = self.layout.layers
         self.bits, self.group_size = config.bits, config.group_size
         self.max_batch_size, self.ring = config.max_batch_size, config.residual_length
-        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
         self.empty_slots(0, self.max_batch_size)
 
     def empty_slots(self, start: int, stop: int) -> None:
@@ -145,8 +146,11 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
                                  counters=nbytes(layer.lens) // Bmax * batch,
                                  padding=(held - need) * (codes_tok + sz_tok) * batch))
     width = H * D  # d: KV width of one layer
-    full = lambda n: budget.full_kv_bytes(num_layers=len(cache.layers), kv_width=width,  # noqa: E731
-                                          tokens=prompt_len + new_tokens, batch=batch, dtype_bytes=n)
+    def full(dtype_bytes: int) -> int:
+        return budget.full_kv_bytes(num_layers=len(cache.layers), kv_width=width,
+                                    tokens=prompt_len + new_tokens, batch=batch,
+                                    dtype_bytes=dtype_bytes)
+
     # the paper's count: 16-bit values at 2 bytes, as fp16_bytes
     formula = budget.formula_kv_bytes(bits=cache.bits, group_size=G, kv_width=width, kept=kept,
                                       new_tokens=new_tokens, batch=batch)

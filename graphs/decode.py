@@ -136,7 +136,7 @@ def decode_step(adapter, cache: StaticKVCache, state: SlotState, batch: int, mod
     ring_index = ops.cache_begin_step(cache.layout, batch, live)  # (L, B)
     normed: Optional[tuple] = None  # the next input norm's share done by the launch before
     for layer, lc in enumerate(cache.layers):
-        q, k, v = a.qkv(layer, h, cos, sin, normed)           # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
+        q, k, v = a.qkv(layer, h, cos, sin, normed)  # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
         # Views into the q/k/v projection's output, read in place by both ops (a copy would be
         # one more kernel per tensor and layer).
         ops.cache_write_ring(k[:, :, 0], v[:, :, 0], lc.k_ring, lc.v_ring, ring_index[layer])

@@ -218,7 +218,8 @@ class MiniKVModel:
         return {"compiles": r.compiles, "replays": r.replays, "graphs": r.graphs,
                 "compile_seconds": dict(r.compile_seconds),
                 "capture_seconds": dict(r.capture_seconds),
-                "kernels": {b: a.decode_plan(b, self.dtype).kernels() for b in self.runtime.buckets}}
+                "kernels": {b: a.decode_plan(b, self.dtype).kernels()
+                            for b in self.runtime.buckets}}
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ class GenerationPlan:
     max_new_tokens: new tokens per sequence at most (``max_length`` is turned into it against the
     input width). min_new_tokens: eos ids are banned before this many. eos: ids that end a
     sequence (kept in its output). pad: the id that pads HF-style outputs (the configured pad
-    id, else the first eos id, as HF does); declared_pad: the configured one alone. output: ``"engine"``
+    id, else the first eos id, as HF does); declared_pad: the configured one alone. output:
+    ``"engine"``
     (``GenerationOutput``), ``"tensor"`` (HF's default: prompt + new tokens) or ``"dict"``
     (HF's ``GenerateDecoderOnlyOutput``).
     """
@@ -109,8 +110,8 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int
                         top_p=p.top_p, repetition_penalty=p.repetition_penalty, seed=p.seed)
     output = "engine"
     if "return_dict_in_generate" in set_here:
-        output = "dict" if check_bool("return_dict_in_generate", kwargs["return_dict_in_generate"]) \
-            else "tensor"
+        as_dict = check_bool("return_dict_in_generate", kwargs["return_dict_in_generate"])
+        output = "dict" if as_dict else "tensor"
     return GenerationPlan(max_new_tokens=max_new, min_new_tokens=min(min_new, max_new),
                           sampling=sampling, eos=tuple(eos),
                           pad=pad if pad is not None or not eos else eos[0], declared_pad=pad,
