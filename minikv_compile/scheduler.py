@@ -180,6 +180,7 @@ class Scheduler:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.ready = False
+        self.failure: Optional[str] = None  # why the loop stopped serving, if it failed
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -204,8 +205,11 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------
 
     def submit(self, request: ServeRequest) -> Handle:
-        """Queue ``request``; ``QueueFull`` (with a retry delay) past ``max_queue`` waiting."""
+        """Queue ``request``; ``QueueFull`` (with a retry delay) past ``max_queue`` waiting;
+        ``RuntimeError`` once the loop has failed."""
         with self._cv:
+            if self.failure is not None:
+                raise RuntimeError(f"the server failed: {self.failure}")
             if len(self._waiting) >= self.max_queue:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(self.max_queue, retry_after=max(1.0, 0.5 * len(self._waiting)))
@@ -233,10 +237,30 @@ class Scheduler:
 
     # -- the loop ------------------------------------------------------------------------------
 
+    @property
+    def serving(self) -> bool:
+        """Ready, and the loop has not failed: what a health check reports."""
+        return self.ready and self.failure is None
+
     def _loop(self) -> None:
-        # The loop owns the engine while it runs: generate() from other threads waits.
-        with self.engine._lock:
+        try:
             self._serve()
+        except Exception as e:  # a failed step: the engine's state is unknown, stop serving
+            self.failure = f"{type(e).__name__}: {e}"
+            self._fail_everything()
+
+    def _fail_everything(self) -> None:
+        """End every request with the loop's failure; new ones are refused by ``submit``."""
+        handles = [run.handle for run in self._running.values()]
+        if self._admitting is not None:
+            handles.append(self._admitting[1])
+        with self._cv:
+            handles += list(self._waiting)
+            self._waiting.clear()
+        self._running.clear()
+        self._admitting = None
+        for handle in handles:
+            self._end(handle, "error", f"the server failed: {self.failure}")
 
     def _serve(self) -> None:
         while True:
@@ -246,9 +270,12 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     break
-            self._admit_piece()
-            if self._running:
-                self._step()
+            # Each round of work holds the engine's lock: a generate() of another thread runs
+            # between rounds (it refuses to start while requests hold slots).
+            with self.engine._lock:
+                self._admit_piece()
+                if self._running:
+                    self._step()
         if self._admitting is not None:
             _, handle, pieces = self._admitting
             pieces.close()  # gives the slot back empty

@@ -419,6 +419,8 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
             raise ApiError(429, f"{e} (the server's --max-queue)", type="rate_limit_error",
                            code="rate_limit_exceeded",
                            headers={"Retry-After": str(math.ceil(e.retry_after))}) from None
+        except RuntimeError as e:  # the loop failed: nothing more is served (see /health)
+            raise ApiError(503, str(e), type="server_error") from None
 
     async def respond(request: Request, kind: str, body: Dict[str, Any],
                       prompt_ids: Callable[[], List[int]]):
@@ -465,8 +467,10 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
 
     @app.get("/health")
     async def health():
-        if scheduler.ready:
+        if scheduler.serving:
             return {"status": "ok"}
+        if scheduler.failure is not None:
+            return JSONResponse({"status": "failed", "error": scheduler.failure}, status_code=503)
         return JSONResponse({"status": "warming up"}, status_code=503,
                             headers={"Retry-After": "5"})
 

@@ -155,3 +155,25 @@ def test_a_prompt_is_prefilled_in_pieces_between_decode_steps():
         sched._step()
     tok = CharTokenizer()
     assert [ha.result()[0], hb.result()[0]] == [tok.decode(w) for w in want]
+
+
+def test_a_failing_step_ends_every_request_and_says_so():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer())
+    sched.ready = True
+
+    def broken_step():
+        raise RuntimeError("a step failed")
+
+    cm.runtime.step = broken_step
+    sched.start()
+    try:
+        handles = [sched.submit(ServeRequest(prompt_of(20, seed=i), 10)) for i in range(3)]
+        for h in handles:
+            deltas = list(h)  # ends instead of waiting forever
+            assert deltas[-1].finish_reason == "error" and "a step failed" in deltas[-1].error
+        assert not sched.serving and "a step failed" in sched.failure
+        with pytest.raises(RuntimeError, match="the server failed"):
+            sched.submit(ServeRequest(prompt_of(20), 10))
+    finally:
+        sched.shutdown()
