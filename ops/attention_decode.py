@@ -56,9 +56,10 @@ import triton
 import triton.language as tl
 
 from . import _gdc as gdc
-from ._checks import (FLOAT_DTYPES, check_choice, check_quant_params, check_tensor,
+from ._checks import (FLOAT_DTYPES, check_choice, check_tensor,
                       codes_per_word, compiled_major, sm_count as sm_count_of)
 from . import attention_decode_gluon as dag
+from .cache_layout import check_layer
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
 _LOG2E = 1.4426950408889634
@@ -820,54 +821,26 @@ _decode_attention_op.register_kernel("cuda")(_decode_attention_triton)
 
 def _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
                   bits, group_size):
-    check_choice("bits", bits, (2, 4, 16))
-    if bits != 16:
-        check_quant_params(bits, group_size)
+    """The layer against the layout contract (``cache_layout.check_layer``; views allowed: this
+    op only reads), then what the query must match: head dim, dtype, batch and GQA grouping."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     batch, h_q, d = q.shape
     check_choice("head_dim (q.shape[2])", d, _HEAD_DIMS)
-    dev, dt = q.device, q.dtype
-    check_tensor("k_ring", k_ring, ndim=4, dtypes=(dt,), device=dev, contiguous=True)
-    b_max, h_kv, ring_cap, _ = k_ring.shape
-    check_tensor("k_ring", k_ring, shape=(b_max, h_kv, ring_cap, d))
-    check_tensor("v_ring", v_ring, shape=(b_max, h_kv, ring_cap, d), dtypes=(dt,), device=dev,
-                 contiguous=True)
-    check_tensor("lens", lens, shape=(b_max, 2), dtypes=(torch.int32,), device=dev,
-                 contiguous=True)
+    check_tensor("k_ring", k_ring, ndim=4, dtypes=(q.dtype,), device=q.device)
+    b_max, h_kv, _, _, _ = check_layer((k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
+                                        k_ring, v_ring, lens), bits, group_size, whole=False)
+    check_tensor("k_ring", k_ring, shape=(b_max, h_kv, None, d))
     if not 1 <= batch <= b_max:
         raise ValueError(f"q: expected 1 <= batch (q.shape[0]) <= max_batch_size={b_max}, "
                          f"got {batch}")
     if h_q % h_kv:
         raise ValueError(f"q: expected query heads divisible by KV heads {h_kv}, got {h_q}")
-
     if bits == 16:
-        check_tensor("k_cache", k_cache, ndim=4, dtypes=(dt,), device=dev, contiguous=True)
-        capacity = k_cache.shape[2]
-        want = (b_max, h_kv, capacity, d)
-        check_tensor("k_cache", k_cache, shape=want)
-        check_tensor("v_cache", v_cache, shape=want, dtypes=(dt,), device=dev, contiguous=True)
         for name, t in (("k_scale", k_scale), ("k_zero", k_zero),
                         ("v_scale", v_scale), ("v_zero", v_zero)):
             if t.numel() != 0:
                 raise ValueError(f"{name}: expected an empty tensor when bits=16, "
                                  f"got shape {tuple(t.shape)}")
-        return
-
-    g, p = group_size, codes_per_word(bits)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(torch.int32,), device=dev, contiguous=True)
-    capacity = v_cache.shape[2]
-    if capacity % g or d % g or ring_cap % g:
-        raise ValueError(f"cache: expected capacity, head_dim and ring length divisible by "
-                         f"group_size={g}, got {capacity}, {d}, {ring_cap}")
-    check_tensor("v_cache", v_cache, shape=(b_max, h_kv, capacity, d // p))
-    check_tensor("k_cache", k_cache, shape=(b_max, h_kv, capacity // p, d), dtypes=(torch.int32,),
-                 device=dev, contiguous=True)
-    for name, t in (("k_scale", k_scale), ("k_zero", k_zero)):
-        check_tensor(name, t, shape=(b_max, h_kv, capacity // g, d), dtypes=(torch.float16,),
-                     device=dev, contiguous=True)
-    for name, t in (("v_scale", v_scale), ("v_zero", v_zero)):
-        check_tensor(name, t, shape=(b_max, h_kv, capacity, d // g), dtypes=(torch.float16,),
-                     device=dev, contiguous=True)
 
 
 def decode_attention(

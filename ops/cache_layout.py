@@ -123,8 +123,10 @@ def table_rows(layers: Sequence[Sequence[torch.Tensor]]) -> tuple:
     return tuple(tuple(t.data_ptr() for t in bufs) + (bufs[3].shape[2],) for bufs in layers)
 
 
-def check_layer(bufs: Sequence[torch.Tensor], bits: int, group_size: int):
-    """Validate one layer's buffers against the layout; return ``(Bmax, H, T_cap, R, D)``."""
+def check_layer(bufs: Sequence[torch.Tensor], bits: int, group_size: int, whole: bool = True):
+    """Validate one layer's buffers against the layout; return ``(Bmax, H, T_cap, R, D)``.
+
+    ``whole``: each buffer must be a whole allocation, not a view (ops that write it)."""
     check_choice("bits", bits, (2, 4, 16))
     check_choice("group_size", group_size, GROUP_SIZES)
     k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens = bufs
@@ -164,8 +166,9 @@ def check_layer(bufs: Sequence[torch.Tensor], bits: int, group_size: int):
         for name, t in (("v_scale", v_scale), ("v_zero", v_zero)):
             check_tensor(name, t, shape=(Bmax, H, T_cap, D // G), dtypes=(torch.float16,),
                          device=dev, contiguous=True)
-    for name, t in zip(BUFFER_NAMES, bufs):
-        check_base(name, t)
+    if whole:
+        for name, t in zip(BUFFER_NAMES, bufs):
+            check_base(name, t)
     return Bmax, H, T_cap, R, D
 
 
