@@ -271,12 +271,6 @@ class SlotRuntime:
         return ([packed[0][s] for s in slots], [packed[1][s] for s in slots],
                 [bool(packed[2][s]) for s in slots])
 
-    def last_tokens(self, slots: Sequence[int]) -> List[int]:
-        """The newest token of each of ``slots`` (a host sync of one column, not the outputs)."""
-        st, index = self.state, torch.tensor(list(slots), device=self.device)
-        col = (st.count[index] - 1).clamp(min=0)
-        return st.generated[index].gather(1, col[:, None])[:, 0].tolist()
-
     def logprobs(self, slots: Sequence[int]) -> List[torch.Tensor]:
         """Teacher mode: the log-probability of each forced token of ``slots`` so far, fp32 CPU."""
         count = self.state.count.tolist()

@@ -264,10 +264,11 @@ class MiniKVModel:
                     break  # (at step 0 too: every sequence may have ended with its first token)
                 rt.step()
                 steps += 1
-                if streamer is not None:
-                    new = rt.last_tokens(slots)
+                if streamer is not None:  # each new token and the finished flags: one read
+                    _, new, now_finished = rt.poll(slots)
                     streamer([None if f else t for f, t in zip(finished, new)])
-                if watch:
+                    finished = now_finished
+                elif watch:
                     finished = rt.finished(slots)
             if stop is not None:  # the criteria see the last token too
                 for slot, end in zip(slots, stop(rt.outputs(slots)).tolist()):
