@@ -371,13 +371,12 @@ class Scheduler:
                     run.sent = upto
 
     def _finish(self, slot: int, reason: str) -> None:
+        """End the request of ``slot`` with the text it still holds back, freeing the slot."""
         run = self._running.pop(slot)
         self.rt.release(slot)
-        run.handle._deltas.put(Delta(run.text[run.sent:], [], reason))
-        run.handle.finish_reason = reason
-        self.metrics.requests[reason] += 1
+        self._end(run.handle, reason, None, run.text[run.sent:])
 
-    def _end(self, handle: Handle, reason: str, error: Optional[str]) -> None:
-        handle._deltas.put(Delta("", [], reason, error))
+    def _end(self, handle: Handle, reason: str, error: Optional[str], text: str = "") -> None:
+        handle._deltas.put(Delta(text, [], reason, error))
         handle.finish_reason = reason
         self.metrics.requests[reason] += 1
