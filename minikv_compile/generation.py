@@ -102,12 +102,10 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int
     eos = eos_ids(merged.eos_token_id, vocab_size)
     pad = merged.pad_token_id
     pad = None if pad is None else check_int("pad_token_id", pad, lo=0, hi=vocab_size - 1)
-    p = sampling_params(do_sample=get("do_sample"), temperature=get("temperature"),
-                        top_k=get("top_k"), top_p=get("top_p"),
-                        repetition_penalty=get("repetition_penalty"), seed=seed,
-                        vocab_size=vocab_size)
-    sampling = Sampling(greedy=p.greedy, temperature=p.temperature, top_k=p.top_k,
-                        top_p=p.top_p, repetition_penalty=p.repetition_penalty, seed=p.seed)
+    sampling = sampling_params(do_sample=get("do_sample"), temperature=get("temperature"),
+                               top_k=get("top_k"), top_p=get("top_p"),
+                               repetition_penalty=get("repetition_penalty"), seed=seed,
+                               vocab_size=vocab_size)
     output = "engine"
     if "return_dict_in_generate" in set_here:
         as_dict = check_bool("return_dict_in_generate", kwargs["return_dict_in_generate"])

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from minikv_compile.graphs.sampling import Sampling
 
 __all__ = ["check_int", "check_float", "check_bool", "token_rows", "eos_ids", "SamplingParams",
            "sampling_params", "MIN_TEMPERATURE"]
@@ -349,21 +350,9 @@ def eos_ids(value: Any, vocab_size: Any, *, max_ids: int = 8) -> List[int]:
     return unique
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen, validated; the neutral value where a knob is off.
-
-    ``greedy``: argmax (``do_sample=False``); temperature, top-k and top-p are then neutral
-    (``1.0``, ``vocab_size``, ``1.0``). ``repetition_penalty`` applies in both modes (as HF).
-    ``seed``: None for the global generator.
-    """
-
-    greedy: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
-    seed: Optional[int]
+# How the next token is chosen, validated (``graphs.sampling.Sampling``): the neutral value where
+# a knob is off; ``repetition_penalty`` applies in both modes (as HF).
+SamplingParams = Sampling
 
 
 def sampling_params(*, do_sample: Any, temperature: Any, top_k: Any, top_p: Any,

@@ -227,13 +227,11 @@ def _sampling(body: Dict[str, Any], vocab_size: int) -> Sampling:
     if not greedy and temperature < MIN_TEMPERATURE:
         raise _bad("temperature", f"0 (greedy) or a number >= {MIN_TEMPERATURE}", temperature)
     try:
-        p = sampling_params(do_sample=not greedy, temperature=temperature, top_k=top_k,
-                            top_p=top_p, repetition_penalty=body.get("repetition_penalty"),
-                            seed=body.get("seed"), vocab_size=vocab_size)
+        return sampling_params(do_sample=not greedy, temperature=temperature, top_k=top_k,
+                               top_p=top_p, repetition_penalty=body.get("repetition_penalty"),
+                               seed=body.get("seed"), vocab_size=vocab_size)
     except ValueError as e:  # its message starts with the field's name
         raise ApiError(400, str(e), str(e).split(":", 1)[0]) from None
-    return Sampling(greedy=p.greedy, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                    repetition_penalty=p.repetition_penalty, seed=p.seed)
 
 
 def _stops(stop: Any) -> Tuple[str, ...]:
