@@ -58,6 +58,24 @@ def argmax_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return (best * chunk + idx.gather(1, best))[:, 0]
 
 
+def cumsum_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``x.cumsum(dim=-1)`` for ``x (B, V)`` fp32, as sums within ``chunk``-wide slices plus the
+    slices' running totals (fp32 rounding differs from one long scan in the last bits).
+
+    Compiled on CUDA, one scan over a 128k vocabulary at small B is split across programs, and
+    torch 2.11's inductor then fused the following argmax into that split scan and failed
+    ("NYI TritonSplitDimKernel reductions"); two short scans are never split.
+    """
+    B, V = x.shape
+    pad = (-V) % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    inner = x.view(B, -1, chunk).cumsum(dim=-1)                # (B, V / chunk, chunk)
+    totals = inner[..., -1]
+    before = totals.cumsum(dim=-1) - totals                     # mass of the slices before
+    return (inner + before[..., None]).view(B, -1)[:, :V]
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash of int64 values in [0, 2**32), in int64 arithmetic."""
     x = ((x >> 16) ^ x) * _MIX & _MASK32
@@ -96,8 +114,8 @@ def choose_tokens(logits: torch.Tensor, *, greedy: torch.Tensor, temperature: to
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)                     # renormalized over the top k
     # Keep a token while the mass *before* it is below top_p (so the first token always stays).
-    probs = probs.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p[:, None], 0.0)
+    probs = probs.masked_fill((cumsum_rows(probs) - probs) >= top_p[:, None], 0.0)
     noise = exponential_noise(seed, counter, order)
     noise = torch.where(greedy[:, None], torch.ones_like(noise), noise)
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)
-    return order.gather(-1, choice)[:, 0]
+    choice = argmax_rows(probs / noise)
+    return order.gather(-1, choice[:, None])[:, 0]

@@ -328,3 +328,30 @@ def test_argmax_rows_is_argmax_ties_included(V):
     ties[1, V // 2:] = 7.0                                     # a maximum spanning slices
     for x in (ties, torch.randn(3, V, generator=g)):
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("V", [101, 256, 128256])
+def test_cumsum_rows_is_cumsum(V):
+    from minikv_compile.graphs.sampling import cumsum_rows
+
+    probs = torch.rand(3, V, generator=torch.Generator().manual_seed(V)).softmax(dim=-1)
+    # Summed in another order: equal to fp32 rounding of the running total (<= 1).
+    torch.testing.assert_close(cumsum_rows(probs), probs.cumsum(dim=-1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gpu_sampling_step_compiles_and_replays_with_a_llama3_vocabulary(batch):
+    # A 128k vocabulary (Llama 3's) at small batches is where inductor splits a long scan;
+    # the sample step must compile, capture and replay there, seeded and exact at top_k=1.
+    model = tiny(dtype=torch.bfloat16, device="cuda", vocab_size=128256)
+    cm = minikv_compile(model, MiniKVConfig(max_prompt_len=64, max_new_tokens=24,
+                                            max_batch_size=4))
+    prompts = [prompt_of(40 + i, seed=i, vocab=128256) for i in range(batch)]
+    greedy = cm.generate(prompts, max_new_tokens=24).sequences
+    replays = cm.stats["replays"]
+    kw = dict(max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.9, seed=7)
+    first, again = cm.generate(prompts, **kw).sequences, cm.generate(prompts, **kw).sequences
+    assert first == again and len(first[0]) == 24
+    assert cm.generate(prompts, max_new_tokens=24, do_sample=True, top_k=1).sequences == greedy
+    assert cm.stats["replays"] - replays == 3 * 23
