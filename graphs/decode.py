@@ -126,10 +126,17 @@ class SlotState:
         self.tokens[rows].copy_(nxt)
 
 
-def decode_step(adapter, cache: StaticKVCache, state: SlotState, batch: int, mode: str) -> None:
-    """One decode step of slots ``[0, batch)``; mutates only the cache's and ``state``'s buffers."""
-    a, rows = adapter, slice(0, batch)
-    live = state.active[rows] & ~state.done[rows]
+def decode_step(adapter, cache: StaticKVCache, state: SlotState, slots: torch.Tensor,
+                mode: str) -> None:
+    """One decode step of the slots ``[0, B)`` of a bucket; mutates only the cache's and
+    ``state``'s buffers.
+
+    slots: ``state.active[:B]``. The bucket's size is read from its length, so that a compiler
+    sees it as a dimension: one compiled graph serves every bucket with the same ``DecodePlan``.
+    """
+    a, batch = adapter, slots.shape[0]
+    rows = slice(0, batch)
+    live = slots & ~state.done[rows]
     h = a.embed(state.tokens[rows, None])                      # (B, 1, hidden)
     cos, sin = a.rope(h, state.positions[rows, None])         # (B, 1, D)
     # Every layer's flushes and counters at once; each layer then only writes its new k/v.

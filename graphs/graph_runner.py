@@ -1,7 +1,7 @@
 """The one owner of the decode step's compile, CUDA-graph capture and replay.
 
-``GraphRunner`` compiles the step once per (bucket, mode), captures it into a CUDA graph after
-warm-up, replays it, and counts compiles and replays so that a test (and a benchmark) can prove
+``GraphRunner`` compiles the step (a graph per mode and set of buckets with one plan), captures
+one CUDA graph per (bucket, mode) after warm-up, replays it, and counts compiles and replays so that a test (and a benchmark) can prove
 the graphs are really replayed and nothing recompiles. Nobody else calls the step.
 
 Warm-up runs the real step on the real buffers, so it must not disturb slots that are
@@ -20,8 +20,14 @@ Key = Tuple[int, str]  # (bucket, mode)
 
 
 class GraphRunner:
-    """Runs ``step(batch, mode)``: compiled (``torch.compile(fullgraph=True)``) if ``compile``,
-    replayed from one CUDA graph per key if ``cuda_graphs``.
+    """Runs a key ``(batch, mode)`` as ``step(active[:batch], mode)``: compiled
+    (``torch.compile(fullgraph=True)``) if ``compile``, replayed from one CUDA graph per key if
+    ``cuda_graphs``.
+
+    The batch reaches the step as the length of a view, marked dynamic for ``batch >= 2``: one
+    compiled graph then serves every bucket that takes the same branches (guards), and a
+    server's start-up compiles a few graphs, not one per bucket (batch 1 is its own graph:
+    a size of 1 is always specialized).
 
     state_buffers: every tensor the step writes besides the cache (restored after warm-up).
     active: the ``(Bmax,)`` bool tensor that admits slots to the step (one of
@@ -32,13 +38,15 @@ class GraphRunner:
                  cuda_graphs: bool, state_buffers: List[torch.Tensor], active: torch.Tensor):
         self.device, self.use_graphs, self._compiled = device, cuda_graphs, compile
         self._state, self._active = state_buffers, active
-        self.compiles = 0                      # graphs torch.compile produced (all keys)
+        self.compiles = 0                      # graphs torch.compile produced (all keys together)
         self.replays = 0                       # CUDA-graph replays
         self.compile_seconds: Dict[Key, float] = {}
         self.capture_seconds: Dict[Key, float] = {}
         self._graphs: Dict[Key, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
-        self._step = (torch.compile(step, fullgraph=True, dynamic=False, backend=self._backend)
+        # dynamic=None: only what is marked (or changes between calls) is symbolic; the
+        # weights and cache buffers the step closes over keep their static shapes.
+        self._step = (torch.compile(step, fullgraph=True, dynamic=None, backend=self._backend)
                       if compile else step)
 
     @property
@@ -96,21 +104,28 @@ class GraphRunner:
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(*key)
+                self._invoke(key)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.synchronize()
         self._graphs[key] = graph
 
+    def _invoke(self, key: Key) -> None:
+        batch, mode = key
+        slots = self._active[:batch]
+        if self._compiled and batch > 1:
+            torch._dynamo.mark_dynamic(slots, 0, min=2, max=self._active.shape[0])
+        self._step(slots, mode)
+
     def _call(self, key: Key) -> None:
         if not self._compiled or key in self.compile_seconds:
-            self._step(*key)
+            self._invoke(key)
             return
         start = time.perf_counter()
-        # One compiled graph per (bucket, mode) is expected; raise the limit so that buckets do
-        # not count as runaway recompilation.
+        # A few compiled graphs per mode are expected (batch 1, and one per set of buckets with
+        # the same plan); raise the limit so that they do not count as runaway recompilation.
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
-            self._step(*key)
+            self._invoke(key)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.compile_seconds[key] = time.perf_counter() - start
