@@ -64,7 +64,7 @@ from .inputs import MIN_TEMPERATURE, check_bool, check_float, check_int, eos_ids
 from .scheduler import LATENCY_BUCKETS, Delta, Handle, QueueFull, Scheduler, ServeRequest
 from minikv_compile.graphs.sampling import Sampling
 
-__all__ = ["create_app", "main"]
+__all__ = ["create_app", "main", "run_server"]
 
 _log = logging.getLogger("minikv_compile.serve")
 
@@ -638,8 +638,6 @@ def _load(model: str, device: str, dtype: torch.dtype):
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse the flags, build the engine, listen, warm up in the background, serve."""
-    import uvicorn
-
     from .engine import minikv_compile
 
     parser = _parser()
@@ -660,7 +658,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue)
     name = args.served_model_name or args.model
     app = create_app(scheduler, tokenizer, name, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+    return run_server(app, scheduler, name, args.host, args.port)
+
+
+def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: int) -> int:
+    """Serve ``app`` (built by ``create_app`` over ``scheduler``) on ``host:port`` until SIGTERM
+    or SIGINT: listen at once, compile and capture every bucket in a background thread, then
+    start the scheduler's loop; shut the scheduler down when the server stops. Returns 1 when
+    the warm-up failed (the server then stops without ever answering ready), else 0."""
+    import uvicorn
+
+    engine = scheduler.engine
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
                                            timeout_graceful_shutdown=5))
     failed: List[BaseException] = []
 

@@ -8,6 +8,8 @@ Commands (``--help`` on each for its options; ``perf/README.md`` for what each m
     max-prompt     longest batch-1 prompt per method under a memory cap (binary search)
     prefill        prefill time and peak memory against prompt length
     memory-claim   the paper's 2.4 GB vs 0.33 GB claim, from the engine's allocated buffers
+    serve          streamed HTTP load: this engine's server vs HF continuous batching
+                   (TTFT, ITL, tokens/s against Poisson rates; serve-worker is its server)
     report         redraw markdown and plots of every report in --out, write summary.md
 
 Every command writes ``<out>/<command>.json`` and ``.md`` after each measurement, stops
@@ -198,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, ENGINE_ONLY)
     p.add_argument("--prompt-len", type=_positive_int, default=None)
     p.add_argument("--new-tokens", type=_positive_int, default=None)
+
+    from .serve_bench import add_parsers as add_serve_parsers
+
+    add_serve_parsers(sub)
 
     p = sub.add_parser("report", help="redraw markdown + plots of --out and write summary.md")
     p.add_argument("--out", required=True)
@@ -899,14 +905,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("serve", "serve-worker"):
+        from .serve_bench import main as serve_main
+
+        return serve_main(parser, args, argv)
     apply_presets(parser, args)
     if args.command == "report":
         from .report import rerender
+        from .serve_report import has_parts, rebuild
 
         out = Path(args.out)
         if not out.is_dir():
             parser.error(f"--out: expected a folder of reports, got {args.out!r}")
         found, message = rerender(out)
+        if has_parts(out):
+            found.append("serve")
+            message = message or rebuild(out)[1]
         print(f"[perf] redrew {', '.join(found) or 'no reports'}; wrote {out / 'summary.md'}", file=sys.stderr)
         if message:
             print(f"[perf] {message}", file=sys.stderr)

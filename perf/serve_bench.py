@@ -1,0 +1,718 @@
+"""``python -m minikv_compile.perf serve``: the serving benchmark.
+
+The same streamed load, over HTTP on loopback, against this engine's OpenAI-compatible server
+(``minikv``) and against HF transformers' continuous batching (``hf``), on the same model shape,
+GPU and requests. Each backend runs in a worker process of its own (``serve-worker``, started and
+stopped here, one at a time: they share the GPU); this process is only the client.
+
+Phases, per backend (``--phases``), in this order:
+
+``single``   a few requests one at a time: the batch-1 reference (its ITL p50 is the batch-1
+             decode step as a client sees it)
+``sweep``    Poisson arrivals at rising rates (doubling from twice the batch-1 rate ``1 / T1``,
+             ``T1`` a lone request's time) until p99 TTFT passes ``--ttft-limit`` or output
+             tokens/s stop growing, then ``--refine`` geometric bisections; or ``--rates``. The
+             saturation rate is the highest sustained one (p99 TTFT under the limit, refused and
+             unanswered requests counting as infinitely late)
+``half``     Poisson at half the backend's saturation rate
+``long``     the same rate with every ``--long-every``-th prompt ``--long-prompt`` tokens long
+``offline``  ``--offline-requests`` requests all sent at once
+
+Every phase leaves ``DIR/serve-parts/<model>.<backend>.<phase>.json`` (every request's figures, the
+server's own description and environment); after each, ``DIR/serve.json``, ``serve.md`` and the
+plots are rebuilt from all parts in the folder (``serve_report``), so backends and phases run in
+separate invocations (each within a 10-minute slot) merge into one report. A phase that could not
+run does not replace an earlier successful part of the same phase. ``half`` and ``long`` take the
+saturation of the same backend and model from this run's sweep or the folder's.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
+BACKENDS = ("minikv", "hf")
+PHASES = ("single", "sweep", "half", "long", "offline")
+# Shares of a backend's time left given to each phase still to run (what one does not use
+# flows to the next).
+_WEIGHTS = {"single": 1.0, "sweep": 4.0, "half": 1.5, "long": 1.5, "offline": 3.0}
+
+# "full" is the issue's load on the Llama-3.1-8B shape; "tiny" a CPU plumbing run (tests).
+PRESETS: Dict[str, Dict[str, object]] = {
+    "full": dict(model="llama3.1-8b", backends=list(BACKENDS), phases=list(PHASES),
+                 prompt_len=(1024, 16384), output_len=(128, 512), long_prompt=32768,
+                 long_every=8, max_batch_size=64, max_queue=1024, requests=64, min_requests=16,
+                 rate_seconds=60.0, max_rates=8, refine=1, drain_seconds=60.0, ttft_limit=10.0,
+                 single_requests=3, offline_requests=256, budget_seconds=510.0,
+                 startup_timeout=420.0),
+    "tiny": dict(model="tiny", backends=list(BACKENDS), phases=list(PHASES),
+                 prompt_len=(16, 64), output_len=(4, 12), long_prompt=160, long_every=3,
+                 max_batch_size=4, max_queue=64, requests=8, min_requests=6, rate_seconds=1.0,
+                 max_rates=3, refine=0, drain_seconds=10.0, ttft_limit=0.5, single_requests=2,
+                 offline_requests=12, budget_seconds=45.0, startup_timeout=90.0),
+}
+# The real SmolLM2 reads 8192 positions: prompts up to 6k, the long ones 7k (+ 512 generated).
+MODEL_PRESETS = {"smollm2-135m-real": dict(prompt_len=(1024, 6144), long_prompt=7168)}
+
+
+# -- arguments ----------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _range(text: str) -> tuple:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (positive integers), got {text!r}")
+    lo, hi = (positive_int(p.strip()) for p in parts)
+    if lo > hi:
+        raise argparse.ArgumentTypeError(f"expected MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _choices(allowed: Sequence[str]):
+    def parse(text: str) -> List[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated items from {', '.join(allowed)}, got {text!r}")
+        return [a for a in allowed if a in items]  # canonical order
+    return parse
+
+
+def _rates(text: str) -> List[float]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}")
+    return [_positive_float(t) for t in items]
+
+
+def add_parsers(sub) -> None:
+    """The ``serve`` and ``serve-worker`` subcommands."""
+    from . import serve_worker
+
+    p = sub.add_parser("serve", help="streamed HTTP load: this engine's server vs HF continuous "
+                                     "batching (TTFT, ITL, tokens/s against the offered rate)")
+    p.add_argument("--out", required=True,
+                   help="folder for serve.json / serve.md / PNG and the parts; '{gpu}' is "
+                        "replaced by the device")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny random model, a few short requests: checks the plumbing on the CPU")
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="model shape (default llama3.1-8b)")
+    p.add_argument("--backends", type=_choices(BACKENDS), default=None,
+                   help="comma-separated, from: minikv, hf (default both, one after the other)")
+    p.add_argument("--phases", type=_choices(PHASES), default=None,
+                   help=f"comma-separated, from: {', '.join(PHASES)} (default all)")
+    p.add_argument("--budget-seconds", type=_positive_float, default=None,
+                   help="wall-clock bound of the whole invocation, worker start-up included "
+                        "(default 510; split evenly between the backends)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--seed", type=_nonneg_int, default=0, help="seed of prompts and arrivals")
+    g = p.add_argument_group("workload")
+    g.add_argument("--prompt-len", type=_range, default=None, metavar="MIN,MAX",
+                   help="prompt tokens, uniform (default 1024,16384)")
+    g.add_argument("--output-len", type=_range, default=None, metavar="MIN,MAX",
+                   help="max_tokens, uniform (default 128,512)")
+    g.add_argument("--long-prompt", type=positive_int, default=None,
+                   help="tokens of the long prompts of phase 'long' (default 32768)")
+    g.add_argument("--long-every", type=positive_int, default=None,
+                   help="every K-th request of phase 'long' has the long prompt (default 8)")
+    g = p.add_argument_group("sweep and phases")
+    g.add_argument("--rates", type=_rates, default=None,
+                   help="explicit Poisson rates (req/s) instead of the adaptive sweep")
+    g.add_argument("--start-rate", type=_positive_float, default=None,
+                   help="first rate of the adaptive sweep (default 2 / T1)")
+    g.add_argument("--requests", type=positive_int, default=None,
+                   help="requests per rate at most (default 64)")
+    g.add_argument("--min-requests", type=positive_int, default=None,
+                   help="requests per rate at least (default 16)")
+    g.add_argument("--rate-seconds", type=_positive_float, default=None,
+                   help="arrival window per rate: rate x this many requests, within "
+                        "[--min-requests, --requests] (default 60)")
+    g.add_argument("--max-rates", type=positive_int, default=None,
+                   help="rates of the adaptive sweep at most, refinements included (default 8)")
+    g.add_argument("--refine", type=_nonneg_int, default=None,
+                   help="bisections between the last sustained and the first unsustained "
+                        "rate (default 1)")
+    g.add_argument("--drain-seconds", type=_positive_float, default=None,
+                   help="a run ends this long after its last arrival at most; what still runs "
+                        "is cut (default 60)")
+    g.add_argument("--ttft-limit", type=_positive_float, default=None,
+                   help="a rate is sustained while p99 TTFT stays under this (s, default 10)")
+    g.add_argument("--half-rate", type=_positive_float, default=None,
+                   help="rate of phases half and long (default half the backend's saturation)")
+    g.add_argument("--single-requests", type=positive_int, default=None,
+                   help="requests of phase single, one at a time (default 3)")
+    g.add_argument("--offline-requests", type=positive_int, default=None,
+                   help="requests of phase offline, all at once (default 256)")
+    g = p.add_argument_group("server capacity (both backends accept the same requests)")
+    g.add_argument("--max-batch-size", type=positive_int, default=None,
+                   help="minikv slots (default 64; HF batches by its own rule)")
+    g.add_argument("--max-prompt-len", type=positive_int, default=None,
+                   help="longest prompt (default: the longest the workload sends)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help="largest max_tokens (default: the output maximum)")
+    g.add_argument("--max-queue", type=positive_int, default=None,
+                   help="minikv waiting requests before 429 (default 1024)")
+    g.add_argument("--startup-timeout", type=_positive_float, default=None,
+                   help="seconds a worker may take to answer /health (default 420)")
+    serve_worker.add_parser(sub)
+
+
+def apply_presets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill every option left unset from the preset (tiny, or full with the model's own
+    lengths), then check the combination; a bad one exits 2 through ``parser.error``."""
+    preset = dict(PRESETS["tiny" if args.tiny else "full"])
+    model = args.model or preset["model"]
+    if not args.tiny:
+        preset.update(MODEL_PRESETS.get(model, {}))
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    uses_long = "long" in args.phases
+    if args.max_prompt_len is None:
+        args.max_prompt_len = max(args.prompt_len[1], args.long_prompt)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = args.output_len[1]
+    if args.prompt_len[1] > args.max_prompt_len:
+        parser.error(f"--prompt-len: expected prompts up to --max-prompt-len="
+                     f"{args.max_prompt_len}, got up to {args.prompt_len[1]}")
+    if uses_long and args.long_prompt > args.max_prompt_len:
+        parser.error(f"--long-prompt: expected at most --max-prompt-len={args.max_prompt_len}, "
+                     f"got {args.long_prompt}")
+    if args.output_len[1] > args.max_new_tokens:
+        parser.error(f"--output-len: expected outputs up to --max-new-tokens="
+                     f"{args.max_new_tokens}, got up to {args.output_len[1]}")
+    if args.min_requests > args.requests:
+        parser.error(f"--min-requests: expected at most --requests={args.requests}, "
+                     f"got {args.min_requests}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available here (use --device auto)")
+
+
+# -- the worker process -----------------------------------------------------------------------
+
+
+class WorkerFailed(Exception):
+    """A worker that exited, failed its warm-up or did not answer in time."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """``python -m minikv_compile.perf serve-worker`` for one backend, its output in ``log``."""
+
+    def __init__(self, backend: str, args, log: Path):
+        self.backend, self.log = backend, log
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "minikv_compile.perf", "serve-worker",
+                     "--backend", backend, "--model", args.model, "--port", str(self.port),
+                     "--device", args.device, "--max-batch-size", str(args.max_batch_size),
+                     "--max-prompt-len", str(args.max_prompt_len),
+                     "--max-new-tokens", str(args.max_new_tokens),
+                     "--max-queue", str(args.max_queue)]
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout: float) -> float:
+        """Start the worker and wait for ``/health`` 200; the seconds it took."""
+        import httpx
+
+        t0 = time.perf_counter()
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise WorkerFailed(f"the {self.backend} worker exited with status "
+                                   f"{self.proc.returncode}: {self.tail()}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2.0)
+                if r.status_code == 200:
+                    return time.perf_counter() - t0
+                if r.status_code == 503 and r.json().get("status") == "failed":
+                    raise WorkerFailed(f"the {self.backend} worker failed: {r.json().get('error')}")
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise WorkerFailed(f"the {self.backend} worker did not answer ready in {timeout:.0f} s: "
+                           f"{self.tail()}")
+
+    def info(self) -> Dict[str, object]:
+        import httpx
+
+        return httpx.get(self.url + "/info", timeout=30.0).json()
+
+    def busy(self) -> Optional[int]:
+        """Requests the server still holds (its /metrics gauges), None if it cannot tell."""
+        import httpx
+
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            return None
+        total = 0
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("minikv_slots_in_use", "minikv_queue_depth", "hf_requests_in_flight"):
+                total += int(float(value))
+        return total
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        end = time.perf_counter() + timeout
+        while time.perf_counter() < end:
+            if self.busy() == 0:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def tail(self, chars: int = 1500) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- a run ------------------------------------------------------------------------------------
+
+
+def _gpu_slug(device: str) -> str:
+    """The folder name ``measure.gpu_slug`` gives the worker's GPU, read through NVML so that
+    this client process never creates a CUDA context (memory the servers would not have)."""
+    if device == "cpu":
+        return "cpu"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        name = (name.decode() if isinstance(name, bytes) else name).lower().replace("nvidia", "")
+    except Exception:  # no NVML, no GPU: the worker runs on the CPU
+        return "cpu"
+    return "-".join("".join(c if c.isalnum() else " " for c in name).split()) or "gpu"
+
+
+class Bench:
+    """One invocation: the backends one after the other, each over the phases asked for."""
+
+    def __init__(self, args, argv: Sequence[str]):
+        import torch
+
+        from . import measure as M
+        from .serve_report import PartStore
+
+        self.args, self.M = args, M
+        self.out = Path(args.out.replace("{gpu}", _gpu_slug(args.device)))
+        self.store = PartStore(self.out)  # creates the folder (OSError: unwritable)
+        self.argv = ["python -m minikv_compile.perf", *argv]
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + args.budget_seconds
+        # Versions and git of this process; the GPU's own record comes from each worker.
+        self.environment = M.environment(torch.device("cpu"))
+        self.workers: List[Worker] = []
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def say(self, text: str) -> None:
+        print(f"[serve {time.perf_counter() - self.t0:.0f}/{self.args.budget_seconds:.0f}s] {text}",
+              file=sys.stderr, flush=True)
+
+    def run(self) -> None:
+        backends = self.args.backends
+        for i, backend in enumerate(backends):
+            share_end = time.perf_counter() + self.left() / (len(backends) - i)
+            self.backend(backend, share_end)
+
+    def stop_workers(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+    # -- one backend ----------------------------------------------------------------------------
+
+    def backend(self, backend: str, share_end: float) -> None:
+        a = self.args
+        log = self.out / "serve-logs" / f"{a.model}.{backend}.log"
+        worker = Worker(backend, a, log)
+        self.workers.append(worker)
+        base = {"model": a.model, "backend": backend, "argv": self.argv,
+                "environment": self.environment, "worker_argv": worker.argv,
+                "worker_log": str(log.relative_to(self.out))}
+        self.say(f"{backend}: starting the worker ({a.model}, log {log})")
+        try:
+            wait = min(a.startup_timeout, max(1.0, share_end - time.perf_counter()))
+            startup = worker.start(wait)
+            info = worker.info()
+        except WorkerFailed as e:
+            self.say(f"{backend}: {e}")
+            worker.stop()
+            for phase in a.phases:
+                self.store.save({**base, "phase": phase, "status": "error", "reason": str(e)})
+            return
+        self.say(f"{backend}: ready in {startup:.1f} s")
+        base.update(server=info, startup_s=startup)
+        try:
+            ctx = _Context(self, worker, base, info, share_end)
+            ctx.warm_up()
+            phases = list(a.phases)
+            for k, phase in enumerate(phases):
+                weights = sum(_WEIGHTS[p] for p in phases[k:])
+                now = time.perf_counter()
+                box_end = now + max(0.0, share_end - now) * _WEIGHTS[phase] / weights
+                ctx.phase(phase, box_end)
+        finally:
+            worker.stop()
+
+
+class _Context:
+    """One backend's worker during the phases: the workload, the clock, the parts."""
+
+    def __init__(self, bench: Bench, worker: Worker, base: Dict[str, object],
+                 info: Dict[str, object], share_end: float):
+        from .serve_load import Workload
+
+        a = bench.args
+        self.bench, self.a, self.worker, self.base = bench, a, worker, base
+        self.share_end = share_end
+        self.words = a.model != "smollm2-135m-real"  # synthetic text: one word per token
+        self.workload = Workload(a.prompt_len[0], a.prompt_len[1], a.output_len[0], a.output_len[1],
+                                 vocab=int(info["model"]["vocab"]), long_prompt=a.long_prompt,
+                                 long_every=a.long_every, seed=a.seed)
+        self.t1: Optional[float] = None       # a lone request's seconds (the sweep's start)
+        self.t1_from: Optional[str] = None
+        self.drain: Optional[float] = None    # the last run's seconds after its last arrival
+        self.saturation: Optional[Dict[str, object]] = None
+
+    def say(self, text: str) -> None:
+        self.bench.say(f"{self.worker.backend}: {text}")
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def run(self, specs, arrivals, deadline_s: float, label: str, rate: Optional[float]):
+        """One run: send, read, summarize; then wait until the server holds nothing."""
+        from .serve_load import drive, run_async, summarize
+
+        outcomes, start = run_async(drive(self.worker.url, specs, arrivals, deadline_s, self.words))
+        row = summarize(outcomes, start, self.a.ttft_limit, rate)
+        ends = [o._last for o in outcomes if o._last is not None]
+        if ends and arrivals:
+            self.drain = max(0.0, max(ends) - (start + max(arrivals)))
+        row["per_request"] = [o.row() for o in outcomes]
+        row["label"] = label
+        row["idle_after"] = self.worker.wait_idle()
+        self.say(f"{label}: {_line(row)}")
+        return row
+
+    def warm_up(self) -> None:
+        """Two requests alone, not reported: the longest prompt the phases send, then the
+        shortest (first-call costs, the allocator grown to a full prefill). The second also
+        stands in for a lone request's time when phase single does not run."""
+        a, w = self.a, self.workload
+        longest = a.long_prompt if "long" in a.phases else a.prompt_len[1]
+        rows = []
+        for L in (longest, a.prompt_len[0]):
+            spec = w.fixed(f"warm-up:{L}", L, a.output_len[0])
+            rows.append(self.run([spec], [0.0], max(30.0, self.share_end - time.perf_counter()),
+                                 f"warm-up L={L}", None))
+        self.base["warm_up"] = [{k: r[k] for k in ("ttft_p50_s", "e2e_p50_s", "completed")}
+                                for r in rows]
+        short = rows[-1].get("e2e_p50_s")
+        if short:  # scaled to the mean output length: decode dominates a lone request
+            mean_out = (a.output_len[0] + a.output_len[1]) / 2
+            self.t1 = short * mean_out / a.output_len[0]
+            self.t1_from = "the warm-up's short request, scaled to the mean output"
+
+    def phase(self, phase: str, box_end: float) -> None:
+        left = box_end - time.perf_counter()
+        self.say(f"phase {phase} ({left:.0f} s)")
+        part = {**self.base, "phase": phase}
+        try:
+            getattr(self, f"_{phase}")(part, box_end)
+            part.setdefault("status", "ok")
+        except _Skip as e:
+            part.update(status="skipped", reason=str(e))
+            self.say(f"phase {phase} skipped: {e}")
+        self.bench.store.save(part)
+
+    def _requests_for(self, rate: float) -> int:
+        a = self.a
+        return min(a.requests, max(a.min_requests, math.ceil(rate * a.rate_seconds)))
+
+    def _poisson(self, rate: float, n: int, stream: str, box_end: float, long: bool = False):
+        from .serve_load import poisson_arrivals
+
+        specs = self.workload.requests(n, stream, long=long)
+        arrivals = poisson_arrivals(n, rate, self.a.seed, stream)
+        deadline = min(arrivals[-1] + self.a.drain_seconds, box_end - time.perf_counter())
+        row = self.run(specs, arrivals, max(1.0, deadline), f"{stream} {rate:.3g}/s", rate)
+        row["stream"] = stream
+        row["cut_by_budget"] = (deadline < arrivals[-1] + self.a.drain_seconds
+                                and row["cut"] + row["unsent"] > 0)
+        return row
+
+    # -- the phases ---------------------------------------------------------------------------
+
+    def _single(self, part, box_end) -> None:
+        from .serve_load import percentile
+
+        a = self.a
+        specs = self.workload.requests(a.single_requests, "single")
+        rows = []
+        for spec in specs:
+            left = box_end - time.perf_counter()
+            if rows and self.t1 and left < 1.5 * self.t1:
+                break
+            rows.append(self.run([spec], [0.0], max(5.0, left), f"single #{spec.index}", None))
+        reqs = [r for row in rows for r in row["per_request"]]
+        itl = [x for r in reqs for x in r["itl_ms"]]
+        e2e = [r["e2e_s"] for r in reqs if r["e2e_s"] is not None]
+        ttft = [r["ttft_s"] for r in reqs if r["ttft_s"] is not None]
+        toks = sum(r["usage_tokens"] or r["tokens"] for r in reqs)
+        if e2e:
+            self.t1, self.t1_from = sum(e2e) / len(e2e), "single (mean end-to-end)"
+        part["runs"] = rows
+        # The step: each lone request's mean interval (last token - first) / (tokens - 1),
+        # averaged; unlike the ITL p50 it does not shrink when chunks reach the client in bursts.
+        steps = [sum(r["itl_ms"]) / len(r["itl_ms"]) for r in reqs if r["itl_ms"]]
+        part["batch1"] = {"requests": len(reqs),
+                          "completed": sum(r["status"] == "ok" for r in reqs),
+                          "ttft_p50_s": percentile(ttft, 0.5), "itl_p50_ms": percentile(itl, 0.5),
+                          "itl_p99_ms": percentile(itl, 0.99),
+                          "step_ms": sum(steps) / len(steps) if steps else None,
+                          "e2e_mean_s": self.t1 if e2e else None,
+                          "tokens_per_s": toks / sum(e2e) if e2e else None,
+                          "tokens_exact": bool(reqs) and all(
+                              r["status"] == "ok"
+                              and (r["usage_tokens"] or r["tokens"]) == r["max_tokens"]
+                              for r in reqs)}
+
+    def _start_rate(self, part) -> float:
+        a = self.a
+        if a.start_rate:
+            part["start_rate_from"] = "--start-rate"
+            return a.start_rate
+        if self.t1 is None:
+            earlier = self.bench.store.load(a.model, self.worker.backend, "single")
+            e2e = ((earlier or {}).get("batch1") or {}).get("e2e_mean_s")
+            if e2e:
+                self.t1, self.t1_from = e2e, "single (an earlier run in this folder)"
+        if self.t1 is None:
+            raise _Skip("no lone request was timed (neither phase single nor the warm-up "
+                        "completed): pass --start-rate or --rates")
+        part["start_rate_from"] = f"2 / T1, T1 = {self.t1:.3g} s from {self.t1_from}"
+        return 2.0 / self.t1
+
+    def _sweep(self, part, box_end) -> None:
+        a = self.a
+        runs: List[Dict[str, object]] = []
+        part["runs"] = runs
+        lo: Optional[float] = None   # highest sustained rate
+        hi: Optional[float] = None   # lowest unsustained rate
+        stop = None
+
+        def fits(rate: float) -> bool:
+            n = self._requests_for(rate)
+            expect = n / rate + (self.drain if self.drain is not None else 2 * (self.t1 or 1.0))
+            return expect <= box_end - time.perf_counter()
+
+        def measure(rate: float) -> Dict[str, object]:
+            nonlocal lo, hi
+            row = self._poisson(rate, self._requests_for(rate), f"sweep-{len(runs)}", box_end)
+            runs.append(row)
+            if row["sustained"] and not row["cut_by_budget"]:
+                lo = rate if lo is None else max(lo, rate)
+            elif not row["sustained"]:
+                hi = rate if hi is None else min(hi, rate)
+            return row
+
+        if a.rates:
+            for rate in a.rates:
+                if runs and not fits(rate):
+                    stop = f"time budget: rate {rate:g}/s and later not run"
+                    break
+                measure(rate)
+        else:
+            rate = self._start_rate(part)
+            previous = None
+            while len(runs) < a.max_rates:
+                if runs and not fits(rate):
+                    stop = f"time budget: the next rate ({rate:.3g}/s) would not end in time"
+                    break
+                row = measure(rate)
+                if not row["sustained"]:
+                    if lo is None:
+                        rate /= 2  # even the first rate was too much: go down
+                        continue
+                    stop = f"p99 TTFT over {a.ttft_limit:g} s at {rate:.3g}/s"
+                    break
+                before = (previous or {}).get("output_tokens_per_s")
+                after = row["output_tokens_per_s"] or 0
+                if before and after < 1.1 * before:
+                    stop = (f"output tokens/s stopped growing ({before:.4g} at "
+                            f"{previous['rate']:.3g}/s, {after:.4g} at {rate:.3g}/s)")
+                    break
+                previous, rate = row, rate * 2
+            else:
+                stop = stop or f"--max-rates {a.max_rates} reached"
+            for _ in range(a.refine):
+                if lo is None or hi is None or len(runs) >= a.max_rates + a.refine:
+                    break
+                rate = math.sqrt(lo * hi)
+                if not fits(rate):
+                    break
+                measure(rate)
+        if lo is None:
+            bound = "none sustained"
+        elif hi is not None and hi > lo:
+            bound = "between sustained and unsustained rates"
+        elif stop and stop.startswith("output tokens/s"):
+            bound = "throughput saturated"
+        else:
+            bound = "lower bound (no unsustained rate measured)"
+        self.saturation = {"rate": lo, "first_unsustained": hi, "bound": bound, "stopped": stop}
+        part["saturation"] = self.saturation
+        self.say(f"saturation {lo if lo is None else f'{lo:.3g}/s'} ({bound}; {stop})")
+
+    def _half_rate(self, part) -> float:
+        a = self.a
+        if a.half_rate:
+            part["rate_from"] = "--half-rate"
+            return a.half_rate
+        sat = self.saturation
+        source = "this run's sweep"
+        if sat is None:
+            earlier = self.bench.store.load(a.model, self.worker.backend, "sweep")
+            sat = (earlier or {}).get("saturation")
+            source = "the sweep of an earlier run in this folder"
+        if not sat or not sat.get("rate"):
+            raise _Skip("no saturation rate for this backend and model (run phase sweep first, "
+                        "or pass --half-rate)")
+        part["rate_from"] = f"half the saturation rate {sat['rate']:.4g}/s of {source}"
+        part["saturation_rate"] = sat["rate"]
+        return sat["rate"] / 2
+
+    def _half(self, part, box_end) -> None:
+        rate = self._half_rate(part)
+        part["runs"] = [self._poisson(rate, self._requests_for(rate), "half", box_end)]
+
+    def _long(self, part, box_end) -> None:
+        rate = self._half_rate(part)
+        a = self.a
+        # At least two long prompts in the run, however low the rate.
+        n = max(self._requests_for(rate), 2 * a.long_every)
+        part["runs"] = [self._poisson(rate, n, "long", box_end, long=True)]
+        part["long_prompt"], part["long_every"] = a.long_prompt, a.long_every
+
+    def _offline(self, part, box_end) -> None:
+        a = self.a
+        specs = self.workload.requests(a.offline_requests, "offline")
+        deadline = box_end - time.perf_counter()
+        if deadline < 5.0:
+            raise _Skip(f"time budget: {deadline:.0f} s left for it")
+        row = self.run(specs, [0.0] * len(specs), deadline, "offline", None)
+        row["cut_by_budget"] = row["cut"] > 0
+        part["runs"] = [row]
+
+
+class _Skip(Exception):
+    pass
+
+
+def _line(row: Dict[str, object]) -> str:
+    def f(key, fmt):
+        v = row.get(key)
+        return "–" if v is None else fmt.format(v)
+    return (f"{row['completed']}/{row['requests']} ok, {row['refused']} refused, "
+            f"{row['errors']} errors, {row['cut'] + row['unsent']} cut; TTFT p50 "
+            f"{f('ttft_p50_s', '{:.3g}')} p99 {f('ttft_p99_s', '{:.3g}')} s; ITL p50 "
+            f"{f('itl_p50_ms', '{:.3g}')} p99 {f('itl_p99_ms', '{:.3g}')} ms; "
+            f"{f('output_tokens_per_s', '{:.4g}')} tok/s"
+            + ("" if row.get("rate") is None else f"; sustained {row['sustained']}"))
+
+
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``serve`` / ``serve-worker``; bad arguments exit 2 through ``parser.error``."""
+    if args.command == "serve-worker":
+        from . import serve_worker
+
+        return serve_worker.main(args)
+    apply_presets(parser, args)
+    from .serve_report import rebuild
+
+    try:
+        bench = Bench(args, argv)
+    except OSError as e:
+        parser.error(f"--out: cannot write reports to {args.out!r} ({e.strerror or e})")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    code = 0
+    try:
+        bench.run()
+    except KeyboardInterrupt:
+        bench.say("interrupted")
+        code = 130
+    finally:
+        bench.stop_workers()
+        signal.signal(signal.SIGTERM, previous)
+        written, message = rebuild(bench.out)
+        print(f"[serve] wrote {', '.join(str(p) for p in written)}"
+              + (f"; {message}" if message else ""), file=sys.stderr)
+    return code
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
