@@ -1,12 +1,20 @@
-"""Eager prefill of one request: selective attention, persistent selection, write into a slot.
+"""Eager prefill of one or several requests: selective attention, persistent selection, write
+into their slots.
 
-docs/algorithm.md, "Prefill" to "Quantization". Runs once per request, outside any graph;
-everything here is allowed to allocate. Memory stays linear in the prompt: attention never
-materializes L x L, and only the last position goes through the LM head.
+docs/algorithm.md, "Prefill" to "Quantization". Runs once per admission, outside any graph;
+everything here is allowed to allocate. Memory stays linear in the prompts: attention never
+materializes L x L, and only each prompt's last position goes through the LM head.
+
+Several prompts are prefilled in one varlen pass: concatenated into one ``(1, N)`` sequence
+(``N = sum L_i``) for everything that works position by position (embedding, norms, the q/k/v,
+o and MLP projections, RoPE at each prompt's own positions ``0 .. L_i - 1``), so each weight is
+read once for all of them; attention, the token scores, the selection (each prompt's own ``L_i``
+and budgets) and the cache write run per prompt, on its slice. One prompt is the same pass with
+``N = L``: there is no second path.
 """
 from __future__ import annotations
 
-from typing import Generator, Protocol
+from typing import Generator, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +41,16 @@ class Adapter(Protocol):  # what prefill and decode need of a model (see models/
     def logits(self, h): ...
 
 
-def prefill(adapter: Adapter, cache: StaticKVCache, config, slot: int, input_ids: torch.Tensor
-            ) -> torch.Tensor:
-    """Prefill one prompt into cache slot ``slot``; returns the last position's logits (V,) fp32.
+def prefill(adapter: Adapter, cache: StaticKVCache, configs: Sequence, slots: Sequence[int],
+            prompts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Prefill ``prompts[i]`` into cache slot ``slots[i]``, selecting its tokens under
+    ``configs[i]`` (a ``MiniKVConfig``: its budgets and selection rule); returns the logits of
+    each prompt's last position, ``(n, V)`` fp32.
 
-    input_ids: (L,) int64 on the model's device, 1 <= L <= config.max_prompt_len.
+    prompts: n tensors ``(L_i,)`` int64 on the model's device, ``1 <= L_i <= max_prompt_len``;
+    slots: n distinct slots of the cache.
     """
-    pieces = prefill_pieces(adapter, cache, config, slot, input_ids, adapter.num_layers)
+    pieces = prefill_pieces(adapter, cache, configs, slots, prompts, adapter.num_layers)
     while True:
         try:
             next(pieces)
@@ -47,36 +58,62 @@ def prefill(adapter: Adapter, cache: StaticKVCache, config, slot: int, input_ids
             return done.value
 
 
-def prefill_pieces(adapter: Adapter, cache: StaticKVCache, config, slot: int,
-                   input_ids: torch.Tensor, layers_per_piece: int
+def prefill_pieces(adapter: Adapter, cache: StaticKVCache, configs: Sequence,
+                   slots: Sequence[int], prompts: Sequence[torch.Tensor], layers_per_piece: int
                    ) -> Generator[None, None, torch.Tensor]:
     """``prefill`` in pieces of ``layers_per_piece`` layers: a generator that yields after each
-    piece but the last and returns the logits, so that a scheduler can run decode steps of
-    other slots between the pieces (the slot's own counters are written layer by layer; its
-    state is set only once the whole prompt is in)."""
-    L = input_ids.shape[0]
+    piece but the last and returns the logits ``(n, V)`` fp32, so that a scheduler can run
+    decode steps of other slots between the pieces (the slots' counters are written layer by
+    layer; their state is set by the caller once the whole prompts are in)."""
+    if not len(configs) == len(slots) == len(prompts) >= 1:
+        raise ValueError(f"prompts: expected one config and one slot per prompt, got "
+                         f"{len(prompts)} prompts, {len(slots)} slots, {len(configs)} configs")
+    lengths = [p.shape[0] for p in prompts]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
     n_layers = adapter.num_layers
-    positions = torch.arange(L, device=input_ids.device)[None]
-    h = adapter.embed(input_ids[None])
-    cos, sin = adapter.rope(h, positions)
+    ids = torch.cat(list(prompts))[None]                   # (1, N)
+    h = adapter.embed(ids)                                 # (1, N, hidden)
+    # RoPE per prompt (each from position 0): a rope whose frequencies depend on the longest
+    # position it is given (HF's "dynamic" scaling) sees each prompt's own length, as alone.
+    rope = [adapter.rope(h[:, s: s + L], torch.arange(L, device=ids.device)[None])
+            for s, L in zip(starts, lengths)]
+    cos = torch.cat([c for c, _ in rope], dim=1)           # (1, N, D)
+    sin = torch.cat([s for _, s in rope], dim=1)
     for layer, lc in enumerate(cache.layers):
-        q, k, v = adapter.qkv(layer, h, cos, sin)          # q (1, H_q, L, D), k/v (1, H_kv, L, D)
-        n_recent, n_heavy = budget.kept_tokens(config, L, layer, n_layers)
-        if n_recent + n_heavy >= L:
-            # Nothing is evicted: no scores needed, so use the fastest exact attention there is.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=adapter.scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            k_sel, v_sel = k[0], v[0]
-        else:
-            out, cumulative = ops.selective_attention(q, k, v, scale=adapter.scale)
-            scores = token_scores(config, q, k, cumulative, adapter.scale, n_recent)
-            idx = select_tokens(scores, n_recent, n_heavy)  # (H_kv, n)
-            idx = idx[..., None].expand(-1, -1, adapter.head_dim)
-            k_sel, v_sel = k[0].gather(1, idx), v[0].gather(1, idx)
-        ops.cache_write_prefill(k_sel.contiguous(), v_sel.contiguous(), slot, lc, cache.bits,
-                                cache.group_size)
-        h = adapter.finish_layer(layer, h, out.transpose(1, 2).reshape(1, L, -1))
+        q, k, v = adapter.qkv(layer, h, cos, sin)          # q (1, H_q, N, D), k/v (1, H_kv, N, D)
+        attn = h.new_empty(1, h.shape[1], adapter.num_q_heads, adapter.head_dim)  # (1, N, H_q, D)
+        for config, slot, s, L in zip(configs, slots, starts, lengths):
+            rows = slice(s, s + L)
+            out = _attend_and_store(adapter, cache, lc, config, layer, slot,
+                                    q[:, :, rows], k[:, :, rows], v[:, :, rows])
+            attn[:, rows] = out.transpose(1, 2)            # (1, L, H_q, D)
+        h = adapter.finish_layer(layer, h, attn.view(1, h.shape[1], -1))
         if (layer + 1) % layers_per_piece == 0 and layer + 1 < n_layers:
             yield
-    return adapter.logits(h[:, -1])[0]
+    last = torch.tensor([s + L - 1 for s, L in zip(starts, lengths)], device=ids.device)
+    return adapter.logits(h[0, last])                      # (n, V)
 
+
+def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer: int, slot: int,
+                      q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One prompt's causal attention in one layer, and its kept tokens written to ``slot``.
+
+    q (1, H_q, L, D), k/v (1, H_kv, L, D), keys after RoPE (views into the pass's tensors)
+    -> the attention output (1, H_q, L, D).
+    """
+    L = q.shape[2]
+    n_recent, n_heavy = budget.kept_tokens(config, L, layer, adapter.num_layers)
+    if n_recent + n_heavy >= L:
+        # Nothing is evicted: no scores needed, so use the fastest exact attention there is.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=adapter.scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        k_sel, v_sel = k[0], v[0]
+    else:
+        out, cumulative = ops.selective_attention(q, k, v, scale=adapter.scale)
+        scores = token_scores(config, q, k, cumulative, adapter.scale, n_recent)
+        idx = select_tokens(scores, n_recent, n_heavy)     # (H_kv, n)
+        idx = idx[..., None].expand(-1, -1, adapter.head_dim)
+        k_sel, v_sel = k[0].gather(1, idx), v[0].gather(1, idx)
+    ops.cache_write_prefill(k_sel.contiguous(), v_sel.contiguous(), slot, lc, cache.bits,
+                            cache.group_size)
+    return out

@@ -2,9 +2,10 @@
 
 The runtime owns the static cache, the per-slot device state and the graph runner. ``admit``
 prefills one prompt into a free slot's region of the cache (eager) and sets only that slot's
-state; ``release`` frees it; ``step`` advances every live slot by one token with one replay of
-the smallest captured bucket that covers the admitted slots. All three run between replays
-while other slots are mid-generation, and none of them touches another slot.
+state (``admit_batch``: several prompts into several slots, in one pass); ``release`` frees
+it; ``step`` advances every live slot by one token with one replay of the smallest captured
+bucket that covers the admitted slots. All three run between replays while other slots are
+mid-generation, and none of them touches another slot.
 """
 from __future__ import annotations
 
@@ -101,31 +102,48 @@ class SlotRuntime:
         return [i for i, r in enumerate(self._requests) if r is None and i not in self._reserved]
 
     def admit(self, slot: int, request: Request) -> None:
-        """Prefill ``request`` into free slot ``slot`` and choose its first token.
-
-        Sets only that slot's state: the first token is chosen by the step's own rule
-        (``SlotState.choose``, the request's seed at count 0) and recorded as a step records
-        its token, so the slot's next replay feeds it at position ``len(prompt)``.
-        """
-        for _ in self.admit_in_pieces(slot, request, self.adapter.num_layers):
-            pass
+        """Prefill ``request`` into free slot ``slot`` and choose its first token
+        (``admit_batch`` of one request)."""
+        self.admit_batch([slot], [request])
 
     def admit_in_pieces(self, slot: int, request: Request, layers_per_piece: int):
-        """``admit`` as a generator that yields after every ``layers_per_piece`` layers of the
-        prefill, so that steps of the other slots can run in between (a 32k-token prompt's
-        prefill takes ~1.8 s on the 8B shape). The slot is reserved from the first ``next``;
-        closing the generator early gives it back empty."""
-        self._check_slot(slot)
-        if self._requests[slot] is not None or slot in self._reserved:
-            raise ValueError(f"slot: expected a free slot, got slot {slot}, which holds a request")
-        self._check_request(request)
+        """``admit`` in pieces of layers (``admit_batch_in_pieces`` of one request)."""
+        return self.admit_batch_in_pieces([slot], [request], layers_per_piece)
+
+    def admit_batch(self, slots: Sequence[int], requests: Sequence[Request]) -> None:
+        """Prefill ``requests[i]`` into free slot ``slots[i]``, all in one pass, and choose each
+        one's first token.
+
+        Sets only those slots' state: each first token is chosen by the step's own rule
+        (``SlotState.choose``, the request's seed at count 0) and recorded as a step records
+        its token, so the slot's next replay feeds it at position ``len(prompt)``. The prompts
+        share the pass's weight reads and nothing else (``graphs/prefill.py``): each slot ends
+        as its request's admission alone would leave it.
+        """
+        for _ in self.admit_batch_in_pieces(slots, requests, self.adapter.num_layers):
+            pass
+
+    def admit_batch_in_pieces(self, slots: Sequence[int], requests: Sequence[Request],
+                              layers_per_piece: int):
+        """``admit_batch`` as a generator that yields after every ``layers_per_piece`` layers of
+        the prefill, so that steps of the other slots can run in between (a 32k-token prompt's
+        prefill takes ~1.8 s on the 8B shape).
+
+        Every slot and request is checked at the first ``next``, before anything is touched
+        (``ValueError`` naming ``slots[i]`` / ``requests[i]``, or ``slot`` / ``request`` for a
+        batch of one). The slots are reserved from then on (``free_slots`` leaves them out);
+        closing the generator early, or an error in the prefill, gives every one of them back
+        empty. The requests join together, once the last layer is in.
+        """
+        self._check_batch(slots, requests)
         if not (isinstance(layers_per_piece, int) and layers_per_piece >= 1):
             raise ValueError(f"layers_per_piece: expected a positive int, got {layers_per_piece!r}")
-        self._reserved.add(slot)
+        slots, requests = list(slots), list(requests)
+        self._reserved.update(slots)
         done = False
         try:
             with engine_mode():
-                pieces = self._admit(slot, request, layers_per_piece)
+                pieces = self._admit(slots, requests, layers_per_piece)
             while True:
                 with engine_mode():
                     try:
@@ -135,40 +153,93 @@ class SlotRuntime:
                 yield
             done = True
         finally:
-            self._reserved.discard(slot)
+            self._reserved.difference_update(slots)
             if not done:
-                self.state.active[slot] = False
-                self.cache.empty_slots(slot, slot + 1)
+                for slot in slots:
+                    self.state.active[slot] = False
+                    self.cache.empty_slots(slot, slot + 1)
 
-    def _check_request(self, r: Request) -> None:
+    def _check_batch(self, slots, requests) -> None:
+        """Every check of ``admit_batch_in_pieces``, before it touches anything."""
+        for name, seq in (("slots", slots), ("requests", requests)):
+            if not isinstance(seq, (list, tuple)):
+                raise ValueError(f"{name}: expected a list, got {type(seq).__name__}")
+        if not 1 <= len(slots) == len(requests):
+            raise ValueError(f"requests: expected one request per slot, at least one, got "
+                             f"{len(requests)} requests for {len(slots)} slots")
+        one = len(requests) == 1
+        for i, (slot, request) in enumerate(zip(slots, requests)):
+            where = "slot" if one else f"slots[{i}]"
+            self._check_slot(slot, where)
+            if self._requests[slot] is not None:
+                raise ValueError(f"{where}: expected a free slot, got slot {slot}, which holds "
+                                 f"a request")
+            if slot in self._reserved:
+                raise ValueError(f"{where}: expected a free slot, got slot {slot}, which is "
+                                 f"being admitted")
+            self.check_request(request, "request" if one else f"requests[{i}]")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots: expected distinct slots, got {list(slots)}")
+        modes = {r.mode for r in self._requests if r is not None} | {r.mode for r in requests}
+        if "teacher" in modes and len(modes) > 1:
+            raise ValueError(f"request: teacher forcing runs alone, got it beside other modes "
+                             f"{sorted(modes)}")
+
+    def check_request(self, r: Request, name: str = "request") -> None:
+        """``ValueError`` if ``r`` does not fit this engine (its limits, vocabulary and
+        budgets); a scheduler checks each request this way before batching it with others."""
+        if not isinstance(r, Request):
+            raise ValueError(f"{name}: expected a Request, got {type(r).__name__}")
         cfg, V = self.config, self.adapter.vocab_size
         if not 1 <= len(r.prompt) <= cfg.max_prompt_len:
-            raise ValueError(f"request.prompt: expected 1..{cfg.max_prompt_len} tokens "
+            raise ValueError(f"{name}.prompt: expected 1..{cfg.max_prompt_len} tokens "
                              f"(max_prompt_len), got {len(r.prompt)}")
+        if any(not 0 <= t < V for t in r.prompt):
+            raise ValueError(f"{name}.prompt: expected token ids in [0, {V}), got "
+                             f"{next(t for t in r.prompt if not 0 <= t < V)}")
         if not 1 <= r.max_new_tokens <= cfg.max_new_tokens:
-            raise ValueError(f"request.max_new_tokens: expected 1..{cfg.max_new_tokens} (the "
+            raise ValueError(f"{name}.max_new_tokens: expected 1..{cfg.max_new_tokens} (the "
                              f"engine's max_new_tokens), got {r.max_new_tokens}")
         if not 0 <= r.min_new_tokens <= r.max_new_tokens:
-            raise ValueError(f"request.min_new_tokens: expected 0..{r.max_new_tokens}, "
+            raise ValueError(f"{name}.min_new_tokens: expected 0..{r.max_new_tokens}, "
                              f"got {r.min_new_tokens}")
         if len(r.eos_ids) > MAX_EOS_IDS or any(not 0 <= t < V for t in r.eos_ids):
-            raise ValueError(f"request.eos_ids: expected up to {MAX_EOS_IDS} ids in [0, {V}), "
+            raise ValueError(f"{name}.eos_ids: expected up to {MAX_EOS_IDS} ids in [0, {V}), "
                              f"got {r.eos_ids}")
         if r.budgets is not None:
             limits = (cfg.heavy_budget, cfg.recent_budget)
             if len(r.budgets) != 2 or any(not 0.0 <= b <= m for b, m in zip(r.budgets, limits)):
-                raise ValueError(f"request.budgets: expected (heavy, recent) each within the "
+                raise ValueError(f"{name}.budgets: expected (heavy, recent) each within the "
                                  f"engine's {limits}, got {r.budgets}")
         if r.forced is not None and len(r.forced) < r.max_new_tokens:
-            raise ValueError(f"request.forced: expected max_new_tokens={r.max_new_tokens} "
+            raise ValueError(f"{name}.forced: expected max_new_tokens={r.max_new_tokens} "
                              f"tokens, got {len(r.forced)}")
 
-    def _admit(self, slot: int, request: Request, layers_per_piece: int):
-        modes = {r.mode for r in self._requests if r is not None} | {request.mode}
-        if "teacher" in modes and len(modes) > 1:
-            raise ValueError(f"request: teacher forcing runs alone, got it beside other modes "
-                             f"{sorted(modes)}")
-        st, s, dev = self.state, slot, self.device
+    def _admit(self, slots: List[int], requests: List[Request], layers_per_piece: int):
+        """Set each slot's state, prefill the prompts in one pass, choose the first tokens;
+        the slots join (``active``, ``_requests``) only once all of that is done."""
+        st, dev = self.state, self.device
+        prompts, configs = [], []
+        for s, request in zip(slots, requests):
+            prompts.append(self._set_slot(s, request))
+            configs.append(self.config if request.budgets is None else dataclasses.replace(
+                self.config, heavy_budget=request.budgets[0], recent_budget=request.budgets[1]))
+        logits = yield from prefill_pieces(self.adapter, self.cache, configs, slots, prompts,
+                                           layers_per_piece)  # (n, V) fp32
+        live = torch.ones(1, dtype=torch.bool, device=dev)
+        for i, (s, request) in enumerate(zip(slots, requests)):
+            rows = slice(s, s + 1)
+            first = st.choose(logits[i: i + 1], rows, request.mode, live)
+            st.positions[s] = len(request.prompt) - 1  # the last prompt token, which prefill fed
+            st.record(first, rows, live)
+        for s, request in zip(slots, requests):
+            st.active[s] = True
+            self._requests[s] = request
+
+    def _set_slot(self, s: int, request: Request) -> torch.Tensor:
+        """Slot ``s``'s state for ``request`` (not active: not stepped until admission is
+        complete); returns its prompt ``(L,)`` int64 on the device."""
+        st, dev = self.state, self.device
         ids = torch.tensor(list(request.prompt), dtype=torch.int64, device=dev)
         st.limit[s] = request.max_new_tokens
         st.minimum[s] = request.min_new_tokens
@@ -192,19 +263,8 @@ class SlotRuntime:
             st.forced[s, : len(request.forced)] = torch.tensor(list(request.forced), device=dev)
         st.count[s] = 0
         st.done[s] = False
-        st.active[s] = False  # not stepped until admission is complete
-        config = self.config if request.budgets is None else dataclasses.replace(
-            self.config, heavy_budget=request.budgets[0], recent_budget=request.budgets[1])
-        logits = yield from prefill_pieces(self.adapter, self.cache, config, s, ids,
-                                           layers_per_piece)
-        logits = logits[None]  # (1, V) fp32
-        rows = slice(s, s + 1)
-        live = torch.ones(1, dtype=torch.bool, device=dev)
-        first = st.choose(logits, rows, request.mode, live)
-        st.positions[s] = len(request.prompt) - 1  # the last prompt token, which prefill fed
-        st.record(first, rows, live)
-        st.active[s] = True
-        self._requests[s] = request
+        st.active[s] = False
+        return ids
 
     def release(self, slot: int) -> None:
         """Free ``slot`` (its request finished or was cancelled); other slots are untouched."""
@@ -277,10 +337,10 @@ class SlotRuntime:
         rows = self.state.logprobs[: max(slots) + 1].cpu()
         return [rows[s, : count[s]].clone() for s in slots]
 
-    def _check_slot(self, slot) -> None:
+    def _check_slot(self, slot, name: str = "slot") -> None:
         n = self.config.max_batch_size
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < n:
-            raise ValueError(f"slot: expected an int in [0, {n}), got {slot!r}")
+            raise ValueError(f"{name}: expected an int in [0, {n}), got {slot!r}")
 
 
 def _buckets(max_batch: int) -> List[int]:

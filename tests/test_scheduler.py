@@ -177,3 +177,158 @@ def test_a_failing_step_ends_every_request_and_says_so():
             sched.submit(ServeRequest(prompt_of(20), 10))
     finally:
         sched.shutdown()
+
+
+# -- batched prefill ------------------------------------------------------------------------------
+
+def _spy_batches(cm):
+    """Record the prompt lengths of every admission the runtime is asked for."""
+    rt, batches = cm.runtime, []
+    real = rt.admit_batch_in_pieces
+
+    def spy(slots, requests, layers_per_piece):
+        batches.append([len(r.prompt) for r in requests])
+        return real(slots, requests, layers_per_piece)
+
+    rt.admit_batch_in_pieces = spy
+    return batches
+
+
+def _alone(cm, prompts, n):
+    """The text each prompt gets alone, as a stream ends it: without a last half character."""
+    tok = CharTokenizer()
+    return [tok.decode(cm.generate([p], max_new_tokens=n, eos_token_id=[]).sequences[0])
+            .rstrip("\ufffd") for p in prompts]
+
+
+def test_short_waiting_requests_are_prefilled_in_one_pass():
+    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 8}))
+    sched = Scheduler(cm, CharTokenizer(), prefill_batch_tokens=160)
+    lengths = [20, 33, 17, 50, 40, 12]         # 120 tokens fit, + 40 = 160 fits, + 12 does not
+    prompts = [prompt_of(n, seed=n) for n in lengths]
+    want = _alone(cm, prompts, 25)
+    batches = _spy_batches(cm)
+    handles = [sched.submit(ServeRequest(p, 25)) for p in prompts]
+    sched._admit_piece()      # nothing ran: the first five at once, then the sixth's layer 0
+    assert batches == [lengths[:5], lengths[5:]] and sched.metrics.prefills == 1
+    assert sorted(sched._running) == list(range(5)) and sched._admitting[0] == [5]
+    assert [h.completion_tokens for h in handles] == [1] * 5 + [0]  # five first tokens out
+    sched._step()
+    sched._admit_piece()      # the sixth's layer 1
+    assert sorted(sched._running) == list(range(6)) and sched.metrics.prefills == 2
+    while sched._running:
+        sched._step()
+    assert [h.result() for h in handles] == [(w, "length") for w in want]
+    assert sched.metrics.prompt_tokens == sum(lengths)
+
+
+def test_a_batch_takes_no_more_requests_than_free_slots_and_a_long_prompt_goes_alone():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))          # 4 slots
+    sched = Scheduler(cm, CharTokenizer(), prefill_batch_tokens=100)
+    batches = _spy_batches(cm)
+    lengths = [120, 10, 10, 10, 10, 10]
+    for i, n in enumerate(lengths):
+        sched.submit(ServeRequest(prompt_of(n, seed=i), 30 if i == 0 else 5))
+    sched._admit_piece()      # the 120-token prompt alone, then 3 of the short ones: slots full
+    assert batches == [[120], [10, 10, 10]] and sched.queue_depth == 2
+    while sched._running or sched.queue_depth:
+        sched._step()
+        sched._admit_piece()  # the three end together: the last two in one pass
+    assert batches == [[120], [10, 10, 10], [10, 10]]
+    assert sched.metrics.requests["length"] == 6
+
+
+def test_a_failing_batched_prefill_retries_each_request_alone(monkeypatch):
+    from minikv_compile.graphs import prefill as prefill_module
+
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer(), prefill_layers=2)  # each prefill in one piece
+    real = prefill_module._attend_and_store
+
+    def poisoned(adapter, cache, lc, config, layer, slot, q, k, v):
+        if q.shape[2] == 23:  # this prompt's prefill fails, whatever it is batched with
+            raise RuntimeError("poisoned prompt")
+        return real(adapter, cache, lc, config, layer, slot, q, k, v)
+
+    prompts = [prompt_of(n, seed=n) for n in (20, 23, 30)]
+    want = _alone(cm, [prompts[0], prompts[2]], 15)
+    batches = _spy_batches(cm)
+    monkeypatch.setattr(prefill_module, "_attend_and_store", poisoned)
+    handles = [sched.submit(ServeRequest(p, 15)) for p in prompts]
+    sched._admit_piece()
+    assert batches == [[20, 23, 30], [20], [23], [30]]
+    assert sorted(sched._running) == [0, 1] and sched.metrics.prefills == 2
+    deltas = list(handles[1])
+    assert deltas[-1].finish_reason == "error" and "poisoned prompt" in deltas[-1].error
+    while sched._running:
+        sched._step()
+    assert [handles[0].result(), handles[2].result()] == [(w, "length") for w in want]
+    assert cm.runtime.free_slots() == [0, 1, 2, 3]
+
+
+def test_bad_requests_end_alone_and_the_others_are_batched():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer(), prefill_layers=2)
+    p, q = prompt_of(40, seed=1), prompt_of(25, seed=2)
+    want = _alone(cm, [p, q], 20)
+    batches = _spy_batches(cm)
+    good = sched.submit(ServeRequest(p, 20))
+    bad = sched.submit(ServeRequest(p, 999))                   # above max_new_tokens
+    worse = sched.submit(ServeRequest(q, 10, budgets=(0.9, 0.9)))  # above the engine's budgets
+    also = sched.submit(ServeRequest(q, 20))
+    sched._admit_piece()
+    assert batches == [[40, 25]] and sorted(sched._running) == [0, 1]
+    for h, field in ((bad, "max_new_tokens"), (worse, "budgets")):
+        deltas = list(h)
+        assert deltas[-1].finish_reason == "error" and field in deltas[-1].error
+    while sched._running:
+        sched._step()
+    assert [good.result(), also.result()] == [(w, "length") for w in want]
+
+
+def test_cancelling_requests_of_a_batch_under_way():
+    # prefill_layers=1 on the 2-layer model: a batch admitted while a stream runs takes two
+    # rounds. One request of it cancelled meanwhile ends alone; all of one cancelled close it.
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer(), prefill_layers=1)
+    a, b, c = prompt_of(60, seed=1), prompt_of(30, seed=2), prompt_of(45, seed=3)
+    want = _alone(cm, [a, c], 20)
+    ha = sched.submit(ServeRequest(a, 20))
+    sched._admit_piece()                                 # A alone, at once (nothing ran)
+    hb, hc = sched.submit(ServeRequest(b, 20)), sched.submit(ServeRequest(c, 20))
+    sched._admit_piece()                                 # layer 0 of B and C
+    assert sched._admitting[0] == [1, 2] and cm.runtime.free_slots() == [3]
+    hb.cancel()
+    sched._step()
+    sched._admit_piece()                                 # layer 1: C joins, B ends
+    assert sorted(sched._running) == [0, 2] and cm.runtime.free_slots() == [1, 3]
+    assert hb.result() == ("", "cancelled") and hc.completion_tokens == 1
+    hd, he = sched.submit(ServeRequest(b, 20)), sched.submit(ServeRequest(c, 20))
+    sched._admit_piece()                                 # layer 0 of D and E
+    hd.cancel()
+    he.cancel()
+    sched._admit_piece()                                 # both cancelled: closed, slots back
+    assert sched._admitting is None and cm.runtime.free_slots() == [1, 3]
+    assert hd.result()[1] == he.result()[1] == "cancelled"
+    while sched._running:
+        sched._step()
+    assert [ha.result(), hc.result()] == [(w, "length") for w in want]
+
+
+def test_a_batch_takes_at_most_prefill_batch_requests():
+    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 8}))
+    sched = Scheduler(cm, CharTokenizer(), prefill_layers=2, prefill_batch_requests=3)
+    batches = _spy_batches(cm)
+    for i in range(7):
+        sched.submit(ServeRequest(prompt_of(10, seed=i), 5))
+    sched._admit_piece()
+    assert batches == [[10] * 3, [10] * 3, [10]] and sched.metrics.prefills == 3
+
+
+@pytest.mark.parametrize("kw", [dict(prefill_batch_tokens=0), dict(prefill_batch_requests=0),
+                                dict(prefill_batch_requests=True)])
+def test_prefill_batch_limits_must_be_positive_ints(kw):
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    name, value = next(iter(kw.items()))
+    with pytest.raises(ValueError, match=rf"{name}: expected a positive int, got {value}"):
+        Scheduler(cm, CharTokenizer(), **kw)
