@@ -459,33 +459,49 @@ class _Context:
 
     def warm_up(self) -> None:
         """Two requests alone, not reported: the longest prompt the phases send, then the
-        shortest (first-call costs, the allocator grown to a full prefill). The second also
-        stands in for a lone request's time when phase single does not run."""
+        shortest, 16 tokens each (first-call costs, the allocator grown to a full prefill).
+        They also estimate a lone request's time ``T1`` for when phase single does not run:
+        the TTFT interpolated to the mean prompt plus the mean output at the short one's step."""
         a, w = self.a, self.workload
         longest = a.long_prompt if "long" in a.phases else a.prompt_len[1]
+        tokens = min(16, a.output_len[0])
         rows = []
         for L in (longest, a.prompt_len[0]):
-            spec = w.fixed(f"warm-up:{L}", L, a.output_len[0])
+            spec = w.fixed(f"warm-up:{L}", L, tokens)
             rows.append(self.run([spec], [0.0], max(30.0, self.share_end - time.perf_counter()),
                                  f"warm-up L={L}", None))
-        self.base["warm_up"] = [{k: r[k] for k in ("ttft_p50_s", "e2e_p50_s", "completed")}
-                                for r in rows]
-        short = rows[-1].get("e2e_p50_s")
-        if short:  # scaled to the mean output length: decode dominates a lone request
-            mean_out = (a.output_len[0] + a.output_len[1]) / 2
-            self.t1 = short * mean_out / a.output_len[0]
-            self.t1_from = "the warm-up's short request, scaled to the mean output"
+        self.base["warm_up"] = [{"prompt_len": L, "max_tokens": tokens,
+                                 **{k: r[k] for k in ("ttft_p50_s", "e2e_p50_s", "completed")}}
+                                for L, r in zip((longest, a.prompt_len[0]), rows)]
+        (long_row, short_row) = rows
+        ttft_l, ttft_s = long_row.get("ttft_p50_s"), short_row.get("ttft_p50_s")
+        itl = [x for r in short_row["per_request"] for x in r["itl_ms"]]
+        if ttft_l is None or ttft_s is None or not itl:
+            return
+        mean_prompt = (a.prompt_len[0] + a.prompt_len[1]) / 2
+        span = longest - a.prompt_len[0]
+        slope = (ttft_l - ttft_s) / span if span else 0.0
+        ttft = ttft_s + slope * (mean_prompt - a.prompt_len[0])
+        mean_out = (a.output_len[0] + a.output_len[1]) / 2
+        self.t1 = max(ttft, 0.0) + (mean_out - 1) * sum(itl) / len(itl) / 1e3
+        self.t1_from = "the warm-up (TTFT at the mean prompt + the mean output at its step)"
 
     def phase(self, phase: str, box_end: float) -> None:
         left = box_end - time.perf_counter()
         self.say(f"phase {phase} ({left:.0f} s)")
         part = {**self.base, "phase": phase}
         try:
+            if self.worker.proc.poll() is not None:
+                raise WorkerFailed(f"the {self.worker.backend} worker exited with status "
+                                   f"{self.worker.proc.returncode}: {self.worker.tail()}")
             getattr(self, f"_{phase}")(part, box_end)
             part.setdefault("status", "ok")
         except _Skip as e:
             part.update(status="skipped", reason=str(e))
             self.say(f"phase {phase} skipped: {e}")
+        except WorkerFailed as e:
+            part.update(status="error", reason=str(e))
+            self.say(f"phase {phase}: {e}")
         self.bench.store.save(part)
 
     def _requests_for(self, rate: float) -> int:

@@ -141,6 +141,7 @@ class Outcome:
     # absolute perf_counter times, for the run's window (not written to the report)
     _sent: Optional[float] = field(default=None, repr=False)
     _last: Optional[float] = field(default=None, repr=False)
+    _times: List[float] = field(default_factory=list, repr=False)  # one per token counted
 
     def record(self, now: float, count: int) -> None:
         """A chunk of ``count`` tokens arrived at ``now``."""
@@ -153,6 +154,7 @@ class Outcome:
         self.tokens += count
         self.chunks += 1
         self._last = now
+        self._times.extend([now] * count)
 
     @property
     def output_tokens(self) -> int:
@@ -275,7 +277,9 @@ def summarize(outcomes: Sequence[Outcome], start: float, ttft_limit_s: float,
     late: None when the p99 falls on one. ``sustained``: that p99 under ``ttft_limit_s``. ITL
     percentiles pool every token's interval of every request. Throughput is over the run's window,
     from the first request sent to the last token received: output tokens (all requests,
-    finished or not) and completed requests per second.
+    finished or not) and completed requests per second; ``output_tokens_per_s_late`` counts
+    only the tokens of the window's second half (for a run sent all at once, the steady state
+    after the first prefills).
     """
     n = len(outcomes)
     by = {s: sum(o.status == s for o in outcomes)
@@ -287,6 +291,10 @@ def summarize(outcomes: Sequence[Outcome], start: float, ttft_limit_s: float,
     sent = [o._sent for o in outcomes if o._sent is not None]
     ends = [o._last for o in outcomes if o._last is not None]
     window = (max(ends) - min(sent)) if sent and ends else None
+    late = None
+    if window:  # the second half of the window: the steady state of a long offline run
+        mid = min(sent) + window / 2
+        late = sum(t >= mid for o in outcomes for t in o._times) / (window / 2)
     tokens = sum(o.output_tokens for o in outcomes)
     ok = [o for o in outcomes if o.status == "ok"]
     span = max(o.arrival_s for o in outcomes) if outcomes else 0.0
@@ -309,6 +317,7 @@ def summarize(outcomes: Sequence[Outcome], start: float, ttft_limit_s: float,
         "e2e_mean_s": statistics.fmean([o.e2e_s for o in ok]) if ok else None,
         "output_tokens": tokens, "window_s": window,
         "output_tokens_per_s": tokens / window if window else None,
+        "output_tokens_per_s_late": late,
         "requests_per_s": len(ok) / window if window else None,
         "tokens_exact": exact and bool(ok),
         "merged_tokens": sum(max(0, (o.usage_tokens or 0) - o.tokens) for o in outcomes),

@@ -25,7 +25,7 @@ from minikv_compile.perf.__main__ import main  # noqa: E402
 from minikv_compile.perf.serve_bench import BACKENDS, PHASES, PRESETS  # noqa: E402
 from minikv_compile.perf.serve_load import (Outcome, Workload, percentile,  # noqa: E402
                                             poisson_arrivals)
-from minikv_compile.perf.serve_report import SCHEMA, PartStore  # noqa: E402
+from minikv_compile.perf.serve_report import SCHEMA, PartStore, targets  # noqa: E402
 
 TINY = PRESETS["tiny"]
 
@@ -61,6 +61,7 @@ def _check_run(run, phase):
     assert 0 <= run["itl_p50_ms"] <= run["itl_p90_ms"] <= run["itl_p99_ms"] <= run["itl_max_ms"]
     assert run["itl_samples"] == sum(r["tokens"] - 1 for r in reqs)
     assert run["output_tokens_per_s"] > 0 and run["requests_per_s"] > 0 and run["window_s"] > 0
+    assert run["output_tokens_per_s_late"] > 0  # the last token is in the second half
     if phase == "offline":
         assert run["rate"] is None and all(r["arrival_s"] == 0 for r in reqs)
     elif phase != "single":
@@ -208,3 +209,39 @@ def test_percentile_is_nearest_rank():
     assert percentile(v, 0.5) == 50 and percentile(v, 0.99) == 99 and percentile(v, 1.0) == 100
     assert percentile([3.0], 0.99) == 3.0 and percentile([], 0.5) is None
     assert percentile([1.0, math.inf], 0.99) == math.inf
+
+
+def _sat(rate, bound):
+    return {"rate": rate, "bound": bound}
+
+
+BETWEEN, FLAT = "between sustained and unsustained rates", "throughput saturated"
+LOWER = "lower bound (no unsustained rate measured)"
+
+
+@pytest.mark.parametrize("ours, hf, status", [
+    (_sat(6.0, BETWEEN), _sat(1.0, FLAT), "met"),
+    (_sat(4.0, BETWEEN), _sat(1.0, FLAT), "missed"),
+    # ours only a lower bound: a ratio under 5 decides nothing, one over 5 is met
+    (_sat(4.0, LOWER), _sat(1.0, FLAT), "open"),
+    (_sat(6.0, LOWER), _sat(1.0, FLAT), "met"),
+    # HF only a lower bound: a ratio over 5 decides nothing
+    (_sat(6.0, FLAT), _sat(1.0, LOWER), "open"),
+    (_sat(None, "none sustained"), _sat(1.0, FLAT), "not measured"),
+])
+def test_saturation_target_respects_bounds(ours, hf, status):
+    rows = targets({"minikv": {"saturation": ours}, "hf": {"saturation": hf}}, "llama3.1-8b")
+    assert rows[0]["status"] == status
+
+
+def test_offline_target_uses_the_steady_state_when_a_run_was_cut():
+    ours = {"output_tokens_per_s": 2000.0, "output_tokens_per_s_late": 2400.0,
+            "cut_by_budget": False}
+    hf = {"output_tokens_per_s": 100.0, "output_tokens_per_s_late": 300.0,
+          "cut_by_budget": False}
+    row = targets({"minikv": {"offline": ours}, "hf": {"offline": hf}}, "llama3.1-8b")[-1]
+    assert row["value"] == pytest.approx(20.0) and row["status"] == "met"
+    hf["cut_by_budget"] = True
+    row = targets({"minikv": {"offline": ours}, "hf": {"offline": hf}}, "llama3.1-8b")[-1]
+    assert row["value"] == pytest.approx(8.0) and row["status"] == "missed"
+    assert "second half" in row["detail"]
