@@ -114,7 +114,8 @@ class GraphRunner:
         batch, mode = key
         slots = self._active[:batch]
         if self._compiled and batch > 1:
-            torch._dynamo.mark_dynamic(slots, 0, min=2, max=self._active.shape[0])
+            # maybe_: the plan's branch narrows the range (e.g. 9..64), which is no error
+            torch._dynamo.maybe_mark_dynamic(slots, 0)
         self._step(slots, mode)
 
     def _call(self, key: Key) -> None:
