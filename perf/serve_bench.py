@@ -428,7 +428,7 @@ class _Context:
         a = bench.args
         self.bench, self.a, self.worker, self.base = bench, a, worker, base
         self.share_end = share_end
-        self.words = a.model != "smollm2-135m-real"  # synthetic text: one word per token
+        self.words = bool(info["model"].get("synthetic_text"))  # one word per token
         self.workload = Workload(a.prompt_len[0], a.prompt_len[1], a.output_len[0], a.output_len[1],
                                  vocab=int(info["model"]["vocab"]), long_prompt=a.long_prompt,
                                  long_every=a.long_every, seed=a.seed)
@@ -447,7 +447,7 @@ class _Context:
         from .serve_load import drive, run_async, summarize
 
         outcomes, start = run_async(drive(self.worker.url, specs, arrivals, deadline_s, self.words))
-        row = summarize(outcomes, start, self.a.ttft_limit, rate)
+        row = summarize(outcomes, self.a.ttft_limit, rate)
         ends = [o._last for o in outcomes if o._last is not None]
         if ends and arrivals:
             self.drain = max(0.0, max(ends) - (start + max(arrivals)))

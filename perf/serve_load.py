@@ -268,7 +268,7 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
 
 
-def summarize(outcomes: Sequence[Outcome], start: float, ttft_limit_s: float,
+def summarize(outcomes: Sequence[Outcome], ttft_limit_s: float,
               rate: Optional[float]) -> Dict[str, object]:
     """The figures of one run.
 

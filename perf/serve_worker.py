@@ -91,7 +91,7 @@ def load(shape: str, device, dtype):
         tokenizer = SyntheticTokenizer()
         text = "synthetic: token i is the word ' i' (random weights have no tokenizer)"
     facts = {"name": shape, "description": H.SHAPES[shape].description, **H.model_summary(model),
-             "tokenizer": text}
+             "tokenizer": text, "synthetic_text": not H.SHAPES[shape].real}
     return model, tokenizer, facts
 
 
