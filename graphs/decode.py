@@ -7,8 +7,9 @@ One step for the slots ``[0, B)`` of a bucket ``B``::
            -> embed -> per layer: q/k/v + RoPE at each slot's logical position
            -> minikv::cache_write_ring (the new k/v into the ring)
            -> minikv::decode_attention (compressed cache + ring) -> o_proj, MLP
-    -> norm, lm_head -> each slot's next token (greedy, sampled or forced)
-    -> written at each slot's own column; counters and finished flags advance for live slots
+    -> norm, lm_head                                                  (``decode_logits``)
+    -> each slot's next token (greedy, sampled or forced), written at its own column;
+       counters and finished flags advance for live slots              (``decode_choose``)
 
 A slot is *live* while it is admitted and not finished. Slots that are not live go through the
 same arithmetic (their share of the launch) but change nothing: the cache is not touched, their
@@ -126,13 +127,14 @@ class SlotState:
         self.tokens[rows].copy_(nxt)
 
 
-def decode_step(adapter, cache: StaticKVCache, state: SlotState, slots: torch.Tensor,
-                mode: str) -> None:
-    """One decode step of the slots ``[0, B)`` of a bucket; mutates only the cache's and
-    ``state``'s buffers.
+def decode_logits(adapter, cache: StaticKVCache, state: SlotState, slots: torch.Tensor
+                  ) -> torch.Tensor:
+    """The layers of one decode step of the slots ``[0, B)`` of a bucket: each slot's token in,
+    the next token's logits ``(B, V)`` fp32 out; writes the cache of live slots only.
 
     slots: ``state.active[:B]``. The bucket's size is read from its length, so that a compiler
-    sees it as a dimension: one compiled graph serves every bucket with the same ``DecodePlan``.
+    sees it as a dimension: one compiled graph serves every bucket with the same ``DecodePlan``,
+    and every mode (the choice of the token is ``decode_choose``).
     """
     a, batch = adapter, slots.shape[0]
     rows = slice(0, batch)
@@ -149,5 +151,13 @@ def decode_step(adapter, cache: StaticKVCache, state: SlotState, slots: torch.Te
         ops.cache_write_ring(k[:, :, 0], v[:, :, 0], lc.k_ring, lc.v_ring, ring_index[layer])
         o = ops.decode_attention(q[:, :, 0], *lc, a.scale, cache.bits, cache.group_size)
         h, normed = a.finish_layer_normed(layer, h, o.reshape(batch, 1, -1))  # o (B, H_q, D)
-    logits = a.logits(h[:, 0])                                 # (B, V) fp32
+    return a.logits(h[:, 0])                                   # (B, V) fp32
+
+
+def decode_choose(state: SlotState, slots: torch.Tensor, logits: torch.Tensor, mode: str
+                  ) -> None:
+    """The rest of the step: each live slot's next token from ``logits (B, V)`` by ``mode``'s
+    rule, recorded at its column (``SlotState.choose`` and ``record``)."""
+    rows = slice(0, slots.shape[0])
+    live = slots & ~state.done[rows]
     state.record(state.choose(logits, rows, mode, live), rows, live)

@@ -1,6 +1,6 @@
 """The one owner of the decode step's compile, CUDA-graph capture and replay.
 
-``GraphRunner`` compiles the step (a graph per mode and set of buckets with one plan), captures
+``GraphRunner`` compiles the step's two parts (the layers, and the choice of the token), captures
 one CUDA graph per (bucket, mode) after warm-up, replays it, and counts compiles and replays so that a test (and a benchmark) can prove
 the graphs are really replayed and nothing recompiles. Nobody else calls the step.
 
@@ -11,6 +11,7 @@ buffer is restored from a snapshot afterwards.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -20,34 +21,40 @@ Key = Tuple[int, str]  # (bucket, mode)
 
 
 class GraphRunner:
-    """Runs a key ``(batch, mode)`` as ``step(active[:batch], mode)``: compiled
-    (``torch.compile(fullgraph=True)``) if ``compile``, replayed from one CUDA graph per key if
-    ``cuda_graphs``.
+    """Runs a key ``(batch, mode)`` as ``choose(slots, forward(slots), mode)`` with
+    ``slots = active[:batch]``: each part compiled (``torch.compile(fullgraph=True)``) if
+    ``compile``, the two replayed from one CUDA graph per key if ``cuda_graphs``.
 
-    The batch reaches the step as the length of a view, marked dynamic for ``batch >= 2``: one
-    compiled graph then serves every bucket that takes the same branches (guards), and a
-    server's start-up compiles a few graphs, not one per bucket (batch 1 is its own graph:
-    a size of 1 is always specialized).
+    Compiles are few, so that a server that captures every bucket in two modes starts in
+    seconds, not minutes: the batch reaches both parts as the length of a view, marked dynamic
+    for ``batch >= 2``, so one compiled graph serves every bucket that takes the same branches
+    (batch 1 is its own: a size of 1 is always specialized); and ``forward`` (the model's
+    layers, nearly all of the compile time) does not see the mode, so every mode shares it.
 
+    forward(slots) -> logits: the layers of a step. choose(slots, logits, mode): the rest.
     state_buffers: every tensor the step writes besides the cache (restored after warm-up).
     active: the ``(Bmax,)`` bool tensor that admits slots to the step (one of
         ``state_buffers``); zeroed during warm-up so that the step writes no cache buffer.
     """
 
-    def __init__(self, step: Callable[[int, str], None], *, device: torch.device, compile: bool,
-                 cuda_graphs: bool, state_buffers: List[torch.Tensor], active: torch.Tensor):
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor],
+                 choose: Callable[[torch.Tensor, torch.Tensor, str], None], *,
+                 device: torch.device, compile: bool, cuda_graphs: bool,
+                 state_buffers: List[torch.Tensor], active: torch.Tensor):
         self.device, self.use_graphs, self._compiled = device, cuda_graphs, compile
         self._state, self._active = state_buffers, active
-        self.compiles = 0                      # graphs torch.compile produced (all keys together)
+        self.compiles = 0                      # graphs torch.compile produced (both parts)
         self.replays = 0                       # CUDA-graph replays
         self.compile_seconds: Dict[Key, float] = {}
         self.capture_seconds: Dict[Key, float] = {}
         self._graphs: Dict[Key, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         # dynamic=None: only what is marked (or changes between calls) is symbolic; the
-        # weights and cache buffers the step closes over keep their static shapes.
-        self._step = (torch.compile(step, fullgraph=True, dynamic=None, backend=self._backend)
-                      if compile else step)
+        # weights and cache buffers the parts close over keep their static shapes.
+        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=None,
+                                     backend=self._backend)
+        self._forward = compiled(forward) if compile else forward
+        self._choose = compiled(choose) if compile else choose
 
     @property
     def graphs(self) -> List[Key]:
@@ -116,15 +123,16 @@ class GraphRunner:
         if self._compiled and batch > 1:
             # maybe_: the plan's branch narrows the range (e.g. 9..64), which is no error
             torch._dynamo.maybe_mark_dynamic(slots, 0)
-        self._step(slots, mode)
+        self._choose(slots, self._forward(slots), mode)
 
     def _call(self, key: Key) -> None:
         if not self._compiled or key in self.compile_seconds:
             self._invoke(key)
             return
         start = time.perf_counter()
-        # A few compiled graphs per mode are expected (batch 1, and one per set of buckets with
-        # the same plan); raise the limit so that they do not count as runaway recompilation.
+        # A few compiled graphs per part are expected (batch 1, and one per set of buckets with
+        # the same plan or mode); raise the limit so that they do not count as runaway
+        # recompilation.
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
             self._invoke(key)
         if self.device.type == "cuda":
