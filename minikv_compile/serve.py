@@ -2,11 +2,13 @@
 
     python -m minikv_compile.serve --model smollm2 [--host 127.0.0.1] [--port 8000] \\
         [--device cpu|cuda] [--dtype float32|bfloat16|float16] [--max-queue 64] \\
+        [--compile-cache DIR] \\
         [--max-batch-size 8 --max-prompt-len 4096 --max-new-tokens 256 --bits 4 ...]
 
 ``--model`` is a local HF model directory (``AutoModelForCausalLM`` + ``AutoTokenizer``) or
 ``smollm2`` (the project's SmolLM2-135M-Instruct, ``models.smollm2.load_smollm2``); every
 ``MiniKVConfig`` field has a flag of its own name (``--heavy-budget``, ``--selection``, ...).
+``--compile-cache`` keeps torch.compile's and Triton's artifacts across restarts.
 The server listens at once and compiles / captures every bucket in the background: ``/health``
 answers 503 until the scheduler is ready, and so do the completion endpoints (with
 ``Retry-After``).
@@ -45,6 +47,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -560,6 +563,8 @@ def _prometheus(scheduler: Scheduler, config: MiniKVConfig, invalid: int) -> str
     metric("minikv_completion_tokens_total", "counter", "Tokens generated.",
            [("", m.completion_tokens)])
     metric("minikv_decode_steps_total", "counter", "Decode steps replayed.", [("", m.steps)])
+    metric("minikv_prefill_passes_total", "counter",
+           "Prefill passes (each admits one or several waiting prompts).", [("", m.prefills)])
     metric("minikv_queue_depth", "gauge", "Requests waiting for a slot.",
            [("", scheduler.queue_depth)])
     metric("minikv_slots_in_use", "gauge", "Slots holding a request.",
@@ -571,6 +576,14 @@ def _prometheus(scheduler: Scheduler, config: MiniKVConfig, invalid: int) -> str
            [("", scheduler.kv_bytes_in_use())])
     metric("minikv_ready", "gauge", "1 once every bucket is compiled and captured.",
            [("", int(scheduler.ready))])
+    runner = scheduler.engine.runtime.runner  # what proves the graphs are replayed, not rebuilt
+    metric("minikv_compiled_graphs_total", "counter",
+           "Graphs torch.compile produced (all before ready; one more while serving is a "
+           "recompile).", [("", runner.compiles)])
+    metric("minikv_cuda_graphs", "gauge", "CUDA graphs captured, one per (bucket, mode).",
+           [("", len(runner.graphs))])
+    metric("minikv_cuda_graph_replays_total", "counter", "Decode steps replayed from a CUDA graph.",
+           [("", runner.replays)])
     for name, hist, total, help_ in (
             ("minikv_time_to_first_token_seconds", m.ttft, m.ttft_sum,
              "Seconds from submission to the first token."),
@@ -609,6 +622,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot at most; past it, 429 (default: 64)")
+    sched = p.add_argument_group("Scheduler", "how prompts are admitted between decode steps")
+    sched.add_argument("--prefill-layers", type=int, default=None, metavar="INT",
+                       help="layers of a prompt prefilled between two decode steps while other "
+                            "requests stream (default: an eighth of the model's layers)")
+    sched.add_argument("--prefill-batch-tokens", type=int, default=2048, metavar="INT",
+                       help="waiting prompts are prefilled in one pass up to this many tokens "
+                            "together (default: 2048)")
+    sched.add_argument("--prefill-batch-requests", type=int, default=8, metavar="INT",
+                       help="and at most this many prompts a pass (default: 8)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="where torch.compile and Triton keep their compiled artifacts, so that "
+                        "a restart skips most of the warm-up (default: $TORCHINDUCTOR_CACHE_DIR "
+                        "if set, else compile/ in the project's cache folder, $MINIKV_CACHE or "
+                        "~/.cache/minikv_compile)")
     group = p.add_argument_group("MiniKVConfig", "the engine's fields (see MiniKVConfig)")
     for f in dataclasses.fields(MiniKVConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -651,14 +678,40 @@ def main(argv: Optional[List[str]] = None) -> int:
         config = MiniKVConfig(**fields)
         check_int("--max-queue", args.max_queue, lo=1)
         check_int("--port", args.port, lo=0, hi=65535)
+        for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):
+            if getattr(args, flag) is not None:  # before the model loads, not after
+                check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=1)
+        _use_compile_cache(args.compile_cache)
         model, tokenizer = _load(args.model, device, dtype)
         engine = minikv_compile(model, config)
+        scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue,
+                              prefill_layers=args.prefill_layers,
+                              prefill_batch_tokens=args.prefill_batch_tokens,
+                              prefill_batch_requests=args.prefill_batch_requests)
     except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
-    scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue)
     name = args.served_model_name or args.model
     app = create_app(scheduler, tokenizer, name, config)
     return run_server(app, scheduler, name, args.host, args.port)
+
+
+def _use_compile_cache(directory: Optional[str]) -> None:
+    """Point inductor's and Triton's on-disk caches at ``directory`` (see ``--compile-cache``)
+    before anything compiles; both read these variables when they first need their folder."""
+    if directory is None:
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+            return
+        from minikv_compile.models.smollm2 import default_cache_root
+        directory = str(default_cache_root() / "compile")
+    root = Path(directory).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--compile-cache: expected a folder that can be created, got "
+                         f"{directory!r} ({e.strerror})") from None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
+    _log.info("compile cache: %s", root)
 
 
 def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: int) -> int:

@@ -119,7 +119,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", **FLAGS)
+    logs = tmp_path_factory.mktemp("logs")
+    srv = Server(model_dir, logs / "server.log", args=("--compile-cache", str(logs / "compiled")),
+                 **FLAGS)
     yield srv
     srv.stop()
 
@@ -213,6 +215,8 @@ PROMPTS = ["w1 w2 w3", "w5 w9 w11 w40 w3 w3 w7", "w10", "w20 w21 w22 w23 w24 w25
 
 def test_models_health_and_flags(client, server, model_dir):
     assert client.get("/health").json() == {"status": "ok"}
+    cache = server.log.parent / "compiled"
+    assert f"compile cache: {cache}" in server.log.read_text() and cache.is_dir()
     models_ = client.get("/v1/models").json()
     assert models_["object"] == "list"
     assert [m["id"] for m in models_["data"]] == [str(model_dir)]
@@ -379,6 +383,7 @@ def test_metrics_move(client, ref):
     assert delta("minikv_completion_tokens_total") == n
     assert delta("minikv_time_to_first_token_seconds_count") == 1
     assert delta("minikv_inter_token_latency_seconds_count") == n - 1
+    assert delta("minikv_prefill_passes_total") == 1
     assert delta("minikv_decode_steps_total") >= n - 1
     assert after["minikv_time_to_first_token_seconds_sum"] > 0
     buckets = [v for k, v in after.items() if k.startswith("minikv_inter_token_latency_seconds_bucket")]
@@ -386,6 +391,10 @@ def test_metrics_move(client, ref):
     assert 'minikv_time_to_first_token_seconds_bucket{le="+Inf"}' in after
     assert after["minikv_queue_depth"] == 0 and after["minikv_slots"] == FLAGS["max_batch_size"]
     assert after["minikv_kv_bytes_in_use"] == 0 and after["minikv_ready"] == 1
+    # The CPU server runs eagerly (compile and graphs are CUDA's defaults): nothing compiled,
+    # captured or replayed; on a GPU the first must not move while serving.
+    assert (after["minikv_compiled_graphs_total"], after["minikv_cuda_graphs"],
+            after["minikv_cuda_graph_replays_total"]) == (0, 0, 0)
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -519,6 +528,13 @@ def test_bad_flags_exit_with_the_message(model_dir, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(model_dir / "missing")])
     assert "--model: expected a local HF model directory or 'smollm2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(model_dir), "--prefill-batch-tokens", "0"])
+    assert "--prefill-batch-tokens: expected" in capsys.readouterr().err
+    blocker = model_dir / "config.json"  # a file: no folder can be made below it
+    with pytest.raises(SystemExit):
+        main(["--model", str(model_dir), "--compile-cache", str(blocker / "cache")])
+    assert "--compile-cache: expected a folder that can be created" in capsys.readouterr().err
 
 
 def test_openai_client(client, server, ref):
