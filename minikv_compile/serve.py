@@ -272,8 +272,13 @@ def _prompt_ids(body: Dict[str, Any], tokenizer, served: _Served) -> List[int]:
     if isinstance(prompt, str):
         ids = list(tokenizer(prompt)["input_ids"])
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        ids = [_checked(f"prompt[{i}]", check_int, f"prompt[{i}]", t, lo=0,
-                        hi=served.vocab_size - 1) for i, t in enumerate(prompt)]
+        # One pass over plain ints (it runs on the event loop: a per-id check_int took 16 ms
+        # for 16k ids on the H100 host, a pause of every stream).
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < served.vocab_size), None)
+        if bad is not None:
+            raise _bad(f"prompt[{bad}]", f"an int in [0, {served.vocab_size - 1}]",
+                       prompt[bad])
+        ids = prompt
     else:
         raise _bad("prompt", "a string or a list of token ids (one prompt)", prompt)
     return _fits(ids, "prompt", served)
