@@ -19,13 +19,14 @@ and with ``--tiny`` runs end to end on a tiny random model, on the CPU if there 
 from __future__ import annotations
 
 import argparse
-import math
 import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
+
+from .argtypes import positive_float, positive_int
 
 PROG = "python -m minikv_compile.perf"
 ALL_METHODS = ("hf-eager", "hf-static", "full", "kivi", "minikv", "minikv-pyramid")
@@ -77,21 +78,11 @@ PRESETS: Dict[str, Dict[str, Dict[str, object]]] = {
 # -- argument parsing ---------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _int_list(text: str) -> List[int]:
     items = [t for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return [_positive_int(t.strip()) for t in items]
+    return [positive_int(t.strip()) for t in items]
 
 
 def _int_list_or_empty(text: str) -> List[int]:
@@ -105,20 +96,10 @@ def _shape_list(text: str) -> List[tuple]:
         parts = item.lower().split("x")
         if len(parts) != 2:
             raise argparse.ArgumentTypeError(f"expected BATCHxPROMPT items like 1x32768, got {item!r}")
-        out.append((_positive_int(parts[0]), _positive_int(parts[1])))
+        out.append((positive_int(parts[0]), positive_int(parts[1])))
     if not out:
         raise argparse.ArgumentTypeError(f"expected BATCHxPROMPT items like 1x32768, got {text!r}")
     return out
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def _methods(allowed: Sequence[str]) -> Callable[[str], List[str]]:
@@ -145,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "e.g. perf/results/{gpu}")
         p.add_argument("--tiny", action="store_true",
                        help="tiny random model and sizes: checks the plumbing (runs on the CPU)")
-        p.add_argument("--budget-seconds", type=_positive_float, default=None,
+        p.add_argument("--budget-seconds", type=positive_float, default=None,
                        help="start no measurement expected to end after this many seconds; "
                             "the rest is reported as skipped (time budget)")
         p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -155,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
     def decode_tokens(p):
-        p.add_argument("--warm-tokens", type=_positive_int, default=None)
-        p.add_argument("--timed-tokens", type=_positive_int, default=None)
+        p.add_argument("--warm-tokens", type=positive_int, default=None)
+        p.add_argument("--timed-tokens", type=positive_int, default=None)
 
     p = sub.add_parser("engine-vs-hf", help="MiniKV vs HF StaticCache decode, against the floor")
     common(p)
@@ -168,29 +149,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=_int_list, default=None, help="prompt lengths at batch 1")
     p.add_argument("--batches", type=_int_list_or_empty, default=None,
                    help="batch sizes at --batch-prompt ('' for none)")
-    p.add_argument("--batch-prompt", type=_positive_int, default=None)
+    p.add_argument("--batch-prompt", type=positive_int, default=None)
     decode_tokens(p)
 
     p = sub.add_parser("throughput", help="decode tokens/s up to the largest batch that fits")
     common(p)
     p.add_argument("--prompts", type=_int_list, default=None, help="prompt lengths")
-    p.add_argument("--gen-tokens", type=_positive_int, default=None,
+    p.add_argument("--gen-tokens", type=positive_int, default=None,
                    help="generated tokens the caches are sized for (the definition: 1024)")
     decode_tokens(p)
-    p.add_argument("--max-batch", type=_positive_int, default=None, help="cap on the batch-size search")
+    p.add_argument("--max-batch", type=positive_int, default=None, help="cap on the batch-size search")
     p.add_argument("--batches", type=_int_list_or_empty, default=None,
                    help="extra batch sizes below each method's limit, for the curve ('' for none)")
     p.add_argument("--retries", type=int, default=None, help="smaller batches tried after an OOM")
 
     p = sub.add_parser("max-prompt", help="longest batch-1 prompt under a memory cap")
     common(p, PREFILL_METHODS)
-    p.add_argument("--memory-cap-gb", type=_positive_float, default=None,
+    p.add_argument("--memory-cap-gb", type=positive_float, default=None,
                    help="per-process cap in GiB (torch.cuda.set_per_process_memory_fraction)")
-    p.add_argument("--new-tokens", type=_positive_int, default=None, help="generated tokens accounted for")
-    p.add_argument("--probes", type=_positive_int, default=None, help="probes per method (calibration included)")
-    p.add_argument("--resolution", type=_positive_int, default=None, help="search resolution in tokens")
+    p.add_argument("--new-tokens", type=positive_int, default=None, help="generated tokens accounted for")
+    p.add_argument("--probes", type=positive_int, default=None, help="probes per method (calibration included)")
+    p.add_argument("--resolution", type=positive_int, default=None, help="search resolution in tokens")
     p.add_argument("--calibration", type=_int_list, default=None, help="first probe lengths")
-    p.add_argument("--max-len", type=_positive_int, default=None, help="longest prompt tried")
+    p.add_argument("--max-len", type=positive_int, default=None, help="longest prompt tried")
 
     p = sub.add_parser("prefill", help="prefill time and peak memory against prompt length")
     common(p, PREFILL_METHODS)
@@ -198,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("memory-claim", help="KV bytes allocated vs the paper's 2.4 / 0.33 GB")
     common(p, ENGINE_ONLY)
-    p.add_argument("--prompt-len", type=_positive_int, default=None)
-    p.add_argument("--new-tokens", type=_positive_int, default=None)
+    p.add_argument("--prompt-len", type=positive_int, default=None)
+    p.add_argument("--new-tokens", type=positive_int, default=None)
 
     from .serve_bench import add_parsers as add_serve_parsers
 

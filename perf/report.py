@@ -32,7 +32,7 @@ class Report:
         self.json_path = self.out_dir / f"{command}.json"
         self.md_path = self.out_dir / f"{command}.md"
         self.data: Dict[str, object] = {
-            "schema": SCHEMA, "command": command, "argv": list(argv), "args": _jsonable(args),
+            "schema": SCHEMA, "command": command, "argv": list(argv), "args": jsonable(args),
             "environment": environment, "started": environment.get("timestamp"), "updated": None,
             "finished": False, "interrupted": None, "elapsed_s": 0.0,
             "context": {}, "results": [], "notes": [], "plots": [],
@@ -64,8 +64,8 @@ class Report:
         self.data["updated"] = now_iso()
         if elapsed_s is not None:
             self.data["elapsed_s"] = elapsed_s
-        _atomic_write(self.json_path, json.dumps(_jsonable(self.data), indent=1, allow_nan=False))
-        _atomic_write(self.md_path, render_markdown(self.data))
+        atomic_write(self.json_path, json.dumps(jsonable(self.data), indent=1, allow_nan=False))
+        atomic_write(self.md_path, render_markdown(self.data))
 
     def finish(self, elapsed_s: float, interrupted: Optional[str] = None) -> None:
         self.data["finished"] = interrupted is None
@@ -77,20 +77,20 @@ class Report:
         self.write(elapsed_s)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def _jsonable(value):
+def jsonable(value):
     """Plain JSON values: NaN/inf become None, tuples lists, unknown objects strings."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if value is None or isinstance(value, (bool, int, str)):
         return value
     return str(value)
@@ -586,10 +586,10 @@ def rerender(out_dir: Path) -> Tuple[List[str], str]:
         files, msg = write_plots(data, out_dir)
         data["plots"] = files
         message = message or msg
-        _atomic_write(path, json.dumps(data, indent=1, allow_nan=False, default=str))
-        _atomic_write(out_dir / f"{data['command']}.md", render_markdown(data))
+        atomic_write(path, json.dumps(data, indent=1, allow_nan=False, default=str))
+        atomic_write(out_dir / f"{data['command']}.md", render_markdown(data))
         datasets.append(data)
-    _atomic_write(out_dir / "summary.md", render_summary(datasets, out_dir))
+    atomic_write(out_dir / "summary.md", render_summary(datasets, out_dir))
     return [d["command"] for d in datasets], message
 
 

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .argtypes import nonneg_int, positive_float, positive_int
+
 MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
 BACKENDS = ("minikv", "hf")
 PHASES = ("single", "sweep", "half", "long", "offline")
@@ -64,37 +66,6 @@ MODEL_PRESETS = {"smollm2-135m-real": dict(prompt_len=(1024, 6144), long_prompt=
 
 # -- arguments ----------------------------------------------------------------------------------
 
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def _range(text: str) -> tuple:
     parts = text.split(",")
     if len(parts) != 2:
@@ -120,7 +91,7 @@ def _rates(text: str) -> List[float]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected comma-separated rates (req/s), got {text!r}")
-    return [_positive_float(t) for t in items]
+    return [positive_float(t) for t in items]
 
 
 def add_parsers(sub) -> None:
@@ -140,11 +111,11 @@ def add_parsers(sub) -> None:
                    help="comma-separated, from: minikv, hf (default both, one after the other)")
     p.add_argument("--phases", type=_choices(PHASES), default=None,
                    help=f"comma-separated, from: {', '.join(PHASES)} (default all)")
-    p.add_argument("--budget-seconds", type=_positive_float, default=None,
+    p.add_argument("--budget-seconds", type=positive_float, default=None,
                    help="wall-clock bound of the whole invocation, worker start-up included "
                         "(default 510; split evenly between the backends)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--seed", type=_nonneg_int, default=0, help="seed of prompts and arrivals")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of prompts and arrivals")
     g = p.add_argument_group("workload")
     g.add_argument("--prompt-len", type=_range, default=None, metavar="MIN,MAX",
                    help="prompt tokens, uniform (default 1024,16384)")
@@ -157,26 +128,26 @@ def add_parsers(sub) -> None:
     g = p.add_argument_group("sweep and phases")
     g.add_argument("--rates", type=_rates, default=None,
                    help="explicit Poisson rates (req/s) instead of the adaptive sweep")
-    g.add_argument("--start-rate", type=_positive_float, default=None,
+    g.add_argument("--start-rate", type=positive_float, default=None,
                    help="first rate of the adaptive sweep (default 2 / T1)")
     g.add_argument("--requests", type=positive_int, default=None,
                    help="requests per rate at most (default 64)")
     g.add_argument("--min-requests", type=positive_int, default=None,
                    help="requests per rate at least (default 16)")
-    g.add_argument("--rate-seconds", type=_positive_float, default=None,
+    g.add_argument("--rate-seconds", type=positive_float, default=None,
                    help="arrival window per rate: rate x this many requests, within "
                         "[--min-requests, --requests] (default 60)")
     g.add_argument("--max-rates", type=positive_int, default=None,
                    help="rates of the adaptive sweep at most, refinements included (default 8)")
-    g.add_argument("--refine", type=_nonneg_int, default=None,
+    g.add_argument("--refine", type=nonneg_int, default=None,
                    help="bisections between the last sustained and the first unsustained "
                         "rate (default 1)")
-    g.add_argument("--drain-seconds", type=_positive_float, default=None,
+    g.add_argument("--drain-seconds", type=positive_float, default=None,
                    help="a run ends this long after its last arrival at most; what still runs "
                         "is cut (default 60)")
-    g.add_argument("--ttft-limit", type=_positive_float, default=None,
+    g.add_argument("--ttft-limit", type=positive_float, default=None,
                    help="a rate is sustained while p99 TTFT stays under this (s, default 10)")
-    g.add_argument("--half-rate", type=_positive_float, default=None,
+    g.add_argument("--half-rate", type=positive_float, default=None,
                    help="rate of phases half and long (default half the backend's saturation)")
     g.add_argument("--single-requests", type=positive_int, default=None,
                    help="requests of phase single, one at a time (default 3)")
@@ -191,7 +162,7 @@ def add_parsers(sub) -> None:
                    help="largest max_tokens (default: the output maximum)")
     g.add_argument("--max-queue", type=positive_int, default=None,
                    help="minikv waiting requests before 429 (default 1024)")
-    g.add_argument("--startup-timeout", type=_positive_float, default=None,
+    g.add_argument("--startup-timeout", type=positive_float, default=None,
                    help="seconds a worker may take to answer /health (default 420)")
     serve_worker.add_parser(sub)
 

@@ -11,10 +11,10 @@ these tables).
 from __future__ import annotations
 
 import json
-import math
-import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from .report import atomic_write, jsonable
 
 SCHEMA = "minikv_compile.perf.serve/1"
 PARTS = "serve-parts"
@@ -43,24 +43,6 @@ DEFINITIONS = [
 ]
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _jsonable(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    return str(value)
-
-
 class PartStore:
     """The parts of a folder: one JSON file per (model, backend, phase)."""
 
@@ -85,7 +67,7 @@ class PartStore:
             return False
         part = {"schema": SCHEMA, "kind": "part", "time": now_iso(), **part}
         path = self.path(part["model"], part["backend"], part["phase"])
-        _atomic_write(path, json.dumps(_jsonable(part), indent=1, allow_nan=False))
+        atomic_write(path, json.dumps(jsonable(part), indent=1, allow_nan=False))
         rebuild(self.out, plots=False)
         return True
 
@@ -220,8 +202,8 @@ def rebuild(out: Path, plots: bool = True) -> Tuple[List[Path], str]:
         files, message = write_plots(by_model, out)
         data["plots"] = files
         written += [out / f for f in files]
-    _atomic_write(out / "serve.json", json.dumps(_jsonable(data), indent=1, allow_nan=False))
-    _atomic_write(out / "serve.md", render(data, by_model, message))
+    atomic_write(out / "serve.json", json.dumps(jsonable(data), indent=1, allow_nan=False))
+    atomic_write(out / "serve.md", render(data, by_model, message))
     return [out / "serve.json", out / "serve.md", *written], message
 
 

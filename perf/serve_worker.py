@@ -338,7 +338,8 @@ def _exit_quietly(signum, frame) -> None:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .serve_bench import MODELS, positive_int
+    from .argtypes import positive_int
+    from .serve_bench import MODELS
 
     p = sub.add_parser("serve-worker", help="serve one backend over HTTP (started by 'serve')",
                        description="Serve one backend (this engine, or HF continuous batching) "

@@ -4,30 +4,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from minikv_compile.perf.report import _jsonable
+from minikv_compile.perf.report import jsonable
 from .stats import pareto_front
 from .tasks import TASKS
 
 SCHEMA = "minikv_compile.perf.accuracy/1"
 PLOT_NAME = "accuracy.png"
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 _NUMBER_LIST = re.compile(r"\[\s+(-?[\d.eE+-]+(?:,\s+-?[\d.eE+-]+)*)\s+\]")
 
 
 def to_json(data) -> str:
     """Indented JSON with every list of numbers (token ids, intervals) on one line."""
-    text = json.dumps(_jsonable(data), indent=1, allow_nan=False)
+    text = json.dumps(jsonable(data), indent=1, allow_nan=False)
     return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
 
 

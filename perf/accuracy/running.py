@@ -14,10 +14,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
-from minikv_compile.perf.report import _jsonable
+from minikv_compile.perf.report import atomic_write, jsonable
 from .methods import (AGREEMENT_METHODS, METHODS, Method, PAPER_MINIKV, fp16_bytes, kv_bytes,
                       matched_budget)
-from .reporting import SCHEMA, _atomic_write, _brief, plot, render_markdown, to_json
+from .reporting import SCHEMA, _brief, plot, render_markdown, to_json
 from .stats import summarize
 from .tasks import (ByteCodec, Corpora, HFCodec, PLANS, Plan, TASKS, build_samples,
                     completion_line, edit_similarity, fingerprint, first_number, real_corpora,
@@ -349,8 +349,8 @@ class Run:
 
     def write(self) -> None:
         self.data["elapsed_s"] = self.budget.elapsed
-        _atomic_write(self.out_dir / f"{self.part}.json", to_json(self.data))
-        _atomic_write(self.out_dir / f"{self.part}.md", render_markdown(self.data))
+        atomic_write(self.out_dir / f"{self.part}.json", to_json(self.data))
+        atomic_write(self.out_dir / f"{self.part}.md", render_markdown(self.data))
 
 
 def _spread(rows: List[dict], n: int) -> List[dict]:
@@ -382,8 +382,8 @@ def run_agreement(args, argv: Sequence[str]) -> int:
         del subject, run
         gc.collect()
     report = compare_runs(results["cuda"], results["cpu"])
-    _atomic_write(out / "agreement.json", to_json(report))
-    print(json.dumps(_jsonable(report["summary"]), indent=1))
+    atomic_write(out / "agreement.json", to_json(report))
+    print(json.dumps(jsonable(report["summary"]), indent=1))
     return 0 if report["summary"]["agree"] else 1
 
 
