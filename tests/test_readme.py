@@ -59,3 +59,56 @@ def test_hf_text_streamer_streams_the_answer():
     assert printed.getvalue().strip() == tok.decode(out.sequences[0],
                                                     skip_special_tokens=True).strip()
     assert "Paris" in printed.getvalue() and out.stop_reasons == ["eos"]
+
+
+def _serving_blocks():
+    """The README's serving section: the server command, the curl requests (endpoint, JSON
+    body, whether streamed) and the openai client block."""
+    text = README.read_text()
+    section = text[text.index("## Serving"):]
+    section = section[:section.index("\n## ", 1)]
+    bash = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    command = next(b for b in bash if "minikv_compile.serve" in b)
+    command = re.sub(r"#.*", "", command).replace("\\\n", " ").split()
+    assert command[:3] == ["python", "-m", "minikv_compile.serve"], command
+    curls = re.findall(r"curl (-N )?(http://127\.0\.0\.1:8000\S+) .*?-d '(.*?)'",
+                       next(b for b in bash if "curl" in b), flags=re.S)
+    client = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    return command[3:], curls, client
+
+
+@needs_smollm2
+def test_readme_serving_example_answers(tmp_path):
+    import json
+
+    import httpx
+
+    from test_serve import Server
+
+    args, curls, client = _serving_blocks()
+    assert len(curls) == 2 and "OpenAI(base_url=" in client
+    flags = dict(zip(args[::2], args[1::2]))
+    server = Server(flags.pop("--model"), tmp_path / "server.log", timeout=300,
+                    args=tuple(a for kv in flags.items() for a in kv))
+    try:
+        for streamed, url, body in curls:
+            url = url.replace("http://127.0.0.1:8000", server.url)
+            r = httpx.post(url, json=json.loads(body), timeout=120)
+            assert r.status_code == 200, r.text
+            if streamed:
+                events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]" and len(events) > 2
+                text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+                assert text.strip()  # sampled (OpenAI's default temperature 1): any text
+            else:
+                text = r.json()["choices"][0]["message"]["content"]
+                assert "Paris" in text, text  # greedy (temperature 0)
+        script = tmp_path / "client.py"
+        script.write_text(client.replace("http://127.0.0.1:8000", server.url))
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+        reply, colors = run.stdout.split("\n", 1)
+        assert "Paris" in reply and colors.strip(), run.stdout
+    finally:
+        server.stop()
