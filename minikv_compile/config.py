@@ -8,6 +8,7 @@ from minikv_compile.graphs.selection import SELECTIONS
 from minikv_compile.inputs import check_bool, check_float, check_int
 
 _POLICIES = ("uniform", "pyramid")
+ROTATIONS = ("none", "hadamard")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class MiniKVConfig:
     residual_length:
         ``n_r``: tokens held in full precision in the ring before a flush; a multiple of
         ``group_size``.
+    rotation:
+        ``"none"``, or ``"hadamard"``: every KV head's keys and the queries are multiplied by an
+        orthonormal Hadamard matrix ``H`` (``D x D``, ``D = head_dim`` a power of two) after RoPE,
+        so ``q . k`` is unchanged, and values by ``H`` with the attention output rotated back
+        (both folded into v_proj and o_proj): outlier channels are spread over the head before
+        the cache quantizes them (issue 25; perf/NOTES.md, "Rotation before quantizing").
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
@@ -88,6 +95,7 @@ class MiniKVConfig:
     bits: int = 2
     group_size: int = 16
     residual_length: int = 128
+    rotation: str = "none"
     max_batch_size: int = 1
     max_prompt_len: int = 4096
     max_new_tokens: int = 256
@@ -104,6 +112,8 @@ class MiniKVConfig:
             store(name, check_float(name, getattr(self, name), lo=0.0, hi=1.0))
         if self.budget_policy not in _POLICIES:
             raise ValueError(f"budget_policy: expected one of {_POLICIES}, got {self.budget_policy!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection: expected one of {SELECTIONS}, got {self.selection!r}")
         for name, allowed in (("bits", (2, 4, 16)), ("group_size", (16, 32, 64, 128))):

@@ -83,6 +83,7 @@ class MiniKVModel:
         self.adapter = get_adapter(model, config.max_prompt_len + config.max_new_tokens,
                                    fuse_projections=on_cuda)
         a = self.adapter
+        a.rotate_heads(config.rotation)  # folds into the adapter's copies, never the model's
         if a.num_q_heads % a.num_kv_heads:
             raise NotImplementedError(f"expected num_attention_heads % num_key_value_heads == 0, "
                                       f"got {a.num_q_heads} % {a.num_kv_heads}")

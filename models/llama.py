@@ -94,6 +94,11 @@ class LlamaFamilyAdapter:
         # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
         # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
         self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
+        # ``rotate_heads("hadamard")``: H (D, D) fp32, and per layer the folded v_proj (CPU path;
+        # the fused path holds it in its [q; k; v]) and o_proj weights. None: no rotation.
+        self.hadamard: Optional[torch.Tensor] = None
+        self.rotated_v: Optional[List[tuple]] = None
+        self.rotated_o: Optional[List[tuple]] = None
 
     def decode_plan(self, rows: int, dtype: torch.dtype) -> DecodePlan:
         """What a decode step of ``rows`` rows in ``dtype`` runs (``DecodePlan``)."""
@@ -102,6 +107,43 @@ class LlamaFamilyAdapter:
         # (a residual stream of 3e4 and a weight of 4 would).
         return DecodePlan(rows=rows, fused_linear=fused,
                           split_norm=fused and rows > 1 and dtype != torch.float16)
+
+    def rotate_heads(self, rotation: str) -> None:
+        """Rotate every head's q, k and v by an orthonormal Hadamard matrix ``H`` (D x D).
+
+        ``q H`` and ``k H`` after RoPE in ``qkv`` (scores unchanged: ``q H (k H)^T = q k^T``);
+        ``v H`` folded into v_proj (rows of each KV head: ``H^T W_h``, bias ``b_h H``) and the
+        attention output's rotation back folded into o_proj (columns of each query head:
+        ``W_o,h H``), so decode pays nothing for V. The user's modules are never written: the
+        folded weights are the adapter's own copies (on the fused path v's rows of the fused
+        [q; k; v], whose v_proj module gets its original rows back as a tensor of its own).
+        Extra memory: one v_proj and one o_proj per layer.
+        """
+        if rotation == "none":
+            return
+        D = self.head_dim
+        H = hadamard_matrix(D, device=self.layers[0].self_attn.o_proj.weight.device)
+        self.hadamard = H
+        self.rotated_v, self.rotated_o = [], []
+        nq, nkv = self.num_q_heads * D, self.num_kv_heads * D
+        with torch.no_grad():
+            for layer, block in enumerate(self.layers):
+                attn = block.self_attn
+                w, b = attn.v_proj.weight, attn.v_proj.bias
+                v_w = (H.T @ w.float().view(self.num_kv_heads, D, -1)).reshape(nkv, -1).to(w.dtype)
+                v_b = None if b is None else (b.float().view(-1, D) @ H).reshape(-1).to(b.dtype)
+                o = attn.o_proj
+                o_w = (o.weight.float().view(-1, self.num_q_heads, D) @ H).reshape(-1, nq)
+                self.rotated_o.append((o_w.to(o.weight.dtype), o.bias))
+                if self.fused is None:
+                    self.rotated_v.append((v_w, v_b))
+                    continue
+                fw, fb = self.fused[layer]["qkv"]
+                attn.v_proj.weight.data = fw[nq + nkv:].clone()
+                fw[nq + nkv:] = v_w
+                if fb is not None:
+                    attn.v_proj.bias.data = fb[nq + nkv:].clone()
+                    fb[nq + nkv:] = v_b
 
     def unfuse(self) -> None:
         """Undo ``_fuse_layer``: every q/k/v and gate/up module gets weights (and biases) of its
@@ -152,7 +194,8 @@ class LlamaFamilyAdapter:
             q, k, v = F.linear(block.input_layernorm(h), w, b).split([nq, nkv, nkv], dim=-1)
         else:
             x = block.input_layernorm(h)
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q, k = attn.q_proj(x), attn.k_proj(x)
+            v = attn.v_proj(x) if self.rotated_v is None else F.linear(x, *self.rotated_v[layer])
         q = q.view(B, S, self.num_q_heads, self.head_dim)
         k = k.view(B, S, self.num_kv_heads, self.head_dim)
         v = v.view(B, S, self.num_kv_heads, self.head_dim)
@@ -163,6 +206,14 @@ class LlamaFamilyAdapter:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+        if self.hadamard is not None:
+            # The one place both paths (fused and HF modules) go through. RoPE sits between
+            # k_proj and here, so this cannot be folded: per layer and token 2 (H_q + H_kv) D^2
+            # FLOPs (8B: 40 heads x 128^2 x 2 = 1.3 MFLOP vs ~0.4 GFLOP of weights) and H's D^2
+            # fp32 (64 KB at D = 128, L2-resident) read; in fp32 so that H stays orthonormal
+            # (1/sqrt(128) is not a bf16 number: a bf16 H would scale every score by ~1 +- 0.4%).
+            H = self.hadamard
+            q, k = (q.float() @ H).to(q.dtype), (k.float() @ H).to(k.dtype)
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -188,17 +239,19 @@ class LlamaFamilyAdapter:
         """The layer's output, and with ``hand_on`` (where the plan splits the norm) the next
         layer's input norm share (``_norm_prologue``)."""
         block = self.layers[layer]
+        o = block.self_attn.o_proj
+        o_w, o_b = (o.weight, o.bias) if self.rotated_o is None else self.rotated_o[layer]
         if self._fused_rows(h):
-            o, down = block.self_attn.o_proj, block.mlp.down_proj
+            down = block.mlp.down_proj
             post = block.post_attention_layernorm
             w, b = self.fused[layer]["gate_up"]
             split = self.decode_plan(h.shape[0], h.dtype).split_norm
             if split:  # the norm split over o_proj and gate/up
-                x, *xn = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0],
+                x, *xn = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0],
                                           norm_out=post.weight)
                 a, norm = _norm_prologue(post, x, xn)
             else:
-                x = ops.fused_linear(attn_out[:, 0], o.weight, o.bias, residual=h[:, 0])
+                x = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0])
                 a, norm = _norm_prologue(post, x)
             act = ops.fused_linear(a, w, b, **norm, glu_out=True)  # silu(gate) * up
             if hand_on and split:
@@ -207,7 +260,7 @@ class LlamaFamilyAdapter:
                                             norm_out=nxt.weight)
                 return out[:, None], tuple(xn)
             return ops.fused_linear(act, down.weight, down.bias, residual=x)[:, None], None
-        h = h + block.self_attn.o_proj(attn_out)
+        h = h + (o(attn_out) if self.rotated_o is None else F.linear(attn_out, o_w, o_b))
         x = block.post_attention_layernorm(h)
         if self.fused is None:
             return h + block.mlp(x), None
@@ -283,6 +336,19 @@ def _concat_linears(linears):
             m.bias.data = bias[row: row + n]
         row += n
     return weight, bias
+
+
+def hadamard_matrix(n: int, device=None) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix (n, n) fp32: entries +-1/sqrt(n), symmetric.
+
+    ``n`` must be a power of two (a head dim of 64, 128, 256); other sizes raise ValueError.
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"rotation='hadamard': expected a head_dim that is a power of two, got {n}")
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < n:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
+    return (H / n ** 0.5).to(device=device, dtype=torch.float32)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,14 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
     _method("snapkv_block_sink", "MiniKV + snapkv k15, blocks, 4 sinks", **SELECTIONS["snapkv_block_sink"]),
     _method("snapkv_block16", "SnapKV k15, blocks, 16-bit at MiniKV's bytes", match="minikv", bits=16,
             **SELECTIONS["snapkv_block"]),
+    # Issue 25: the library default (snapkv_block_sink) with a Hadamard rotation of every head
+    # before quantizing, and both at 4 bits as a reference.
+    _method("snapkv_block_sink_hadamard", "MiniKV + snapkv k15, blocks, 4 sinks, Hadamard",
+            rotation="hadamard", **SELECTIONS["snapkv_block_sink"]),
+    _method("snapkv_block_sink4", "MiniKV + snapkv k15, blocks, 4 sinks, 4-bit", bits=4,
+            **SELECTIONS["snapkv_block_sink"]),
+    _method("snapkv_block_sink4_hadamard", "MiniKV + snapkv k15, blocks, 4 sinks, 4-bit, Hadamard",
+            bits=4, rotation="hadamard", **SELECTIONS["snapkv_block_sink"]),
 )}
 # Most important first: a run cut short by --budget-seconds still has the paper's comparison.
 MAIN_METHODS = ("full", "minikv", "kivi2", "snapkv2", "h2o16", "minikv_pyramid", "snapkv_block",
