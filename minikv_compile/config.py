@@ -67,7 +67,8 @@ class MiniKVConfig:
         orthonormal Hadamard matrix ``H`` (``D x D``, ``D = head_dim`` a power of two) after RoPE,
         so ``q . k`` is unchanged, and values by ``H`` with the attention output rotated back
         (both folded into v_proj and o_proj): outlier channels are spread over the head before
-        the cache quantizes them (issue 25; perf/NOTES.md, "Rotation before quantizing").
+        the cache quantizes them. On SmolLM2 at 2 bits (CPU harness, 20 paired needle prompts
+        of 512 tokens) needle retrieval went from 3 to 15 of 20; perplexity did not move.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
