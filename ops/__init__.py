@@ -10,6 +10,7 @@ from .attention_decode import decode_attention
 from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
+from .recall import HostStore, recall_gather
 
 __all__ = [
     "quantize_keys",
@@ -25,4 +26,5 @@ __all__ = [
     "cache_write_prefill",
     "fused_linear",
     "rms_norm",
+    "HostStore", "recall_gather",
 ]

@@ -1,0 +1,289 @@
+"""Recall of full-precision K/V from host memory (SpeCache, issue 25): the first building blocks.
+
+SpeCache keeps two copies of every token the quantized cache holds: the low-bit one on the GPU
+(the region of :mod:`.cache_layout`) and the model-dtype one in host memory. Before a decode
+attention, the ``K`` positions that the step is expected to attend to most are brought back to
+the GPU, and the attention uses their full-precision K/V instead of their dequantized values.
+The data, per layer (``Bmax`` slots, ``H_kv`` KV heads, ``T_cap`` quantized tokens per slot)::
+
+    host store   k, v        (Bmax, H_kv, T_cap, D) model dtype, host memory (pinned when a GPU
+                                                  reads it); row t = the token at quantized
+                                                  position t of that slot and head, the order
+                                                  of the quantized cache's codes
+    recall       recall_k, recall_v (Bmax, H_kv, K, D) model dtype, on the device
+                 recall_idx  (Bmax, H_kv, K) int32  quantized position of each recalled row;
+                                                  -1 = unused row
+
+Attention with recall is attention over the quantized region in which every position listed in
+``recall_idx`` (and below ``lens[b, 0]``) takes the recalled k/v in place of its dequantized
+value, followed by the ring as usual. Ring tokens are full precision already and never recalled.
+
+The ops here:
+
+* ``minikv::recall_gather``: ``recall_k[b, h, j] = host_k[b, h, recall_idx[b, h, j]]`` (and v)
+  for the slots of a bucket, one launch. On CUDA the Triton kernel dereferences the pinned host
+  store itself (zero-copy through unified virtual addressing: a pinned tensor's ``data_ptr()``
+  is a valid device address), so the gather is an ordinary kernel node of the captured step,
+  with no host synchronization and no copy issued from Python.
+* :func:`decode_attention_recall_ref`: the oracle of attention with recall.
+* :func:`recall_topk_ref`: the rule that chooses what to recall (the top-k positions by a KV
+  group's attention mass).
+
+How the host store crosses the op boundary: the op takes the two host tensors as CPU tensors
+and runs on the device of the others (CUDA's dispatch key outranks CPU's, so ``idx`` and the
+recall buffers on CUDA select the kernel; all on the CPU, the reference), while the public
+wrapper takes a :class:`HostStore`, validated once when it is made, because whether a tensor is
+pinned is invisible to fake tensors and ``Tensor.is_pinned()`` breaks a ``fullgraph`` trace.
+(A CPU tensor among CUDA ones is already how ``minikv::cache_begin_step`` takes ``table_host``
+inside the compiled, captured step.)
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_tensor
+from .attention_decode import decode_attention_ref
+from .cache_layout import check_base
+from .quant import dequantize_keys_ref, dequantize_values_ref
+
+# Elements of one of k / v a gather program copies (8 per thread at 4 warps, 16 bytes of fp16).
+# Not tuned: no GPU was available when this was written. The issue's measurement (64 tokens x
+# 8 heads x 128 dims bf16 in 5.7 us on the H200, latency-bound) suggests many small programs,
+# so that many SMs have host reads in flight at once.
+_TILE_ELEMENTS = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _recall_gather_kernel(host_k, host_v, idx, recall_k, recall_v, T_cap, K, D,
+                          BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b * H_kv + h, c): rows ``[c * BLOCK_K, (c + 1) * BLOCK_K)`` of plane (b, h).
+
+    host_k, host_v: (Bmax, H_kv, T_cap, D), possibly host memory; idx: (B, H_kv, K) int32;
+    recall_k, recall_v: (Bmax, H_kv, K, D). The first B * H_kv planes of all of them are the
+    planes of slots < B, so one plane index serves every tensor.
+    """
+    bh = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    d = tl.arange(0, BLOCK_D)
+    j_ok = j < K
+    d_ok = d < D
+    # -- which host rows: -1 (and anything outside [0, T_cap), never read) gives a zero row
+    t = tl.load(idx + bh * K + j, mask=j_ok, other=-1)
+    hit = (t >= 0) & (t < T_cap)
+    src = (bh * T_cap + t)[:, None] * D + d[None, :]
+    src_mask = hit[:, None] & d_ok[None, :]
+    # -- read both host rows before storing either: two reads in flight per row
+    k = tl.load(host_k + src, mask=src_mask, other=0.0)
+    v = tl.load(host_v + src, mask=src_mask, other=0.0)
+    dst = (bh * K + j)[:, None] * D + d[None, :]
+    dst_mask = j_ok[:, None] & d_ok[None, :]
+    tl.store(recall_k + dst, k, mask=dst_mask)
+    tl.store(recall_v + dst, v, mask=dst_mask)
+
+
+def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
+    B, H, K = idx.shape
+    T_cap, D = host_k.shape[2], host_k.shape[3]
+    if B * H * K == 0:
+        return
+    block_d = triton.next_power_of_2(D)
+    block_k = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(K)))
+    grid = (B * H, triton.cdiv(K, block_k))
+    _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D,
+                                BLOCK_K=block_k, BLOCK_D=block_d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-PyTorch references
+# ----------------------------------------------------------------------------------------------
+
+
+def recall_gather_ref(host_k, host_v, idx, recall_k, recall_v) -> None:
+    """Reference for :func:`recall_gather` (the op's arguments; tensors on any devices)."""
+    B, H, K = idx.shape
+    T_cap = host_k.shape[2]
+    t = idx.to(device=host_k.device, dtype=torch.int64)             # (B, H, K)
+    hit = (t >= 0) & (t < T_cap)
+    rows = torch.where(hit, t, 0)[..., None].expand(B, H, K, host_k.shape[3])
+    for host, out in ((host_k, recall_k), (host_v, recall_v)):
+        got = torch.gather(host[:B], 2, rows)                       # (B, H, K, D)
+        got = torch.where(hit[..., None], got, torch.zeros_like(got))
+        out[:B].copy_(got)
+
+
+def decode_attention_recall_ref(
+    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+    recall_k, recall_v, recall_idx, scale: float, bits: int, group_size: int,
+) -> torch.Tensor:
+    """Decode attention with recall, in fp32: the oracle the recall kernels will be held to.
+
+    For every slot ``b < B``: the quantized region is dequantized to fp32 (bits 2/4; bits 16:
+    taken as it is), every row ``j`` with ``0 <= recall_idx[b, h, j] < lens[b, 0]`` replaces
+    position ``recall_idx[b, h, j]`` of head ``h`` by ``recall_k[b, h, j]`` / ``recall_v[b, h,
+    j]``, and the result is attended to with the ring by :func:`decode_attention_ref` (handed
+    as a bits-16 fp32 region), so everything but the substitution is that reference.
+
+    Args:
+        q: ``(B, H_q, D)``; the cache buffers and ``lens``: as :func:`decode_attention`.
+        recall_k, recall_v: ``(Bmax, H_kv, K, D)`` in q's dtype.
+        recall_idx: ``(B or Bmax, H_kv, K)`` int32; -1 (or any position outside
+            ``[0, lens[b, 0])``) = unused row.
+        scale, bits, group_size: as :func:`decode_attention`.
+
+    Returns:
+        ``(B, H_q, D)`` in q's dtype.
+    """
+    batch = q.shape[0]
+    if bits == 16:
+        k = k_cache[:batch].float()                                  # (B, H_kv, T_cap, D)
+        v = v_cache[:batch].float()
+    else:
+        k = dequantize_keys_ref(k_cache[:batch], k_scale[:batch], k_zero[:batch], bits,
+                                group_size, torch.float32)
+        v = dequantize_values_ref(v_cache[:batch], v_scale[:batch], v_zero[:batch], bits,
+                                  group_size, torch.float32)
+    for b, n_quant in enumerate(lens[:batch, 0].tolist()):
+        pos = recall_idx[b].long()                                   # (H_kv, K)
+        h, j = ((pos >= 0) & (pos < n_quant)).nonzero(as_tuple=True)
+        k[b, h, pos[h, j]] = recall_k[b, h, j].float()
+        v[b, h, pos[h, j]] = recall_v[b, h, j].float()
+    empty = k.new_empty(0)
+    return decode_attention_ref(q, k, empty, empty, v, empty, empty, k_ring, v_ring, lens,
+                                scale, 16, group_size)
+
+
+def recall_topk_ref(probs: torch.Tensor, k: int, num_kv_heads: int) -> torch.Tensor:
+    """The positions to recall: per (slot, KV head), the ``k`` with the most attention mass.
+
+    The mass of position ``t`` for KV head ``h`` is the sum of ``probs[b, i, t]`` over the query
+    heads ``i`` of its group (``i // (H_q / H_kv) == h``), the attention the whole group pays it.
+
+    Args:
+        probs: ``(B, H_q, T)`` attention probabilities over the quantized positions (zero where
+            nothing is held); ``H_q % num_kv_heads == 0``.
+        k: positions per (slot, KV head), ``k >= 0``.
+        num_kv_heads: H_kv.
+
+    Returns:
+        ``(B, H_kv, k)`` int32: positions by decreasing mass (ties in ``torch.topk``'s order),
+        -1 in the last ``k - T`` columns when ``T < k``.
+    """
+    B, H_q, T = probs.shape
+    mass = probs.float().reshape(B, num_kv_heads, H_q // num_kv_heads, T).sum(2)  # (B, H_kv, T)
+    top = torch.topk(mass, min(k, T), dim=-1).indices.to(torch.int32)
+    pad = top.new_full((B, num_kv_heads, k - top.shape[-1]), -1)
+    return torch.cat([top, pad], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered op: the reference by default (CPU), the Triton kernel on CUDA
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("minikv::recall_gather", mutates_args=("recall_k", "recall_v"))
+def _recall_gather_op(host_k: torch.Tensor, host_v: torch.Tensor, idx: torch.Tensor,
+                      recall_k: torch.Tensor, recall_v: torch.Tensor) -> None:
+    recall_gather_ref(host_k, host_v, idx, recall_k, recall_v)
+
+
+@_recall_gather_op.register_fake
+def _(host_k, host_v, idx, recall_k, recall_v):
+    return None
+
+
+# Chosen whenever idx / the recall buffers are CUDA tensors, the host store being CPU tensors.
+_recall_gather_op.register_kernel("cuda")(_recall_gather_triton)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public surface
+# ----------------------------------------------------------------------------------------------
+
+
+class HostStore:
+    """One layer's full-precision K/V in host memory, validated once for the device that reads
+    it (the recall kernel dereferences it; a pageable page there is an illegal address).
+
+    ``k, v: (Bmax, H_kv, T_cap, D)`` in the model dtype, contiguous CPU tensors, pinned when
+    ``device`` is CUDA (with unified addressing, pinned memory is mapped for every GPU). Row
+    ``t`` of plane ``(b, h)`` is the token at quantized position ``t`` of slot ``b``. Writers
+    (prefill, ring flushes) fill rows in place; a captured gather reads them at every replay, so
+    the store must outlive the graphs that read it.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, device: Union[str, torch.device]):
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected a cpu or cuda device, got {self.device}")
+        check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES, device="cpu", contiguous=True)
+        check_tensor("v", v, shape=tuple(k.shape), dtypes=(k.dtype,), device="cpu",
+                     contiguous=True)
+        if self.device.type == "cuda":
+            for name, t in (("k", k), ("v", v)):
+                if not t.is_pinned():
+                    raise ValueError(f"{name}: expected pinned host memory (a GPU reads it "
+                                     f"directly), got pageable memory")
+        self.k, self.v = k, v
+
+    @classmethod
+    def allocate(cls, *, max_batch_size: int, num_kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: Union[str, torch.device]) -> "HostStore":
+        """Zeroed ``(max_batch_size, num_kv_heads, capacity, head_dim)`` k and v, pinned when
+        ``device`` is CUDA."""
+        pin = torch.device(device).type == "cuda"
+        shape = (max_batch_size, num_kv_heads, capacity, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, pin_memory=pin),
+                   torch.zeros(shape, dtype=dtype, pin_memory=pin), device)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of k and v together."""
+        return self.k.nbytes + self.v.nbytes
+
+
+def recall_gather(store: HostStore, idx: torch.Tensor, recall_k: torch.Tensor,
+                  recall_v: torch.Tensor) -> None:
+    """Copy the host rows ``idx`` names into the recall buffers of the slots of a bucket.
+
+    For every ``b < B``, KV head ``h`` and row ``j``: ``recall_k[b, h, j] = store.k[b, h,
+    idx[b, h, j]]`` (and v); rows with ``idx < 0`` (or ``>= T_cap``, not checked: that would
+    sync) become zeros. Slots ``>= B`` are not touched. One launch on CUDA, reading the pinned
+    store in place; no host synchronization, so it may be captured in a CUDA graph, and the
+    graph replayed after ``idx`` and the store's rows change in place.
+
+    Args:
+        store: the layer's :class:`HostStore`, ``(Bmax, H_kv, T_cap, D)``, made for the
+            recall buffers' device.
+        idx: ``(B, H_kv, K)`` int32, contiguous (a leading slice of the ``(Bmax, H_kv, K)``
+            index buffer is fine), on the recall buffers' device; ``1 <= B <= Bmax``.
+        recall_k, recall_v: ``(Bmax, H_kv, K, D)`` in the store's dtype, contiguous, whole
+            buffers (not views), on ``store.device``; mutated.
+
+    Raises:
+        ValueError: a shape, dtype or device inconsistent with the above.
+    """
+    if not isinstance(store, HostStore):
+        raise ValueError(f"store: expected a HostStore, got {type(store).__name__}")
+    Bmax, H, _, D = store.k.shape
+    check_tensor("recall_k", recall_k, shape=(Bmax, H, None, D), dtypes=(store.k.dtype,),
+                 device=store.device, contiguous=True)
+    K = recall_k.shape[2]
+    check_tensor("recall_v", recall_v, shape=(Bmax, H, K, D), dtypes=(store.k.dtype,),
+                 device=store.device, contiguous=True)
+    for name, t in (("recall_k", recall_k), ("recall_v", recall_v)):
+        check_base(name, t)
+    check_tensor("idx", idx, shape=(None, H, K), dtypes=(torch.int32,), device=store.device,
+                 contiguous=True)
+    if not 1 <= idx.shape[0] <= Bmax:
+        raise ValueError(f"idx: expected 1 <= B (idx.shape[0]) <= max_batch_size={Bmax}, "
+                         f"got shape {tuple(idx.shape)}")
+    torch.ops.minikv.recall_gather(store.k, store.v, idx, recall_k, recall_v)
