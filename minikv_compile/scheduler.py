@@ -145,8 +145,9 @@ class Metrics:
 class _Running:
     """A request in a slot."""
 
-    def __init__(self, handle: Handle, tokenizer):
+    def __init__(self, handle: Handle, tokenizer, kv_bytes: int):
         self.handle = handle
+        self.kv_bytes = kv_bytes  # its share of the cache, by the engine's report
         self.detok = IncrementalDetokenizer(tokenizer, handle.request.prompt_ids)
         self.text = ""        # decoded so far
         self.sent = 0         # characters of ``text`` already emitted
@@ -231,6 +232,9 @@ class Scheduler:
         with self._cv:
             if self.failure is not None:
                 raise RuntimeError(f"the server failed: {self.failure}")
+            if self._stop:
+                raise RuntimeError("the scheduler is shut down: expected a running scheduler")
+            self._drop_cancelled()  # a cancelled request holds no place in the queue
             if len(self._waiting) >= self.max_queue:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(self.max_queue, retry_after=max(1.0, 0.5 * len(self._waiting)))
@@ -238,6 +242,15 @@ class Scheduler:
             self._waiting.append(handle)
             self._cv.notify_all()
         return handle
+
+    def _drop_cancelled(self) -> None:
+        """End the waiting requests whose clients went away (call with ``_cv`` held)."""
+        if any(h.cancelled.is_set() for h in self._waiting):
+            kept = [h for h in self._waiting if not h.cancelled.is_set()]
+            for h in self._waiting:
+                if h.cancelled.is_set():
+                    self._end(h, "cancelled", None)
+            self._waiting = collections.deque(kept)
 
     @property
     def queue_depth(self) -> int:
@@ -249,12 +262,7 @@ class Scheduler:
 
     def kv_bytes_in_use(self) -> int:
         """KV bytes the running requests occupy (prompt + max_tokens each, by the report)."""
-        total = 0
-        for run in list(self._running.values()):
-            r = run.handle.request
-            total += self.engine.kv_memory(prompt_len=len(r.prompt_ids), new_tokens=r.max_tokens,
-                                           batch=1).total_bytes
-        return total
+        return sum(run.kv_bytes for run in list(self._running.values()))
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -292,6 +300,7 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     break
+                self._drop_cancelled()
             # Each round of work holds the engine's lock: a generate() of another thread runs
             # between rounds (it refuses to start while requests hold slots).
             with self.engine._lock:
@@ -341,10 +350,15 @@ class Scheduler:
                     self._end(handle, "cancelled", None)
                     continue
                 self.metrics.prompt_tokens += handle.prompt_tokens
-                self._running[slot] = _Running(handle, self.tok)
+                r = handle.request
+                kv = self.engine.kv_memory(prompt_len=len(r.prompt_ids),
+                                           new_tokens=r.max_tokens, batch=1).total_bytes
+                self._running[slot] = _Running(handle, self.tok, kv)
                 joined.append(slot)
             if joined:
                 self._collect(joined)  # the first tokens, chosen at admission
+            if self._running:
+                return  # one piece of prefill between two decode steps, never two
 
     def _admission_failed(self, handles: List[Handle], error: Exception) -> None:
         """A request prefilled alone ends with ``error``. A batched pass does not say which
@@ -384,11 +398,11 @@ class Scheduler:
                 self._end(handle, "cancelled", None)
                 continue
             r = handle.request
-            request = Request(list(r.prompt_ids), r.max_tokens, tuple(r.eos_ids), r.sampling,
-                              budgets=r.budgets)
             try:
+                request = Request(list(r.prompt_ids), r.max_tokens, tuple(r.eos_ids), r.sampling,
+                                  budgets=r.budgets)
                 self.rt.check_request(request)
-            except ValueError as e:
+            except Exception as e:  # bad input the server's checks missed: this request alone
                 self._end(handle, "error", f"{type(e).__name__}: {e}")
                 continue
             handles.append(handle)
@@ -419,6 +433,7 @@ class Scheduler:
         for slot, count, token, finished in zip(slots, counts, newest, done):
             run = self._running[slot]
             h, r = run.handle, run.handle.request
+            before = len(run.text)
             if count > run.seen:
                 run.seen = count
                 h.completion_tokens = count
@@ -433,7 +448,10 @@ class Scheduler:
                 run.last_at = now
                 if token not in r.eos_ids:
                     run.text += run.detok.push(token)
-            cut = min((i for i in (run.text.find(s) for s in r.stop) if i >= 0), default=-1)
+            # A stop string found now ends in the new text (an earlier one would have ended the
+            # request): search only from where it could start, not the whole text every step.
+            frm = max(0, before - max((len(s) for s in r.stop), default=0) + 1)
+            cut = min((i for i in (run.text.find(s, frm) for s in r.stop) if i >= 0), default=-1)
             if cut >= 0:
                 run.text = run.text[:cut]
                 self._finish(slot, "stop")

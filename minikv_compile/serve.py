@@ -60,6 +60,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import MiniKVConfig
@@ -270,18 +271,15 @@ def _prompt_ids(body: Dict[str, Any], tokenizer, served: _Served) -> List[int]:
     if prompt is None:
         raise _bad("prompt", "a string or a list of token ids", prompt)
     if isinstance(prompt, str):
-        ids = list(tokenizer(prompt)["input_ids"])
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        # One pass over plain ints (it runs on the event loop: a per-id check_int took 16 ms
-        # for 16k ids on the H100 host, a pause of every stream).
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < served.vocab_size), None)
-        if bad is not None:
-            raise _bad(f"prompt[{bad}]", f"an int in [0, {served.vocab_size - 1}]",
-                       prompt[bad])
-        ids = prompt
-    else:
+        return _fits(_encode("prompt", tokenizer, prompt), "prompt", served)
+    if not (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
         raise _bad("prompt", "a string or a list of token ids (one prompt)", prompt)
-    return _fits(ids, "prompt", served)
+    _fits(prompt, "prompt", served)
+    # One pass over plain ints (a per-id check_int took 16 ms for 16k ids on the H100 host).
+    bad = next((i for i, t in enumerate(prompt) if not 0 <= t < served.vocab_size), None)
+    if bad is not None:
+        raise _bad(f"prompt[{bad}]", f"an int in [0, {served.vocab_size - 1}]", prompt[bad])
+    return prompt
 
 
 def _chat_ids(body: Dict[str, Any], tokenizer, served: _Served) -> List[int]:
@@ -304,8 +302,18 @@ def _chat_ids(body: Dict[str, Any], tokenizer, served: _Served) -> List[int]:
         text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the template's own refusal (e.g. roles that do not alternate)
         raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = _encode("messages", tokenizer, text, add_special_tokens=False)
     return _fits(ids, "messages", served)
+
+
+def _encode(param: str, tokenizer, text: str, **kwargs) -> List[int]:
+    """The tokenizer's ids of ``text``; text it cannot encode (a lone surrogate such as
+    "\\ud800", valid in JSON) is bad input, not a server error."""
+    try:
+        return list(tokenizer(text, **kwargs)["input_ids"])
+    except Exception as e:
+        raise ApiError(400, f"{param}: expected text the tokenizer can encode, got text it "
+                            f"refused ({type(e).__name__}: {e})", param) from None
 
 
 def _content(param: str, content: Any) -> str:
@@ -407,6 +415,12 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
             invalid[0] += 1
         return err.response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):  # a bug: OpenAI's body, not text
+        _log.exception("unexpected error")
+        return ApiError(500, f"internal error: {type(err).__name__}: {err}",
+                        type="server_error").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         return ApiError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)
@@ -430,7 +444,10 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
 
     async def respond(request: Request, kind: str, body: Dict[str, Any],
                       prompt_ids: Callable[[], List[int]]):
-        parsed, handle = submit(body, kind, prompt_ids)
+        # In a worker thread: tokenizing a 32k-token prompt (~30 ms) or applying a chat template
+        # on the event loop would pause every stream for that long (the tokenizer lets go of
+        # the GIL).
+        parsed, handle = await run_in_threadpool(submit, body, kind, prompt_ids)
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -106,6 +106,43 @@ def test_queue_limit_and_sampled_requests_with_a_seed():
     assert sched.metrics.requests["rejected"] == 1
 
 
+def test_cancelled_waiting_requests_leave_the_queue_and_a_stopped_scheduler_refuses():
+    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 1}))
+    sched = Scheduler(cm, CharTokenizer(), max_queue=2)
+    p = prompt_of(30, seed=5)
+    running = sched.submit(ServeRequest(p, 20))
+    sched._admit_piece()                                   # holds the only slot
+    waiting = [sched.submit(ServeRequest(p, 20)) for _ in range(2)]
+    for h in waiting:
+        h.cancel()                                         # their clients went away
+    late = sched.submit(ServeRequest(p, 5))                # not refused: the queue holds 1
+    assert sched.queue_depth == 1
+    assert [h.result() for h in waiting] == [("", "cancelled")] * 2
+    sched.start()
+    try:
+        assert running.result()[1] == late.result()[1] == "length"
+    finally:
+        sched.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        sched.submit(ServeRequest(p, 5))
+
+
+def test_a_request_failing_in_an_unexpected_way_ends_alone():
+    # Bad input the server's checks would catch, through the library: a token id that is not
+    # an int. It ends with its error; the loop and the other requests go on.
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer())
+    good = ServeRequest(prompt_of(30, seed=1), 10)
+    want = _alone(cm, [list(good.prompt_ids)], 10)[0]
+    handles = [sched.submit(ServeRequest([1, "2", 3], 5)), sched.submit(good)]
+    sched._admit_piece()                                   # in this thread: nothing may escape
+    text, reason = handles[0].result()
+    assert text == "" and reason.startswith("error: TypeError")
+    while sched._running:
+        sched._step()
+    assert handles[1].result() == (want, "length") and sched.failure is None
+
+
 def test_incremental_detokenizer_never_emits_half_a_character():
     tok = CharTokenizer()
     detok = IncrementalDetokenizer(tok)
@@ -209,10 +246,13 @@ def test_short_waiting_requests_are_prefilled_in_one_pass():
     want = _alone(cm, prompts, 25)
     batches = _spy_batches(cm)
     handles = [sched.submit(ServeRequest(p, 25)) for p in prompts]
-    sched._admit_piece()      # nothing ran: the first five at once, then the sixth's layer 0
-    assert batches == [lengths[:5], lengths[5:]] and sched.metrics.prefills == 1
-    assert sorted(sched._running) == list(range(5)) and sched._admitting[0] == [5]
+    sched._admit_piece()      # nothing ran: the first five at once, and no more before a step
+    assert batches == [lengths[:5]] and sched.metrics.prefills == 1
+    assert sorted(sched._running) == list(range(5)) and sched._admitting is None
     assert [h.completion_tokens for h in handles] == [1] * 5 + [0]  # five first tokens out
+    sched._step()
+    sched._admit_piece()      # the sixth's layer 0
+    assert batches == [lengths[:5], lengths[5:]] and sched._admitting[0] == [5]
     sched._step()
     sched._admit_piece()      # the sixth's layer 1
     assert sorted(sched._running) == list(range(6)) and sched.metrics.prefills == 2
@@ -229,7 +269,10 @@ def test_a_batch_takes_no_more_requests_than_free_slots_and_a_long_prompt_goes_a
     lengths = [120, 10, 10, 10, 10, 10]
     for i, n in enumerate(lengths):
         sched.submit(ServeRequest(prompt_of(n, seed=i), 30 if i == 0 else 5))
-    sched._admit_piece()      # the 120-token prompt alone, then 3 of the short ones: slots full
+    sched._admit_piece()      # the 120-token prompt alone; it streams: one piece a gap from now
+    assert batches == [[120]] and sched.queue_depth == 5
+    sched._step()
+    sched._admit_piece()      # 3 of the short ones: the slots are full
     assert batches == [[120], [10, 10, 10]] and sched.queue_depth == 2
     while sched._running or sched.queue_depth:
         sched._step()
@@ -255,7 +298,11 @@ def test_a_failing_batched_prefill_retries_each_request_alone(monkeypatch):
     batches = _spy_batches(cm)
     monkeypatch.setattr(prefill_module, "_attend_and_store", poisoned)
     handles = [sched.submit(ServeRequest(p, 15)) for p in prompts]
-    sched._admit_piece()
+    sched._admit_piece()      # the batch fails; its first request alone joins and streams
+    assert batches == [[20, 23, 30], [20]] and sorted(sched._running) == [0]
+    for _ in range(2):        # one prefill between two steps: the second fails, the third joins
+        sched._step()
+        sched._admit_piece()
     assert batches == [[20, 23, 30], [20], [23], [30]]
     assert sorted(sched._running) == [0, 1] and sched.metrics.prefills == 2
     deltas = list(handles[1])
@@ -321,8 +368,37 @@ def test_a_batch_takes_at_most_prefill_batch_requests():
     batches = _spy_batches(cm)
     for i in range(7):
         sched.submit(ServeRequest(prompt_of(10, seed=i), 5))
-    sched._admit_piece()
+    for _ in range(3):        # a pass between two steps
+        sched._admit_piece()
+        sched._step()
     assert batches == [[10] * 3, [10] * 3, [10]] and sched.metrics.prefills == 3
+
+
+def test_at_most_one_prefill_piece_runs_between_two_decode_steps():
+    # Two long prompts wait while one request streams: each gap between steps holds one piece
+    # (one layer here) of one prompt, also where one admission ends and the next begins.
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer(), prefill_layers=1, prefill_batch_tokens=1)
+    sched.submit(ServeRequest(prompt_of(10, seed=0), 40))
+    sched._admit_piece()                                   # nothing ran: admitted at once
+    layers = []
+    real = cm.adapter.qkv
+
+    def counting(layer, h, *args, **kw):
+        if h.shape[1] > 1:                                 # a prefill layer, not a decode row
+            layers.append(layer)
+        return real(layer, h, *args, **kw)
+
+    cm.adapter.qkv = counting
+    for n in (100, 90):
+        sched.submit(ServeRequest(prompt_of(n, seed=n), 5))
+    per_gap = []
+    for _ in range(6):
+        before = len(layers)
+        sched._admit_piece()
+        per_gap.append(len(layers) - before)
+        sched._step()
+    assert per_gap == [1, 1, 1, 1, 0, 0] and sched.metrics.prefills == 3
 
 
 @pytest.mark.parametrize("kw", [dict(prefill_batch_tokens=0), dict(prefill_batch_requests=0),

@@ -411,6 +411,10 @@ BAD = [  # (endpoint, body (bytes: sent raw), param, what the message says)
                                                      "max_prompt_len), got 65 tokens"),
     (C, {"prompt": []}, "prompt", "got 0 tokens"),
     (C, {"prompt": [3, 64]}, "prompt[1]", "prompt[1]: expected an int in [0, 63], got 64"),
+    # a lone surrogate: valid JSON (sent escaped), no text a tokenizer can encode
+    (C, b'{"prompt": "w1 \\ud800"}', "prompt", "expected text the tokenizer can encode"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages",
+     "expected text the tokenizer can encode"),
     (C, {**OK, "max_tokens": MAX_NEW + 1}, "max_tokens", f"expected an int in [1, {MAX_NEW}], got {MAX_NEW + 1}"),
     (C, {**OK, "max_tokens": 0}, "max_tokens", "got 0"),
     (C, {**OK, "max_tokens": "8"}, "max_tokens", "got '8' (str)"),
