@@ -408,3 +408,29 @@ def test_prefill_batch_limits_must_be_positive_ints(kw):
     name, value = next(iter(kw.items()))
     with pytest.raises(ValueError, match=rf"{name}: expected a positive int, got {value}"):
         Scheduler(cm, CharTokenizer(), **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_serving_never_compiles_or_captures_after_warm_up():
+    # Every bucket and mode is captured by warm_up; mixed greedy / sampled traffic over every
+    # bucket then only replays: the compile and graph counts do not move, replays do.
+    import torch
+
+    cm = minikv_compile(tiny(dtype=torch.bfloat16, device="cuda"),
+                        MiniKVConfig(**{**CFG, "max_batch_size": 8}))
+    sched = Scheduler(cm, CharTokenizer(), prefill_layers=1)
+    sched.warm_up()
+    compiles, graphs = cm.stats["compiles"], list(cm.stats["graphs"])
+    replays = cm.stats["replays"]
+    assert len(graphs) == 2 * len(cm.runtime.buckets)
+    sampled = Sampling(greedy=False, temperature=0.9, top_p=0.9, seed=5)
+    sched.start()
+    try:
+        handles = [sched.submit(ServeRequest(prompt_of(20 + 9 * i, seed=i), 10 + 3 * i,
+                                             sampling=sampled if i % 3 == 0 else Sampling()))
+                   for i in range(12)]
+        assert all(h.result()[1] == "length" for h in handles)
+    finally:
+        sched.shutdown()
+    assert (cm.stats["compiles"], cm.stats["graphs"]) == (compiles, graphs)
+    assert cm.stats["replays"] - replays == sched.metrics.steps > 0  # every step a replay
