@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .argtypes import positive_float, positive_int
+from .argtypes import comma_list, positive_float, positive_int
 
 PROG = "python -m minikv_compile.perf"
 ALL_METHODS = ("hf-eager", "hf-static", "full", "kivi", "minikv", "minikv-pyramid")
@@ -102,17 +102,6 @@ def _shape_list(text: str) -> List[tuple]:
     return out
 
 
-def _methods(allowed: Sequence[str]) -> Callable[[str], List[str]]:
-    def parse(text: str) -> List[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in allowed]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated methods from {', '.join(allowed)}, got {text!r}")
-        return list(dict.fromkeys(items))
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Evidence for adopting the engine: decode "
                                      "speed, throughput, memory and longest prompt against HF transformers.",
@@ -131,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "the rest is reported as skipped (time budget)")
         p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
         p.add_argument("--model", choices=MODELS, default=None, help="model shape (random weights)")
-        p.add_argument("--methods", type=_methods(methods), default=None,
+        p.add_argument("--methods", type=comma_list(methods, "methods"), default=None,
                        help=f"comma-separated, from: {', '.join(methods)}")
         p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable, List, Sequence
 
 
 def positive_int(text: str) -> int:
@@ -33,3 +34,17 @@ def positive_float(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
+
+
+def comma_list(allowed: Sequence[str], what: str, canonical: bool = False
+               ) -> Callable[[str], List[str]]:
+    """A type for ``"a,b"``: items of ``allowed``, each once, in the order given (``canonical``:
+    in ``allowed``'s order, for steps that must run in it)."""
+    def parse(text: str) -> List[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what} from {', '.join(allowed)}, got {text!r}")
+        return [a for a in allowed if a in items] if canonical else list(dict.fromkeys(items))
+    return parse

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .argtypes import nonneg_int, positive_float, positive_int
+from .argtypes import comma_list, nonneg_int, positive_float, positive_int
 
 MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
 BACKENDS = ("minikv", "hf")
@@ -76,17 +76,6 @@ def _range(text: str) -> tuple:
     return lo, hi
 
 
-def _choices(allowed: Sequence[str]):
-    def parse(text: str) -> List[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in allowed]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated items from {', '.join(allowed)}, got {text!r}")
-        return [a for a in allowed if a in items]  # canonical order
-    return parse
-
-
 def _rates(text: str) -> List[float]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -107,9 +96,9 @@ def add_parsers(sub) -> None:
                    help="tiny random model, a few short requests: checks the plumbing on the CPU")
     p.add_argument("--model", choices=MODELS, default=None,
                    help="model shape (default llama3.1-8b)")
-    p.add_argument("--backends", type=_choices(BACKENDS), default=None,
+    p.add_argument("--backends", type=comma_list(BACKENDS, "backends", canonical=True), default=None,
                    help="comma-separated, from: minikv, hf (default both, one after the other)")
-    p.add_argument("--phases", type=_choices(PHASES), default=None,
+    p.add_argument("--phases", type=comma_list(PHASES, "phases", canonical=True), default=None,
                    help=f"comma-separated, from: {', '.join(PHASES)} (default all)")
     p.add_argument("--budget-seconds", type=positive_float, default=None,
                    help="wall-clock bound of the whole invocation, worker start-up included "
