@@ -29,9 +29,9 @@ class GraphRunner:
     Compiles are few (a whole step per (bucket, mode) would be 14 compiles of ~20 s each for a
     server's 7 buckets in 2 modes at the 8B shape on the H100): the batch reaches both parts as
     the length of a view, marked dynamic for ``batch >= 2``, so one compiled graph serves every
-    bucket that takes the same branches
-    (batch 1 is its own: a size of 1 is always specialized); and ``forward`` (the model's
-    layers, nearly all of the compile time) does not see the mode, so every mode shares it.
+    bucket that takes the same branches (batch 1 is its own: a size of 1 is always
+    specialized); and ``forward`` (the model's layers, nearly all of the compile time) does not
+    see the mode, so every mode shares it.
 
     forward(slots) -> logits: the layers of a step. choose(slots, logits, mode): the rest.
     state_buffers: every tensor the step writes besides the cache (restored after warm-up).
