@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
@@ -91,9 +91,11 @@ class IncrementalDetokenizer:
 
 
 class Handle:
-    """A submitted request: iterate it for ``Delta`` s until one carries a finish reason."""
+    """A submitted request: iterate it for ``Delta`` s until one carries a finish reason, or
+    (``on_delta`` given to ``submit``) have each delta handed to that callable instead."""
 
-    def __init__(self, request_id: str, request: ServeRequest):
+    def __init__(self, request_id: str, request: ServeRequest,
+                 on_delta: Optional[Callable[[Delta], None]] = None):
         self.id, self.request = request_id, request
         self.created = time.perf_counter()
         self.first_token_at: Optional[float] = None
@@ -101,13 +103,23 @@ class Handle:
         self.completion_tokens = 0
         self.finish_reason: Optional[str] = None
         self.cancelled = threading.Event()
-        self._deltas: "queue.Queue[Delta]" = queue.Queue()
+        self._on_delta = on_delta
+        self._deltas: Optional["queue.Queue[Delta]"] = None if on_delta else queue.Queue()
+
+    def _emit(self, delta: Delta) -> None:
+        if self._on_delta is not None:
+            self._on_delta(delta)
+        else:
+            self._deltas.put(delta)
 
     def cancel(self) -> None:
         """Ask the loop to end this request (its slot is freed at the next step)."""
         self.cancelled.set()
 
     def __iter__(self) -> Iterator[Delta]:
+        if self._deltas is None:
+            raise RuntimeError(f"handle {self.id}: expected a handle to iterate, got one whose "
+                               f"deltas go to its on_delta")
         while True:
             delta = self._deltas.get()
             yield delta
@@ -226,9 +238,13 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, request: ServeRequest) -> Handle:
+    def submit(self, request: ServeRequest,
+               on_delta: Optional[Callable[[Delta], None]] = None) -> Handle:
         """Queue ``request``; ``QueueFull`` (with a retry delay) past ``max_queue`` waiting;
-        ``RuntimeError`` once the loop has failed."""
+        ``RuntimeError`` once the loop has failed or was shut down.
+
+        on_delta: called with each ``Delta`` of the request, on the loop's thread (it must not
+        block: a server hands the delta to its event loop); None: iterate the handle."""
         with self._cv:
             if self.failure is not None:
                 raise RuntimeError(f"the server failed: {self.failure}")
@@ -238,7 +254,7 @@ class Scheduler:
             if len(self._waiting) >= self.max_queue:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(self.max_queue, retry_after=max(1.0, 0.5 * len(self._waiting)))
-            handle = Handle(f"cmpl-{next(self._ids)}", request)
+            handle = Handle(f"cmpl-{next(self._ids)}", request, on_delta)
             self._waiting.append(handle)
             self._cv.notify_all()
         return handle
@@ -463,7 +479,7 @@ class Scheduler:
                 hold = max((len(s) - 1 for s in r.stop), default=0)
                 upto = max(run.sent, len(run.text) - hold)
                 if upto > run.sent:
-                    h._deltas.put(Delta(run.text[run.sent:upto], [token]))
+                    h._emit(Delta(run.text[run.sent:upto], [token]))
                     run.sent = upto
 
     def _finish(self, slot: int, reason: str) -> None:
@@ -473,6 +489,6 @@ class Scheduler:
         self._end(run.handle, reason, None, run.text[run.sent:])
 
     def _end(self, handle: Handle, reason: str, error: Optional[str], text: str = "") -> None:
-        handle._deltas.put(Delta(text, [], reason, error))
-        handle.finish_reason = reason
+        handle.finish_reason = reason  # counted before the client can see the end
         self.metrics.requests[reason] += 1
+        handle._emit(Delta(text, [], reason, error))

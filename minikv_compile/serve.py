@@ -337,28 +337,64 @@ def _fits(ids: List[int], param: str, served: _Served) -> List[int]:
 # -- the handle, seen from the event loop --------------------------------------------------------
 
 
-class _Deltas:
-    """A handle's deltas as an async iterator.
+class _LoopSink:
+    """Hands deltas from the scheduler's thread to one event loop, a wake-up per batch.
 
-    ``Handle`` iteration blocks, so one thread per request reads it and hands every delta to the
-    event loop: many streams then wait together without holding the loop or a pool thread.
+    The scheduler produces a delta per live request and step; one ``call_soon_threadsafe``
+    each (or a thread per request waiting on its handle) would wake the loop and take the GIL
+    that often. ``put`` only appends under a lock; the first delta since the loop last drained
+    schedules one drain, which feeds every request's queue.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: List[Tuple["asyncio.Queue[Delta]", Delta]] = []
+
+    def put(self, queue: "asyncio.Queue[Delta]", delta: Delta) -> None:
+        with self._lock:
+            self._pending.append((queue, delta))
+            if len(self._pending) > 1:
+                return  # a drain is already scheduled
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, delta in pending:
+            queue.put_nowait(delta)
+
+
+class _LoopSinks:
+    """The sink of the running event loop (made on first use, on that loop)."""
+
+    def __init__(self):
+        self._sinks: Dict[asyncio.AbstractEventLoop, _LoopSink] = {}
+
+    def get(self) -> _LoopSink:
+        loop = asyncio.get_running_loop()
+        if loop not in self._sinks:
+            self._sinks[loop] = _LoopSink(loop)
+        return self._sinks[loop]
+
+
+class _Deltas:
+    """A request's deltas as an async iterator: the scheduler calls ``put`` (its
+    ``on_delta``) on its thread, the sink hands them to this request's queue on the loop.
     ``close`` cancels the request unless it has finished (a client that went away).
     """
 
-    def __init__(self, handle: Handle):
-        self.handle = handle
+    def __init__(self, sink: _LoopSink):
+        self.handle: Optional[Handle] = None  # set once the scheduler took the request
         self.finished = False
-        self._loop = asyncio.get_running_loop()
         self._queue: "asyncio.Queue[Delta]" = asyncio.Queue()
-        threading.Thread(target=self._pump, name=f"pump-{handle.id}", daemon=True).start()
+        self._sink = sink
 
-    def _pump(self) -> None:
-        for delta in self.handle:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
-            except RuntimeError:  # the event loop is closed: the server is going down
-                self.handle.cancel()
-                return
+    def put(self, delta: Delta) -> None:
+        self._sink.put(self._queue, delta)
 
     async def next(self) -> Delta:
         delta = await self._queue.get()
@@ -366,7 +402,7 @@ class _Deltas:
         return delta
 
     def close(self) -> None:
-        if not self.finished:
+        if not self.finished and self.handle is not None:
             self.handle.cancel()
 
 
@@ -407,6 +443,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
                      heavy_budget=config.heavy_budget, recent_budget=config.recent_budget)
     created = int(time.time())
     invalid = [0]  # requests answered 400 (the scheduler never saw them)
+    sinks = _LoopSinks()
     app = FastAPI(title="minikv_compile", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -426,15 +463,15 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
         return ApiError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)
                         ).response()
 
-    def submit(body: Dict[str, Any], kind: str,
-               prompt_ids: Callable[[], List[int]]) -> Tuple[_Parsed, Handle]:
+    def submit(body: Dict[str, Any], kind: str, prompt_ids: Callable[[], List[int]],
+               deltas: "_Deltas") -> Tuple[_Parsed, Handle]:
         parsed = _parse(body, served, kind, prompt_ids)
         if not scheduler.ready:
             raise ApiError(503, "the server is compiling and capturing its decode steps; "
                                 "retry when GET /health answers 200", type="server_error",
                            headers={"Retry-After": "5"})
         try:
-            return parsed, scheduler.submit(parsed.request)
+            return parsed, scheduler.submit(parsed.request, on_delta=deltas.put)
         except QueueFull as e:
             raise ApiError(429, f"{e} (the server's --max-queue)", type="rate_limit_error",
                            code="rate_limit_exceeded",
@@ -447,12 +484,12 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
         # In a worker thread: tokenizing a 32k-token prompt (~30 ms) or applying a chat template
         # on the event loop would pause every stream for that long (the tokenizer lets go of
         # the GIL).
-        parsed, handle = await run_in_threadpool(submit, body, kind, prompt_ids)
+        deltas = _Deltas(sinks.get())
+        parsed, deltas.handle = await run_in_threadpool(submit, body, kind, prompt_ids, deltas)
         chat = kind == "chat"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": served.name}
-        deltas = _Deltas(handle)
         if parsed.stream:
             return StreamingResponse(_stream(deltas, head, chat, parsed.include_usage),
                                      media_type="text/event-stream",
@@ -469,7 +506,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": last.finish_reason}
-        return {**head, "choices": [choice], "usage": _usage(handle)}
+        return {**head, "choices": [choice], "usage": _usage(deltas.handle)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
