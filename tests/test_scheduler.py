@@ -434,3 +434,22 @@ def test_gpu_serving_never_compiles_or_captures_after_warm_up():
         sched.shutdown()
     assert (cm.stats["compiles"], cm.stats["graphs"]) == (compiles, graphs)
     assert cm.stats["replays"] - replays == sched.metrics.steps > 0  # every step a replay
+
+
+def test_on_delta_receives_what_iteration_would():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer())
+    p = prompt_of(30, seed=2)
+    got = []
+    pushed = sched.submit(ServeRequest(p, 12), on_delta=got.append)
+    pulled = sched.submit(ServeRequest(p, 12))
+    with pytest.raises(RuntimeError, match="on_delta"):
+        next(iter(pushed))
+    sched.start()
+    try:
+        text, reason = pulled.result()
+    finally:
+        sched.shutdown()
+    assert ("".join(d.text for d in got), got[-1].finish_reason) == (text, reason) == (
+        text, "length")
+    assert [d.finish_reason for d in got[:-1]] == [None] * (len(got) - 1)
