@@ -156,6 +156,10 @@ class LlamaFamilyAdapter:
                 m.weight.data = m.weight.data.clone()
                 if m.bias is not None:
                     m.bias.data = m.bias.data.clone()
+        if self.hadamard is not None:  # the folded v rows lived in the fused [q; k; v] only
+            nv = self.num_kv_heads * self.head_dim
+            self.rotated_v = [(w[-nv:].clone(), None if b is None else b[-nv:].clone())
+                              for w, b in (f["qkv"] for f in self.fused)]
         self.fused, self.fused_decode = None, False
 
     # -- pieces -------------------------------------------------------------------------------

@@ -139,3 +139,23 @@ def test_compiled_rotated_step_equals_eager():
             assert (compiled.generate(prompts, max_new_tokens=30, **kw).sequences
                     == eager.generate(prompts, max_new_tokens=30, **kw).sequences)
     assert compiled.stats["compiles"] == 6  # layers at 1 and 2..4, the choice per mode at each
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_unfused_after_rotation_computes_what_the_fused_did(kind):
+    # unfuse_projections() on a rotated engine: the modules' path must keep the folded v rows
+    # (they lived in the fused tensor only); the user's v_proj stays unrotated.
+    model = tiny(kind)
+    fused_model = copy.deepcopy(model)
+    plain = get_adapter(model, 64)
+    fused = get_adapter(fused_model, 64, fuse_projections=True)
+    for a in (plain, fused):
+        a.rotate_heads("hadamard")
+    fused.unfuse()
+    h = torch.randn(1, 9, 128)
+    cos, sin = plain.rope(h, torch.arange(9)[None])
+    for layer in range(plain.num_layers):
+        for x, y in zip(plain.qkv(layer, h, cos, sin), fused.qkv(layer, h, cos, sin)):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for a, b in zip(model.model.layers, fused_model.model.layers):
+        assert torch.equal(a.self_attn.v_proj.weight, b.self_attn.v_proj.weight)
