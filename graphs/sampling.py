@@ -49,11 +49,7 @@ def argmax_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     program per row: 29 us per step on the H200. Maxima of ``chunk``-wide slices first (``V /
     chunk`` programs per row), then the first slice holding the maximum.
     """
-    B, V = x.shape
-    pad = (-V) % chunk
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
-    vals, idx = x.view(B, -1, chunk).max(dim=-1)           # first maximum within each slice
+    vals, idx = _slices(x, chunk, float("-inf")).max(dim=-1)  # first maximum within each slice
     best = vals.argmax(dim=-1, keepdim=True)                  # first slice with the maximum
     return (best * chunk + idx.gather(1, best))[:, 0]
 
@@ -67,13 +63,18 @@ def cumsum_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     ("NYI TritonSplitDimKernel reductions"); two short scans are never split.
     """
     B, V = x.shape
-    pad = (-V) % chunk
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
-    inner = x.view(B, -1, chunk).cumsum(dim=-1)                # (B, V / chunk, chunk)
+    inner = _slices(x, chunk, 0.0).cumsum(dim=-1)              # (B, ceil(V / chunk), chunk)
     totals = inner[..., -1]
     before = totals.cumsum(dim=-1) - totals                     # mass of the slices before
     return (inner + before[..., None]).view(B, -1)[:, :V]
+
+
+def _slices(x: torch.Tensor, chunk: int, fill: float) -> torch.Tensor:
+    """``x (B, V)`` as ``(B, ceil(V / chunk), chunk)``, the last slice padded with ``fill``."""
+    pad = (-x.shape[1]) % chunk
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=fill)
+    return x.view(x.shape[0], -1, chunk)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

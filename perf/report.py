@@ -96,13 +96,13 @@ def jsonable(value):
     return str(value)
 
 
-def load(path: Path) -> Optional[Dict[str, object]]:
-    """A report written by this tool, or None for any other JSON file."""
+def load(path: Path, schema: str = SCHEMA) -> Optional[Dict[str, object]]:
+    """A report of ``schema`` written by this tool, or None for any other JSON file."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) and data.get("schema") == SCHEMA else None
+    return data if isinstance(data, dict) and data.get("schema") == schema else None
 
 
 # -- formatting ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .report import atomic_write, jsonable
+from .report import atomic_write, jsonable, load
 
 SCHEMA = "minikv_compile.perf.serve/1"
 PARTS = "serve-parts"
@@ -55,7 +55,7 @@ class PartStore:
         return self.dir / f"{model}.{backend}.{phase}.json"
 
     def load(self, model: str, backend: str, phase: str) -> Optional[Dict[str, object]]:
-        return _load(self.path(model, backend, phase))
+        return load(self.path(model, backend, phase), SCHEMA)
 
     def save(self, part: Dict[str, object]) -> bool:
         """Write ``part`` (and rebuild the report without plots), unless it did not run and an
@@ -70,14 +70,6 @@ class PartStore:
         atomic_write(path, json.dumps(jsonable(part), indent=1, allow_nan=False))
         rebuild(self.out, plots=False)
         return True
-
-
-def _load(path: Path) -> Optional[Dict[str, object]]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("schema") == SCHEMA else None
 
 
 def has_parts(out: Path) -> bool:
@@ -185,7 +177,7 @@ def rebuild(out: Path, plots: bool = True) -> Tuple[List[Path], str]:
     """Merge every part of ``out`` into serve.json / serve.md (and the plots); returns the
     files written and a message (why there are no plots), or ([], "") without parts."""
     out = Path(out)
-    parts = [p for p in (_load(f) for f in sorted((out / PARTS).glob("*.json"))) if p]
+    parts = [p for p in (load(f, SCHEMA) for f in sorted((out / PARTS).glob("*.json"))) if p]
     if not parts:
         return [], ""
     from .measure import now_iso
