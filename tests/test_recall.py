@@ -352,13 +352,10 @@ def test_gpu_gather_matches_reference(dtype):
     _assert_same(rv.cpu(), expected_v)
 
 
-@pytest.mark.gpu
-def test_gpu_opcheck_with_a_pinned_store():
-    store, rk, rv, idx = _gpu_case(torch.bfloat16, b_max=2, h_kv=2, t_cap=256, k=8, d=64)
-    rk.zero_(), rv.zero_()
-    idx.copy_(_indices(2, 2, 8, 256, device="cuda"))
-    torch.library.opcheck(torch.ops.minikv.recall_gather.default,
-                          (store.k, store.v, idx, rk, rv))
+# No opcheck on CUDA: opcheck runs the op on clones of its arguments, and a clone of the pinned
+# store is pageable memory, which the kernel cannot read (Triton refuses the pointer). The CPU
+# opcheck above covers the schema, the fake kernel and the mutations; the compiled capture below
+# covers the fake kernel with the CUDA kernel behind it.
 
 
 @pytest.mark.gpu
