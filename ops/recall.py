@@ -224,7 +224,7 @@ class HostStore:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device: expected a cpu or cuda device, got {self.device}")
-        if self.device.type == "cuda" and self.device.index is None:
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             # tensors report cuda:N; "cuda" alone would never equal them
             self.device = torch.device("cuda", torch.cuda.current_device())
         check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES, device="cpu", contiguous=True)
