@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -326,11 +326,31 @@ class SlotRuntime:
 
     def poll(self, slots: Sequence[int]) -> Tuple[List[int], List[int], List[bool]]:
         """(tokens generated, newest token, finished) of each of ``slots``: one host sync."""
+        return self.poll_later(slots)()
+
+    def poll_later(self, slots: Sequence[int]
+                   ) -> Callable[[], Tuple[List[int], List[int], List[bool]]]:
+        """``poll`` as of now, read later: the snapshot is copied to pinned host memory behind
+        the work queued so far, and the returned function waits for that copy alone, so the
+        host can read step ``n`` while the GPU runs step ``n + 1``."""
         st = self.state
         packed = torch.stack([st.count, st.generated.gather(
-            1, (st.count - 1).clamp(min=0)[:, None])[:, 0], st.done.long()]).tolist()
-        return ([packed[0][s] for s in slots], [packed[1][s] for s in slots],
-                [bool(packed[2][s]) for s in slots])
+            1, (st.count - 1).clamp(min=0)[:, None])[:, 0], st.done.long()])  # (3, Bmax)
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = packed, None
+
+        def read() -> Tuple[List[int], List[int], List[bool]]:
+            if copied is not None:
+                copied.synchronize()
+            rows = host.tolist()
+            return ([rows[0][s] for s in slots], [rows[1][s] for s in slots],
+                    [bool(rows[2][s]) for s in slots])
+        return read
 
     def logprobs(self, slots: Sequence[int]) -> List[torch.Tensor]:
         """Teacher mode: the log-probability of each forced token of ``slots`` so far, fp32 CPU."""

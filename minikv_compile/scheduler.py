@@ -1,12 +1,12 @@
 """Continuous batching: one loop owns the engine's slots; requests join and leave between steps.
 
 The loop admits waiting requests into free slots (the lowest first, so the replayed bucket stays
-small), several short prompts in one prefill pass (they share its weight reads), one prefill
-piece (``prefill_layers`` layers) between two decode steps so that a long prompt does not
+small), several short prompts in one prefill pass (they share its weight reads), at most
+``prefill_ms`` of prefill (whole layers) between two decode steps so that a long prompt does not
 freeze the running streams, replays one decode step for every live slot, reads each slot's new
-token (one host sync a step: the price of streaming), turns tokens into text incrementally, and
-ends a request the step it finishes (eos, a stop string, ``max_tokens``, cancellation), freeing
-its slot at once. A request that fails (bad input the checks missed, an error in its prefill)
+token while the GPU runs the next step (the host's share of a step, detokenizing and streaming,
+is hidden behind it), turns tokens into text incrementally, and ends a request the step it
+finishes (eos, a stop string, ``max_tokens``, cancellation), freeing its slot at once. A request that fails (bad input the checks missed, an error in its prefill)
 ends with an error of its own; the engine and every other request go on.
 """
 from __future__ import annotations
@@ -18,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
 
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
@@ -167,12 +169,74 @@ class _Running:
         self.last_at = handle.created
 
 
+class PrefillClock:
+    """How long a prefill layer takes, learnt from the layers run, without a host sync.
+
+    Each gap's layers are timed (CUDA events, read once they have passed; wall time on the
+    CPU, where the work is done when the call returns). An admission's own layers time it once
+    one of its gaps has been read; before that, the cost per prompt token and layer of every
+    admission so far (an average weighted toward the latest) times its tokens.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.per_token_layer: Optional[float] = None   # ms, any admission
+        self._own: Dict[int, float] = {}                # ms a layer, by admission
+        self._open: List[tuple] = []                    # CUDA gaps not read yet
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, start, admission, tokens: int, layers: int) -> None:
+        if layers == 0:
+            return
+        if not self.cuda:
+            self._learn(id(admission), (time.perf_counter() - start) * 1e3, tokens, layers)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._open.append((start, end, id(admission), tokens, layers))
+
+    def layer_ms(self, admission, tokens: int) -> Optional[float]:
+        """The estimate for one more layer of ``admission`` (``tokens`` prompt tokens); None
+        before anything was measured."""
+        while self._open and self._open[0][1].query():  # recorded in order, passed in order
+            start, end, key, n, layers = self._open.pop(0)
+            self._learn(key, start.elapsed_time(end), n, layers)
+        own = self._own.get(id(admission))
+        if own is not None:
+            return own
+        return None if self.per_token_layer is None else self.per_token_layer * tokens
+
+    def forget(self, admission) -> None:
+        """``admission`` ended: its own figure goes (its id may be reused); its gaps not read
+        yet still count for every admission."""
+        self._own.pop(id(admission), None)
+        self._open = [o[:2] + (None,) + o[3:] if o[2] == id(admission) else o
+                      for o in self._open]
+
+    def _learn(self, key: Optional[int], ms: float, tokens: int, layers: int) -> None:
+        if key is not None:
+            self._own[key] = ms / layers
+        rate = ms / (layers * tokens)
+        old = self.per_token_layer
+        self.per_token_layer = rate if old is None else 0.5 * (old + rate)
+
+
 class Scheduler:
     """The loop that owns ``engine`` (its runtime of slots) and serves ``submit`` ted requests.
 
     max_queue: requests waiting for a slot at most; one more raises ``QueueFull``.
-    prefill_layers: layers of a prompt prefilled between two decode steps while other requests
-        run (None: an eighth of the model's layers, at least one).
+    prefill_ms: milliseconds of prefill between two decode steps while other requests stream,
+        in whole layers (at least one: a layer of a 32k-token prompt takes ~75 ms on the 8B
+        shape), by the loop's own measurement of the layers run so far (``PrefillClock``);
+        None: no time limit. 50 ms: a step with prefill then stays under the 100 ms of
+        inter-token latency a streaming client notices (H100, 8B shape: a step 6-8 ms).
+    prefill_layers: at most this many layers between two steps (None: no limit).
     prefill_batch_tokens, prefill_batch_requests: waiting requests are prefilled together in
         one pass, in arrival order, while free slots last, their prompts total at most
         ``prefill_batch_tokens`` tokens (a longer prompt goes alone) and the pass holds at most
@@ -188,14 +252,22 @@ class Scheduler:
     """
 
     def __init__(self, engine: MiniKVModel, tokenizer, *, max_queue: int = 64,
-                 prefill_layers: Optional[int] = None, prefill_batch_tokens: int = 2048,
-                 prefill_batch_requests: int = 8):
+                 prefill_ms: Optional[float] = 50.0, prefill_layers: Optional[int] = None,
+                 prefill_batch_tokens: int = 2048, prefill_batch_requests: int = 8):
         self.engine, self.tok, self.max_queue = engine, tokenizer, max_queue
         self.rt = engine.runtime
-        layers = engine.adapter.num_layers
-        self.prefill_layers = max(1, layers // 8) if prefill_layers is None else prefill_layers
-        if not (isinstance(self.prefill_layers, int) and self.prefill_layers >= 1):
-            raise ValueError(f"prefill_layers: expected a positive int, got {prefill_layers!r}")
+        if prefill_layers is not None and not (isinstance(prefill_layers, int)
+                                               and not isinstance(prefill_layers, bool)
+                                               and prefill_layers >= 1):
+            raise ValueError(f"prefill_layers: expected a positive int or None, got "
+                             f"{prefill_layers!r}")
+        if prefill_ms is not None and not (isinstance(prefill_ms, (int, float))
+                                           and not isinstance(prefill_ms, bool)
+                                           and prefill_ms > 0):
+            raise ValueError(f"prefill_ms: expected a positive number or None, got "
+                             f"{prefill_ms!r}")
+        self.prefill_ms, self.prefill_layers = prefill_ms, prefill_layers
+        self.clock = PrefillClock(self.rt.state.tokens.device)
         for name, value in (("prefill_batch_tokens", prefill_batch_tokens),
                             ("prefill_batch_requests", prefill_batch_requests)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -206,6 +278,8 @@ class Scheduler:
         self._admitting: Optional[Tuple[List[int], List[Handle], Iterator[None]]] = None
         # Requests of a failed batched pass, to be prefilled again one by one.
         self._alone: set = set()
+        # The last step's tokens, read while the next step runs: (read, the slots' requests).
+        self._pending: Optional[Tuple[Callable, List[Tuple[int, "_Running"]]]] = None
         self.metrics = Metrics()
         self._waiting: Deque[Handle] = collections.deque()
         self._running: Dict[int, _Running] = {}
@@ -304,6 +378,7 @@ class Scheduler:
             self._waiting.clear()
         self._running.clear()
         self._admitting = None
+        self._pending = None
         self._alone.clear()
         for handle in handles:
             self._end(handle, "error", f"the server failed: {self.failure}")
@@ -323,6 +398,9 @@ class Scheduler:
                 self._admit_piece()
                 if self._running:
                     self._step()
+                else:
+                    self._read_pending()
+        self._read_pending()
         if self._admitting is not None:
             _, handles, pieces = self._admitting
             pieces.close()  # gives the slots back empty
@@ -335,8 +413,9 @@ class Scheduler:
         self._alone.clear()
 
     def _admit_piece(self) -> None:
-        """One prefill piece of the requests being admitted (new ones if none are), or, with
-        nothing running, the whole prefill: there is no stream to keep going."""
+        """The prefill between two decode steps: layers of the requests being admitted (new ones
+        if none are) within ``prefill_ms`` / ``prefill_layers``, or, with nothing running, whole
+        prefills: there is no stream to keep going."""
         while True:
             if self._admitting is None and not self._start_admission():
                 return
@@ -348,16 +427,16 @@ class Scheduler:
                     self._end(handle, "cancelled", None)
                 continue
             try:
-                next(pieces)
-                if self._running:
-                    return  # the next piece after a decode step
-                continue
+                self._prefill_layers(pieces, sum(h.prompt_tokens for h in handles))
+                return  # the admission goes on after a decode step
             except StopIteration:
                 self._admitting = None
             except Exception as e:  # the slots are given back empty
                 self._admitting = None
+                self.clock.forget(pieces)
                 self._admission_failed(handles, e)
                 continue
+            self.clock.forget(pieces)
             self.metrics.prefills += 1
             joined = []
             for slot, handle in zip(slots, handles):
@@ -371,10 +450,32 @@ class Scheduler:
                                            new_tokens=r.max_tokens, batch=1).total_bytes
                 self._running[slot] = _Running(handle, self.tok, kv)
                 joined.append(slot)
-            if joined:
-                self._collect(joined)  # the first tokens, chosen at admission
+            if joined:  # the first tokens, chosen at admission
+                self._collect([(slot, self._running[slot]) for slot in joined],
+                              self.rt.poll(joined))
             if self._running:
-                return  # one piece of prefill between two decode steps, never two
+                return  # one admission's prefill between two decode steps, never two
+
+    def _prefill_layers(self, pieces: Iterator[None], tokens: int) -> None:
+        """Run layers of the admission ``pieces`` (a layer a ``next``; ``tokens``: its prompt
+        tokens): with requests streaming, as many as fit ``prefill_ms`` by the clock's estimate
+        (at least one) and ``prefill_layers``; otherwise all of them. Raises ``StopIteration``
+        once the admission is complete."""
+        limit = self.prefill_layers if self._running else None
+        budget = self.prefill_ms if self._running else None
+        start, layers = self.clock.start(), 0
+        try:
+            while True:
+                next(pieces)
+                layers += 1
+                if limit is not None and layers >= limit:
+                    return
+                if budget is not None:
+                    per_layer = self.clock.layer_ms(pieces, tokens)
+                    if per_layer is None or (layers + 1) * per_layer > budget:
+                        return
+        finally:
+            self.clock.stop(start, pieces, tokens, layers)
 
     def _admission_failed(self, handles: List[Handle], error: Exception) -> None:
         """A request prefilled alone ends with ``error``. A batched pass does not say which
@@ -429,11 +530,12 @@ class Scheduler:
         if not handles:
             return False
         slots = free[: len(handles)]
-        self._admitting = (slots, handles,
-                           self.rt.admit_batch_in_pieces(slots, requests, self.prefill_layers))
+        self._admitting = (slots, handles, self.rt.admit_batch_in_pieces(slots, requests, 1))
         return True
 
     def _step(self) -> None:
+        """Launch a decode step of the running requests, then read the step before it while
+        the GPU runs this one."""
         for slot, run in list(self._running.items()):
             if run.handle.cancelled.is_set():
                 self._finish(slot, "cancelled")
@@ -441,13 +543,27 @@ class Scheduler:
             return
         self.rt.step()
         self.metrics.steps += 1
-        self._collect(sorted(self._running))
+        runs = sorted(self._running.items())
+        later = self.rt.poll_later([slot for slot, _ in runs])
+        self._read_pending()
+        self._pending = (later, runs)
 
-    def _collect(self, slots: List[int]) -> None:
-        counts, newest, done = self.rt.poll(slots)
+    def _read_pending(self) -> None:
+        """Read and stream the tokens of the last step launched, if not read yet."""
+        if self._pending is not None:
+            later, runs = self._pending
+            self._pending = None
+            self._collect(runs, later())
+
+    def _collect(self, runs: List[Tuple[int, "_Running"]],
+                 polled: Tuple[List[int], List[int], List[bool]]) -> None:
+        """Stream what ``polled`` (``SlotRuntime.poll`` of the slots of ``runs``) says of each
+        request; one that ended since the poll was taken is skipped (its slot may hold another
+        request by now)."""
         now = time.perf_counter()
-        for slot, count, token, finished in zip(slots, counts, newest, done):
-            run = self._running[slot]
+        for (slot, run), count, token, finished in zip(runs, *polled):
+            if self._running.get(slot) is not run:
+                continue
             h, r = run.handle, run.handle.request
             before = len(run.text)
             if count > run.seen:

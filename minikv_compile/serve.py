@@ -682,9 +682,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot at most; past it, 429 (default: 64)")
     sched = p.add_argument_group("Scheduler", "how prompts are admitted between decode steps")
+    sched.add_argument("--prefill-ms", type=float, default=50.0, metavar="MS",
+                       help="milliseconds of prefill (whole layers, at least one) between two "
+                            "decode steps while other requests stream (default: 50)")
     sched.add_argument("--prefill-layers", type=int, default=None, metavar="INT",
-                       help="layers of a prompt prefilled between two decode steps while other "
-                            "requests stream (default: an eighth of the model's layers)")
+                       help="and at most this many layers (default: no limit)")
     sched.add_argument("--prefill-batch-tokens", type=int, default=2048, metavar="INT",
                        help="waiting prompts are prefilled in one pass up to this many tokens "
                             "together (default: 2048)")
@@ -740,11 +742,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):
             if getattr(args, flag) is not None:  # before the model loads, not after
                 check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=1)
+        if not args.prefill_ms > 0:
+            raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
         _use_compile_cache(args.compile_cache)
         model, tokenizer = _load(args.model, device, dtype)
         engine = minikv_compile(model, config)
         scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue,
-                              prefill_layers=args.prefill_layers,
+                              prefill_ms=args.prefill_ms, prefill_layers=args.prefill_layers,
                               prefill_batch_tokens=args.prefill_batch_tokens,
                               prefill_batch_requests=args.prefill_batch_requests)
     except (ValueError, NotImplementedError) as e:

@@ -123,7 +123,7 @@ def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> 
                 "compile_s": sum(stats["compile_seconds"].values()) or None,
                 "capture_s": sum(stats["capture_seconds"].values()) or None,
                 "graphs": len(stats["graphs"]), "compiles": stats["compiles"],
-                "prefill_layers": scheduler.prefill_layers}
+                "prefill_ms": scheduler.prefill_ms, "prefill_layers": scheduler.prefill_layers}
 
     return run_server(app, scheduler, args.model, args.host, args.port)
 

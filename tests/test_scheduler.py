@@ -185,6 +185,7 @@ def test_a_prompt_is_prefilled_in_pieces_between_decode_steps():
     assert cm.runtime.free_slots() == [2, 3]  # slot 1 is reserved for B meanwhile
     count = ha.completion_tokens
     sched._step()                   # A decodes while B is half prefilled
+    sched._read_pending()           # (the loop reads a step while the next one runs)
     assert ha.completion_tokens == count + 1
     sched._admit_piece()            # B's second layer: admitted, its first token out
     assert sorted(sched._running) == [0, 1] and hb.completion_tokens == 1
@@ -240,7 +241,7 @@ def _alone(cm, prompts, n):
 
 def test_short_waiting_requests_are_prefilled_in_one_pass():
     cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 8}))
-    sched = Scheduler(cm, CharTokenizer(), prefill_batch_tokens=160)
+    sched = Scheduler(cm, CharTokenizer(), prefill_batch_tokens=160, prefill_layers=1)
     lengths = [20, 33, 17, 50, 40, 12]         # 120 tokens fit, + 40 = 160 fits, + 12 does not
     prompts = [prompt_of(n, seed=n) for n in lengths]
     want = _alone(cm, prompts, 25)
@@ -285,7 +286,7 @@ def test_a_failing_batched_prefill_retries_each_request_alone(monkeypatch):
     from minikv_compile.graphs import prefill as prefill_module
 
     cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
-    sched = Scheduler(cm, CharTokenizer(), prefill_layers=2)  # each prefill in one piece
+    sched = Scheduler(cm, CharTokenizer(), prefill_ms=None, prefill_layers=2)  # one piece each
     real = prefill_module._attend_and_store
 
     def poisoned(adapter, cache, lc, config, layer, slot, q, k, v):
@@ -315,7 +316,7 @@ def test_a_failing_batched_prefill_retries_each_request_alone(monkeypatch):
 
 def test_bad_requests_end_alone_and_the_others_are_batched():
     cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
-    sched = Scheduler(cm, CharTokenizer(), prefill_layers=2)
+    sched = Scheduler(cm, CharTokenizer(), prefill_ms=None, prefill_layers=2)
     p, q = prompt_of(40, seed=1), prompt_of(25, seed=2)
     want = _alone(cm, [p, q], 20)
     batches = _spy_batches(cm)
@@ -364,7 +365,8 @@ def test_cancelling_requests_of_a_batch_under_way():
 
 def test_a_batch_takes_at_most_prefill_batch_requests():
     cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 8}))
-    sched = Scheduler(cm, CharTokenizer(), prefill_layers=2, prefill_batch_requests=3)
+    sched = Scheduler(cm, CharTokenizer(), prefill_ms=None, prefill_layers=2,
+                      prefill_batch_requests=3)
     batches = _spy_batches(cm)
     for i in range(7):
         sched.submit(ServeRequest(prompt_of(10, seed=i), 5))
@@ -399,6 +401,64 @@ def test_at_most_one_prefill_piece_runs_between_two_decode_steps():
         per_gap.append(len(layers) - before)
         sched._step()
     assert per_gap == [1, 1, 1, 1, 0, 0] and sched.metrics.prefills == 3
+
+
+@pytest.mark.parametrize("prefill_ms, layer_ms, per_gap", [
+    (25.0, 10.0, [2, 2, 1, 0]),    # two layers of 10 ms fit 25 ms, a third would not
+    (5.0, 10.0, [1, 1, 1, 1, 1, 0]),  # one layer even when it is longer than the budget
+    (25.0, None, [1, 1, 1, 1, 1, 0]),  # nothing measured yet: one layer at a time
+    (None, None, [5, 0]),          # no time limit: the whole prefill in one gap
+])
+def test_the_prefill_between_two_steps_fits_prefill_ms(monkeypatch, prefill_ms, layer_ms,
+                                                       per_gap):
+    # A 5-layer model, one request streaming, one long prompt waiting; the clock's estimate
+    # of a layer is fixed so that the count of layers per gap is exact.
+    cm = minikv_compile(tiny(num_hidden_layers=5), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer(), prefill_ms=prefill_ms)
+    sched.submit(ServeRequest(prompt_of(10, seed=0), 40))
+    sched._admit_piece()                                   # nothing ran: admitted at once
+    monkeypatch.setattr(sched.clock, "layer_ms", lambda admission, tokens: layer_ms)
+    layers = []
+    real = cm.adapter.qkv
+
+    def counting(layer, h, *args, **kw):
+        if h.shape[1] > 1:                                 # a prefill layer, not a decode row
+            layers.append(layer)
+        return real(layer, h, *args, **kw)
+
+    cm.adapter.qkv = counting
+    long = sched.submit(ServeRequest(prompt_of(100, seed=1), 5))
+    got = []
+    for _ in per_gap:
+        before = len(layers)
+        sched._admit_piece()
+        got.append(len(layers) - before)
+        sched._step()
+    assert got == per_gap and layers == list(range(5)) and long.completion_tokens >= 1
+
+
+def test_the_prefill_clock_learns_a_layer_from_the_layers_run():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    clock = Scheduler(cm, CharTokenizer()).clock
+    a, b = object(), object()
+    assert clock.layer_ms(a, 100) is None                  # nothing measured yet
+    clock._learn(id(a), 30.0, tokens=100, layers=3)        # (the CPU's stop() measures this)
+    assert clock.layer_ms(a, 100) == 10.0                  # its own layers
+    assert clock.layer_ms(b, 300) == pytest.approx(30.0)   # another: 0.1 ms a token and layer
+    clock.forget(a)
+    assert clock.layer_ms(a, 50) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(prefill_ms=0), "prefill_ms: expected a positive number or None, got 0"),
+    (dict(prefill_ms=True), "prefill_ms: expected a positive number or None, got True"),
+    (dict(prefill_layers=0), "prefill_layers: expected a positive int or None, got 0"),
+    (dict(prefill_layers=1.5), "prefill_layers: expected a positive int or None, got 1.5"),
+])
+def test_prefill_pacing_arguments_are_checked(kw, message):
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    with pytest.raises(ValueError, match=message):
+        Scheduler(cm, CharTokenizer(), **kw)
 
 
 @pytest.mark.parametrize("kw", [dict(prefill_batch_tokens=0), dict(prefill_batch_requests=0),
