@@ -12,6 +12,7 @@ ends with an error of its own; the engine and every other request go on.
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import queue
 import threading
@@ -293,10 +294,16 @@ class Scheduler:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile and capture every bucket and mode before serving (no capture while serving)."""
+        """Compile and capture every bucket and mode before serving (no capture while serving),
+        then take what start-up made out of the garbage collector's reach (``gc.freeze``): a
+        full collection over it (~600k objects with the compiler loaded) took 250 ms on the
+        2-core CI machine, a pause of every stream at once; serving's own objects stay
+        collected."""
         for bucket in self.rt.buckets:
             for mode in ("greedy", "sample"):
                 self.rt.prepare(bucket, mode)
+        gc.collect()
+        gc.freeze()
         self.ready = True
 
     def start(self) -> None:

@@ -496,6 +496,19 @@ def test_gpu_serving_never_compiles_or_captures_after_warm_up():
     assert cm.stats["replays"] - replays == sched.metrics.steps > 0  # every step a replay
 
 
+def test_warm_up_freezes_what_start_up_made_out_of_the_collectors_reach():
+    import gc
+
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer())
+    gc.unfreeze()
+    try:
+        sched.warm_up()
+        assert sched.ready and gc.get_freeze_count() > 1000  # the model, the engine, torch
+    finally:
+        gc.unfreeze()
+
+
 def test_on_delta_receives_what_iteration_would():
     cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
     sched = Scheduler(cm, CharTokenizer())
