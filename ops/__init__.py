@@ -6,11 +6,11 @@ traces through it; on CPU tensors the op runs its reference, on CUDA tensors the
 """
 from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from .attention_prefill import selective_attention
-from .attention_decode import decode_attention
+from .attention_decode import decode_attention, decode_attention_recall
 from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
-from .recall import HostStore, recall_gather
+from .recall import HostStore, recall_gather, recall_topk
 
 __all__ = [
     "quantize_keys",
@@ -19,6 +19,7 @@ __all__ = [
     "dequantize_values",
     "selective_attention",
     "decode_attention",
+    "decode_attention_recall",
     "CacheLayout",
     "LayerBuffers",
     "cache_begin_step",
@@ -26,5 +27,5 @@ __all__ = [
     "cache_write_prefill",
     "fused_linear",
     "rms_norm",
-    "HostStore", "recall_gather",
+    "HostStore", "recall_gather", "recall_topk",
 ]

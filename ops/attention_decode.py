@@ -40,6 +40,26 @@ are stored to the values' channels). Not bit-exact with the reference (fp16 inst
 model-dtype operands and probabilities; for bf16 models that is more precise): held, like every
 path, to twice the error of a same-precision PyTorch attention against fp64.
 
+``minikv::decode_attention_recall`` (SpeCache, issue 25) runs the same two launches after a third,
+smaller one, all three under the split kernel's constexpr ``RECALL`` (off for the op above, whose
+compiled kernels it leaves as they are):
+
+0. ``_recall_bitmap_kernel``, grid ``(B * H_kv, words / BLOCK_W)``, turns ``recall_idx`` into one
+   bit per quantized position, ``(B, H_kv, ceil(T_cap / 32))`` int32: the quantized splits skip
+   a recalled position by its bit (8 bytes per 64-token block, against the 8 KB of codes, scales
+   and zeros the block reads at bits 2, D 128) instead of comparing each token with all K
+   indices.
+1. the split launch: the quantized splits mask the recalled positions out; the ring's program
+   first attends the recall rows (``recall_k``/``recall_v``, full precision, seen by every query
+   row) and then the ring, so the partials and the combine keep their shapes (the recall rows
+   are model-dtype tokens like the ring's, and the ring's program is the shortest of the launch).
+   Query rows: ``q (B, R, H_q, D)``, R in {1, 2}; the R rows of a KV group share the dots' N
+   axis (``R * GQA <= 8``), so K/V are read once for all of them; row ``r`` sees the ring up to
+   ``lens[b, 1] - (R - 1 - r)`` (each row sees itself, not the rows after it). The programs of
+   the last row's heads also write the attention mass of every quantized position they attend
+   to (the recall split at the recalled positions, from their full-precision scores).
+2. the combine, which also writes each row's log-sum-exp.
+
 ``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
 fixed shapes, never syncs with the host, and can be captured in a CUDA graph. It is a run-time
 argument, so batch sizes share one compiled kernel. The history of both kernels (versions,
@@ -49,7 +69,7 @@ instruction counts of the compiled loops, Nsight Compute accounts) is in ``perf/
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -59,7 +79,7 @@ from . import _gdc as gdc
 from ._checks import (FLOAT_DTYPES, check_choice, check_tensor,
                       codes_per_word, compiled_major, sm_count as sm_count_of)
 from . import attention_decode_gluon as dag
-from .cache_layout import check_layer
+from .cache_layout import check_base, check_layer
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
 _LOG2E = 1.4426950408889634
@@ -375,17 +395,107 @@ def _attend_block(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexp
 
 
 @triton.jit
+def _load_rows(k_base, v_base, rows, valid, D: tl.constexpr):
+    """Rows ``rows`` (BLOCK_N,) of a (rows, D) K and V in the model dtype, the ring's layout and
+    the recall buffers': k_t (D, BLOCK_N), v (BLOCK_N, D); invalid rows read 0."""
+    offs_d = tl.arange(0, D)
+    k_t = tl.load(k_base + rows[None, :] * D + offs_d[:, None], mask=valid[None, :], other=0.0)
+    v = tl.load(v_base + rows[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return k_t, v
+
+
+@triton.jit
+def _attend_block_masked(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                         BF16_BY_HAND: tl.constexpr):
+    """``_attend_block`` for the recall launch: ``valid`` per (token, column), (BLOCK_N, BLOCK_H)
+    or (BLOCK_N, 1) bool (the ring is causal across query rows, recalled tokens leave the
+    quantized blocks), and the probabilities returned for the attention mass. A column may have
+    no valid token in a block: m_i starts at a finite floor there, not at -inf (-inf - -inf would
+    be NaN). Returns (m_i, l_i, acc, p), p (BLOCK_N, BLOCK_H) fp32, 0 where invalid."""
+    s = tl.dot(tl.trans(k_t.to(DOT_DTYPE)), q_t, input_precision=INPUT_PRECISION) * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    p_lo = _round_to(p, ELEM, BF16_BY_HAND).to(DOT_DTYPE)
+    pv = tl.dot(tl.trans(v.to(DOT_DTYPE)), p_lo, input_precision=INPUT_PRECISION)  # (D, BLOCK_H)
+    return m_new, l_i, acc * alpha[None, :] + pv, p
+
+
+@triton.jit
+def _kept(bm_plane, tokens, hi, RECALL: tl.constexpr):
+    """(BLOCK_N,) bool: ``tokens < hi``, less (with RECALL) the recalled ones, whose bit
+    ``t % 32`` of word ``t // 32`` is set in the plane's recall bitmap."""
+    keep = tokens < hi
+    if RECALL:
+        word = tl.load(bm_plane + tokens // 32, mask=keep, other=0)
+        keep = keep & (((word >> (tokens % 32)) & 1) == 0)
+    return keep
+
+
+@triton.jit
+def _store_mass(mass_plane, tokens, keep, p, m_i, lse2):
+    """The attention mass of a block's kept tokens, ``sum_n exp2(s[t, n] - lse2[n])`` over the
+    columns n, computed as ``sum_n p[t, n] * exp2(m_i[n] - lse2[n])`` (p = exp2(s - m_i)).
+
+    tokens, keep: (BLOCK_N,); p: (BLOCK_N, BLOCK_H) fp32; m_i: (BLOCK_H,) the running max p was
+    taken against; lse2: (BLOCK_H,) the reference log-sum-exp (log2 domain) of the last row's
+    columns, +inf in the others (weight 0). The exponent is capped at 120: a reference far below
+    this step's scores saturates the mass near 2^120 instead of making inf * 0 = NaN.
+    """
+    w = tl.exp2(tl.minimum(m_i - lse2, 120.0))
+    tl.store(mass_plane + tokens, tl.sum(p * w[None, :], axis=1), mask=keep)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _recall_bitmap_kernel(idx_ptr, lens_ptr, bm_ptr, H_KV, T_CAP, K, W,
+                          BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    """Program (b * H_kv + h, c): words [c * BLOCK_W, (c + 1) * BLOCK_W) of plane (b, h) of the
+    recall bitmap: bit ``t % 32`` of word ``t // 32`` is set iff ``idx[b, h, j] == t`` for some
+    row j with ``0 <= t < lens[b, 0]``.
+
+    idx: (>= B, H_kv, K) int32; lens: (Bmax, 2) int32; bitmap: (B, H_kv, W) int32,
+    W = ceil(T_cap / 32). Every word is written: no memset before.
+    """
+    gdc.launch_dependents_then_wait(PDL)
+    plane = tl.program_id(0)
+    n_quant = tl.minimum(tl.load(lens_ptr + 2 * (plane // H_KV)), T_CAP)
+    j = tl.arange(0, BLOCK_K)
+    pos = tl.load(idx_ptr + plane.to(tl.int64) * K + j, mask=j < K, other=-1)
+    ok = (pos >= 0) & (pos < n_quant)
+    word = tl.where(ok, pos // 32, -1)
+    bit = tl.full((BLOCK_K,), 1, tl.int32) << (pos & 31)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    hits = tl.where(word[None, :] == w[:, None], bit[None, :], 0)             # (BLOCK_W, BLOCK_K)
+    tl.store(bm_ptr + plane.to(tl.int64) * W + w, tl.reduce(hits, 1, _or), mask=w < W)
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
     m_ptr, l_ptr, acc_ptr,
+    bm_ptr, rk_ptr, rv_ptr, ridx_ptr, lse_ref_ptr, mass_ptr,
     qk_scale,
-    stride_qb, stride_qh, stride_qd,
-    H_KV, T_CAP, R, NUM_SPLITS,
-    GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    stride_qb, stride_qr, stride_qh, stride_qd, stride_lb, stride_lh,
+    H_KV, T_CAP, R, NUM_SPLITS, K_REC, T_MASS,
+    GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    RECALL: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Program (b, h, s); ``_decode_attention_triton`` and ``_decode_attention_recall_triton``
+    give the layouts. ROWS: query rows per slot (q (B, ROWS, H_q, D), partials (B * ROWS, H_q,
+    S)); column n of the dots' N axis is row n // GQA, query head h * GQA + n % GQA. RECALL: the
+    recall launch (bitmap, recall rows, the mass of the last row, causal ring rows); without
+    it, the pointers and strides of the recall arguments are never read."""
     gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -396,13 +506,29 @@ def _decode_attention_split_kernel(
     n_quant = tl.minimum(tl.load(lens_ptr + 2 * b), T_CAP)
     n_ring = tl.minimum(tl.load(lens_ptr + 2 * b + 1), R)
 
-    heads = tl.arange(0, BLOCK_H)  # heads >= GQA are padding for tl.dot: q = 0, never stored
-    head_ok = heads < GQA
+    # columns >= ROWS * GQA are padding for tl.dot: q = 0, never stored
+    heads = tl.arange(0, BLOCK_H)
+    head_ok = heads < ROWS * GQA
     offs_d = tl.arange(0, D)
-    q_t = tl.load(q_ptr + b * stride_qb + (h * GQA + heads)[None, :] * stride_qh
-                  + offs_d[:, None] * stride_qd, mask=head_ok[None, :], other=0.0)
+    if ROWS == 1:
+        q_cols = (h * GQA + heads) * stride_qh
+    else:
+        q_cols = heads // GQA * stride_qr + (h * GQA + heads % GQA) * stride_qh
+    q_t = tl.load(q_ptr + b * stride_qb + q_cols[None, :] + offs_d[:, None] * stride_qd,
+                  mask=head_ok[None, :], other=0.0)
 
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    if RECALL:
+        # A block may hold no valid token for a column (all recalled, or ring tokens after the
+        # row): a finite floor keeps exp2(m_i - m_new) a number.
+        m_i = tl.full((BLOCK_H,), -1.0e30, tl.float32)
+        # the last row's reference log-sum-exp, log2 domain; +inf (mass weight 0) elsewhere
+        last = (heads >= (ROWS - 1) * GQA) & head_ok
+        lse2 = tl.load(lse_ref_ptr + b * stride_lb + (h * GQA + heads - (ROWS - 1) * GQA)
+                       * stride_lh, mask=last, other=float("inf")) * 1.4426950408889634
+        mass_plane = mass_ptr + plane * T_MASS
+    else:
+        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    bm_plane = bm_ptr + plane * tl.cdiv(T_CAP, 32)  # (read only with RECALL)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((D, BLOCK_H), tl.float32)
     elem_ty = kr_ptr.dtype.element_ty
@@ -473,8 +599,11 @@ def _decode_attention_split_kernel(
                     vw_n, vs_n, vz_n = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
                                                     v_tokens < hi, D, BITS, G)
                     tokens = start + order_n
+                    keep = _kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
-                        kw, ks, kz, tokens < hi, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                    if RECALL:
+                        _store_mass(mass_plane, tokens, keep, p, m_i, lse2)
                     acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, G, INTERPRET)
                     kw, ks, kz, vw, vs, vz = kw_n, ks_n, kz_n, vw_n, vs_n, vz_n
             else:
@@ -483,8 +612,11 @@ def _decode_attention_split_kernel(
                     kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
                                               D, BITS, G, BLOCK_N)
                     tokens = start + order_n
+                    keep = _kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
-                        kw, ks, kz, tokens < hi, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                    if RECALL:
+                        _store_mass(mass_plane, tokens, keep, p, m_i, lse2)
                     # Values after the softmax: their registers are not live across it.
                     v_tokens = start + tl.arange(0, BLOCK_N)
                     vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
@@ -510,25 +642,59 @@ def _decode_attention_split_kernel(
                     v = _dequant_last(vw, vs, vz, BITS, G)                  # (BLOCK_N, D) fp32
                     k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
                     v = _round_to(v, elem_ty, BF16_BY_HAND)
+                if RECALL:
+                    keep = _kept(bm_plane, tokens, hi, RECALL)
+                    m_i, l_i, acc, p = _attend_block_masked(
+                        q_d, k_t, v, keep[:, None], m_i, l_i, acc, qk_scale, elem_ty, DOT_DTYPE,
+                        INPUT_PRECISION, BF16_BY_HAND)
+                    _store_mass(mass_plane, tokens, keep, p, m_i, lse2)
+                else:
+                    m_i, l_i, acc = _attend_block(q_d, k_t, v, valid, m_i, l_i, acc, qk_scale,
+                                                  elem_ty, DOT_DTYPE, INPUT_PRECISION,
+                                                  BF16_BY_HAND)
+    else:
+        # -- residual ring: [0, n_ring) in the model dtype (with RECALL, after the recall rows).
+        #    Not software-pipelined: it is at most R / BLOCK_N (2) blocks, and a pipelined loop
+        #    gets its own multi-buffered shared memory next to the main loop's (sm_90, bits 2,
+        #    D 128: 68 KB per program instead of 35 KB).
+        q_d = q_t.to(DOT_DTYPE)
+        if RECALL:
+            # -- first the recall rows: full-precision K/V of quantized positions, every row
+            #    sees them; their mass goes to their positions
+            rec_plane = plane * K_REC
+            for start in tl.range(0, K_REC, BLOCK_N, num_stages=1):
+                j = start + tl.arange(0, BLOCK_N)
+                pos = tl.load(ridx_ptr + rec_plane + j, mask=j < K_REC, other=-1)
+                ok = (pos >= 0) & (pos < n_quant)
+                k_t, v = _load_rows(rk_ptr + rec_plane * D, rv_ptr + rec_plane * D, j, ok, D)
+                m_i, l_i, acc, p = _attend_block_masked(
+                    q_d, k_t, v, ok[:, None], m_i, l_i, acc, qk_scale, elem_ty, DOT_DTYPE,
+                    INPUT_PRECISION, BF16_BY_HAND)
+                _store_mass(mass_plane, pos, ok, p, m_i, lse2)
+            # -- then the ring, causal across rows: row r sees n_ring - (ROWS - 1 - r) tokens
+            seen = tl.minimum(n_ring - (ROWS - 1 - heads // GQA), n_ring)       # (BLOCK_H,)
+            for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
+                tokens = start + tl.arange(0, BLOCK_N)
+                k_t, v = _load_rows(kr_ptr + plane * R * D, vr_ptr + plane * R * D, tokens,
+                                    tokens < n_ring, D)
+                m_i, l_i, acc, p = _attend_block_masked(
+                    q_d, k_t, v, tokens[:, None] < seen[None, :], m_i, l_i, acc, qk_scale,
+                    elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
+        else:
+            for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
+                tokens = start + tl.arange(0, BLOCK_N)
+                valid = tokens < n_ring
+                k_t, v = _load_rows(kr_ptr + plane * R * D, vr_ptr + plane * R * D, tokens,
+                                    valid, D)
                 m_i, l_i, acc = _attend_block(q_d, k_t, v, valid, m_i, l_i, acc, qk_scale,
                                               elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
-    else:
-        # -- residual ring: [0, n_ring) in the model dtype. Not software-pipelined: it is at most
-        #    R / BLOCK_N (2) blocks, and a pipelined loop gets its own multi-buffered shared memory
-        #    next to the main loop's (sm_90, bits 2, D 128: 68 KB per program instead of 35 KB).
-        q_d = q_t.to(DOT_DTYPE)
-        for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
-            tokens = start + tl.arange(0, BLOCK_N)
-            valid = tokens < n_ring
-            k_t = tl.load(kr_ptr + plane * R * D + tokens[None, :] * D + offs_d[:, None],
-                          mask=valid[None, :], other=0.0)
-            v = tl.load(vr_ptr + plane * R * D + tokens[:, None] * D + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _attend_block(q_d, k_t, v, valid, m_i, l_i, acc, qk_scale, elem_ty,
-                                          DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
 
-    # -- partials: m, l (B, H_q, S) and acc (B, H_q, S, D) fp32, S = NUM_SPLITS + 1
-    rows = (b * (H_KV * GQA) + h * GQA + heads) * (NUM_SPLITS + 1) + split
+    # -- partials: m, l (B * ROWS, H_q, S) and acc (B * ROWS, H_q, S, D) fp32, S = NUM_SPLITS + 1
+    if ROWS == 1:
+        rows = (b * (H_KV * GQA) + h * GQA + heads) * (NUM_SPLITS + 1) + split
+    else:
+        rows = ((((b * ROWS + heads // GQA) * H_KV + h) * GQA + heads % GQA) * (NUM_SPLITS + 1)
+                + split)
     tl.store(m_ptr + rows, m_i, mask=head_ok)
     tl.store(l_ptr + rows, l_i, mask=head_ok)
     tl.store(acc_ptr + rows[None, :] * D + acc_rows[:, None], acc, mask=head_ok[None, :])
@@ -536,11 +702,14 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr,
+    m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
     H_Q, stride_ob, stride_oh, stride_od, S,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr,
+    LSE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Program (row, c), row = b * H_q + query head of ``out`` (B, H_q, D) (a slot's R query
+    rows are R rows of B * R here); LSE: also ``lse[row]`` (fp32, natural log), the log-sum-exp
+    of the row's scaled scores, written by the programs c == 0."""
     # (the next kernel, the o projection, then streams its weights early)
     gdc.launch_dependents_then_wait(PDL)
     # One pass: every split's m, l and acc slice load together (BLOCK_S >= S), so the program
@@ -560,6 +729,9 @@ def _decode_attention_combine_kernel(
     l_sum = tl.sum(w * l, axis=0)
     acc = tl.sum(w[:, None] * a, axis=0)
     out = tl.where(l_sum > 0.0, acc / l_sum, 0.0)
+    if LSE:
+        tl.store(lse_ptr + row, (m_max + tl.log2(l_sum)) * 0.6931471805599453,
+                 mask=tl.program_id(1) == 0)
     b = row // H_Q
     hq = row % H_Q
     out_ty = out_ptr.dtype.element_ty
@@ -632,13 +804,27 @@ class _Plan(NamedTuple):
     prefetch: bool
 
 
+def _check_group(rows: int, gqa: int) -> None:
+    """The query rows of a KV group, ``rows * gqa``, fit the dots' N axis (``MAX_GQA``)."""
+    if rows * gqa <= MAX_GQA:
+        return
+    if rows == 1:
+        raise ValueError(f"q: expected at most {MAX_GQA} query heads per KV head, got {gqa}")
+    raise ValueError(f"q: expected at most {MAX_GQA} query rows per KV head (rows x query heads "
+                     f"per KV head), got {rows} x {gqa}")
+
+
 def _plan(device: torch.device, dtype: torch.dtype, bits: int, group_size: int, head_dim: int,
           batch: int, h_q: int, h_kv: int, capacity: int, sm_count: int,
-          kernel: Optional[str] = None) -> _Plan:
+          kernel: Optional[str] = None, *, rows: int = 1, recall: bool = False) -> _Plan:
     """Which kernel and tiles a launch runs: the Gluon kernel where it covers the call and pays
     off (``_fragments_pay_off``), else the Triton kernel. ``kernel`` names one of
     :data:`KERNELS` instead (tests run each kernel on shapes where the other one would be
-    picked); ValueError where it does not cover the call.
+    picked); ValueError where it does not cover the call. ``rows``, ``recall``: the recall
+    launch (query rows per slot, recall on); it always runs the Triton kernel (the Gluon one
+    has neither the bitmap mask nor the recall rows), on the same tiles. The ``rows * h_q /
+    h_kv`` query rows of a KV group fill the dots' N axis, padded to 8: at most 8 (BLOCK_H 16
+    hit an illegal memory access on the H200, perf/NOTES.md).
 
     Triton kernel tiles: 8192 values (64 tokens at D = 128) on 4 warps = one warpgroup, whole key
     groups per block.
@@ -651,14 +837,14 @@ def _plan(device: torch.device, dtype: torch.dtype, bits: int, group_size: int, 
       H200; bits 4 stage them over 2 stages (their prefetched words spill under the cap: 1.6x
       slower; 3 stages would leave room for 4 programs per SM only).
     """
-    gqa = h_q // h_kv
-    if gqa > MAX_GQA:
-        raise ValueError(f"q: expected at most {MAX_GQA} query heads per KV head, got {gqa}")
+    _check_group(rows, h_q // h_kv)
     supported = _fragments_supported(device, dtype, bits, group_size, head_dim)
     if kernel is None:
-        fast = supported and _fragments_pay_off(batch, h_kv, capacity, sm_count)
+        fast = supported and not recall and _fragments_pay_off(batch, h_kv, capacity, sm_count)
         kernel = FRAGMENTS if fast else SPLIT
     check_choice("kernel", kernel, KERNELS)
+    if kernel == FRAGMENTS and recall:
+        raise ValueError(f"kernel={FRAGMENTS!r}: expected a launch without recall, got recall")
     if kernel == FRAGMENTS:
         if not supported:
             raise ValueError(f"kernel={FRAGMENTS!r}: expected a CUDA (sm_80+) call with bits=2, "
@@ -686,13 +872,42 @@ def _decode_attention_triton(
     """The CUDA implementation of :func:`decode_attention` (inputs already validated; also
     callable on CPU tensors under TRITON_INTERPRET=1, the Triton kernel only). ``plan``: the
     launch, ``_plan``'s by default (tests and the kernel benchmark pass others)."""
-    batch, h_q, d = q.shape
+    out = q.new_empty(q.shape)                                              # (B, H_q, D)
+    _launch(q.unsqueeze(1), (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring,
+                             lens), None, out, None, scale, bits, group_size, plan)
+    return out
+
+
+def _decode_attention_recall_triton(
+    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+    recall_k, recall_v, recall_idx, lse_ref, mass,
+    scale: float, bits: int, group_size: int, plan: Optional[_Plan] = None,
+):
+    """The CUDA implementation of :func:`decode_attention_recall` (same conditions as
+    :func:`_decode_attention_triton`). Returns ``(out, lse)``."""
+    batch, rows, h_q, d = q.shape
+    out = q.new_empty(q.shape)                                              # (B, R, H_q, D)
+    lse = torch.empty(batch, rows, h_q, dtype=torch.float32, device=q.device)
+    _launch(q, (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens),
+            (recall_k, recall_v, recall_idx, lse_ref, mass), out.view(batch * rows, h_q, d), lse,
+            scale, bits, group_size, plan)
+    return out, lse
+
+
+def _launch(q, bufs, recall, out, lse, scale: float, bits: int, group_size: int,
+            plan: Optional[_Plan]) -> None:
+    """The launches of both ops. q: (B, R, H_q, D), any strides; bufs: the layer's nine
+    buffers; recall: None, or (recall_k, recall_v, recall_idx, lse_ref, mass) as
+    :func:`decode_attention_recall` takes them; out: (B * R, H_q, D), written; lse: None, or
+    (B, R, H_q) fp32, written (with recall)."""
+    k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens = bufs
+    batch, rows, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     ring_cap = k_ring.shape[2]
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
     if plan is None:
         plan = _plan(q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv, capacity,
-                     sm_count_of(q.device))
+                     sm_count_of(q.device), rows=rows, recall=recall is not None)
     block_n = plan.block_n
     if block_n < 16 or block_n & (block_n - 1) or (bits != 16 and block_n % group_size):
         raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of group_size="
@@ -702,10 +917,9 @@ def _decode_attention_triton(
     gqa = h_q // h_kv
     n_slots = plan.num_splits + 1  # + the ring's split
 
-    m = torch.empty(batch, h_q, n_slots, dtype=torch.float32, device=q.device)
+    m = torch.empty(batch * rows, h_q, n_slots, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(batch, h_q, n_slots, d, dtype=torch.float32, device=q.device)
-    out = q.new_empty(batch, h_q, d)
+    acc = torch.empty(batch * rows, h_q, n_slots, d, dtype=torch.float32, device=q.device)
 
     # The interpreter (triton 3.9) mishandles bf16: its tl.dot multiplies the raw uint16 bits and
     # its fp32 -> bf16 cast truncates. There bf16 values are rounded by hand and kept in fp32,
@@ -718,10 +932,26 @@ def _decode_attention_triton(
     else:
         dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
 
-    # Programmatic dependent launch (ops/_gdc.py) for all three kernels.
+    # Programmatic dependent launch (ops/_gdc.py) for all the kernels.
     pdl = gdc.supported(q.device)
     regs = {"maxnreg": plan.maxnreg} if plan.maxnreg else {}
+    if recall is None:
+        # never read (RECALL off): stand-ins of one dtype, so the kernel compiles once
+        bitmap = recall_k = recall_v = recall_idx = lse_ref = mass = lens
+        k_rec, t_mass, stride_lse = 0, 0, (0, 0)
+    else:
+        recall_k, recall_v, recall_idx, lse_ref, mass = recall
+        k_rec, t_mass, stride_lse = recall_k.shape[2], mass.shape[2], lse_ref.stride()
+        words = triton.cdiv(capacity, 32)
+        bitmap = torch.empty(batch, h_kv, words, dtype=torch.int32, device=q.device)
+        block_k = triton.next_power_of_2(k_rec)
+        block_w = max(1, min(triton.next_power_of_2(words), 4096 // block_k))
+        _recall_bitmap_kernel[(batch * h_kv, triton.cdiv(words, block_w))](
+            recall_idx, lens, bitmap, h_kv, capacity, k_rec, words,
+            BLOCK_K=block_k, BLOCK_W=block_w, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
     if plan.kernel == FRAGMENTS:
+        q = q[:, 0]                                                         # (B, H_q, D)
         if q.stride(2) != 1:
             q = q.contiguous()
         dag._decode_attention_fragments_kernel[(batch, h_kv, n_slots)](
@@ -733,10 +963,11 @@ def _decode_attention_triton(
         _decode_attention_split_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
             m, l, acc,
+            bitmap, recall_k, recall_v, recall_idx, lse_ref, mass,
             scale * _LOG2E,
-            *q.stride(),
-            h_kv, capacity, ring_cap, plan.num_splits,
-            GQA=gqa, BLOCK_H=MAX_GQA, D=d,
+            q.stride(0), q.stride(1) if rows > 1 else 0, q.stride(2), q.stride(3), *stride_lse,
+            h_kv, capacity, ring_cap, plan.num_splits, k_rec, t_mass,
+            GQA=gqa, BLOCK_H=MAX_GQA, D=d, ROWS=rows, RECALL=recall is not None,
             BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=plan.half2,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
             INTERPRET=interpret, PREFETCH=plan.prefetch, PDL=pdl, num_warps=plan.num_warps,
@@ -746,17 +977,30 @@ def _decode_attention_triton(
     # latency. (One program per row looping over 16 splits at a time took 4.8 us per layer at
     # batch 1: 32 programs, 10 dependent loads each.) At most 256 x 32 fp32 values per program.
     block_d = min(d, 32)
-    _decode_attention_combine_kernel[(batch * h_q, d // block_d)](
-        m, l, acc, out, h_q, *out.stride(), n_slots,
+    _decode_attention_combine_kernel[(batch * rows * h_q, d // block_d)](
+        m, l, acc, out, m if lse is None else lse, h_q, *out.stride(), n_slots,
         D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
-        BF16_BY_HAND=bf16_by_hand, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BF16_BY_HAND=bf16_by_hand, LSE=lse is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # Pure-PyTorch reference (same signature and output layout; runs on any device, syncs on lens)
 # ----------------------------------------------------------------------------------------------
+
+
+def _region_ref(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, b: int, n_quant: int,
+                bits: int, group_size: int):
+    """Slot b's first ``n_quant`` quantized tokens in fp32: k, v (H_kv, n_quant, D)."""
+    if bits == 16:
+        return k_cache[b, :, :n_quant].float(), v_cache[b, :, :n_quant].float()
+    rows = n_quant // codes_per_word(bits)
+    groups = n_quant // group_size
+    k = dequantize_keys_ref(k_cache[b:b + 1, :, :rows], k_scale[b:b + 1, :, :groups],
+                            k_zero[b:b + 1, :, :groups], bits, group_size, torch.float32)[0]
+    v = dequantize_values_ref(v_cache[b:b + 1, :, :n_quant], v_scale[b:b + 1, :, :n_quant],
+                              v_zero[b:b + 1, :, :n_quant], bits, group_size, torch.float32)[0]
+    return k, v
 
 
 def decode_attention_ref(
@@ -769,24 +1013,55 @@ def decode_attention_ref(
     h_kv = k_ring.shape[1]
     out = q.new_empty(batch, h_q, d)
     for b, (n_quant, n_ring) in enumerate(lens[:batch].tolist()):
-        if bits == 16:
-            k = k_cache[b, :, :n_quant].float()                        # (H_kv, n_quant, D)
-            v = v_cache[b, :, :n_quant].float()
-        else:
-            rows = n_quant // codes_per_word(bits)
-            groups = n_quant // group_size
-            k = dequantize_keys_ref(k_cache[b:b + 1, :, :rows], k_scale[b:b + 1, :, :groups],
-                                    k_zero[b:b + 1, :, :groups], bits, group_size,
-                                    torch.float32)[0]
-            v = dequantize_values_ref(v_cache[b:b + 1, :, :n_quant], v_scale[b:b + 1, :, :n_quant],
-                                      v_zero[b:b + 1, :, :n_quant], bits, group_size,
-                                      torch.float32)[0]
+        k, v = _region_ref(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, b, n_quant, bits,
+                           group_size)                                 # (H_kv, n_quant, D)
         k = torch.cat([k, k_ring[b, :, :n_ring].float()], dim=1)         # (H_kv, T_b, D)
         v = torch.cat([v, v_ring[b, :, :n_ring].float()], dim=1)
         qb = q[b].float().reshape(h_kv, h_q // h_kv, d)                   # (H_kv, gqa, D)
         probs = torch.softmax(qb @ k.transpose(1, 2) * scale, dim=-1)   # (H_kv, gqa, T_b)
         out[b] = (probs @ v).view(h_q, d).to(q.dtype)
     return out
+
+
+def decode_attention_recall_ref(
+    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+    recall_k, recall_v, recall_idx, lse_ref, mass, scale: float, bits: int, group_size: int,
+):
+    """Reference for :func:`decode_attention_recall`, in fp32 (same arguments; mutates ``mass``).
+
+    Per slot ``b < B``: the quantized region is dequantized to fp32, every recall row ``j`` with
+    ``0 <= recall_idx[b, h, j] < lens[b, 0]`` replaces position ``recall_idx[b, h, j]`` of head
+    ``h`` by ``recall_k[b, h, j]`` / ``recall_v[b, h, j]``, and query row ``r`` attends to it
+    followed by the first ``lens[b, 1] - (R - 1 - r)`` ring tokens. The last row's scores give
+    ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the query heads ``i`` of KV
+    group ``h``, for ``t < lens[b, 0]``; the rest of ``mass`` is left as it is.
+
+    Returns ``(out, lse)``: ``(B, R, H_q, D)`` in q's dtype, ``(B, R, H_q)`` fp32.
+    """
+    batch, rows, h_q, d = q.shape
+    h_kv = k_ring.shape[1]
+    gqa = h_q // h_kv
+    out = q.new_empty(q.shape)
+    lse = torch.empty(batch, rows, h_q, dtype=torch.float32, device=q.device)
+    for b, (n_quant, n_ring) in enumerate(lens[:batch].tolist()):
+        k, v = _region_ref(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, b, n_quant, bits,
+                           group_size)                                 # (H_kv, n_quant, D)
+        pos = recall_idx[b].long()                                       # (H_kv, K)
+        h, j = ((pos >= 0) & (pos < n_quant)).nonzero(as_tuple=True)
+        # out of place: with bits 16 in fp32, k and v are the cache itself
+        k = k.index_put((h, pos[h, j]), recall_k[b, h, j].float())
+        v = v.index_put((h, pos[h, j]), recall_v[b, h, j].float())
+        for r in range(rows):
+            seen = max(n_ring - (rows - 1 - r), 0)
+            kr = torch.cat([k, k_ring[b, :, :seen].float()], dim=1)       # (H_kv, T_br, D)
+            vr = torch.cat([v, v_ring[b, :, :seen].float()], dim=1)
+            qr = q[b, r].float().reshape(h_kv, gqa, d)                    # (H_kv, gqa, D)
+            scores = qr @ kr.transpose(1, 2) * scale                      # (H_kv, gqa, T_br)
+            out[b, r] = (torch.softmax(scores, dim=-1) @ vr).view(h_q, d).to(q.dtype)
+            lse[b, r] = torch.logsumexp(scores, dim=-1).view(h_q)
+        ref = lse_ref[b].float().view(h_kv, gqa, 1)
+        mass[b, :, :n_quant] = torch.exp(scores[..., :n_quant] - ref).sum(1).to(mass.dtype)
+    return out, lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -814,18 +1089,44 @@ def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, len
 _decode_attention_op.register_kernel("cuda")(_decode_attention_triton)
 
 
+@torch.library.custom_op("minikv::decode_attention_recall", mutates_args=("mass",))
+def _decode_attention_recall_op(
+    q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
+    recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
+    lse_ref: torch.Tensor, mass: torch.Tensor,
+    scale: float, bits: int, group_size: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    return decode_attention_recall_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
+                                       k_ring, v_ring, lens, recall_k, recall_v, recall_idx,
+                                       lse_ref, mass, scale, bits, group_size)
+
+
+@_decode_attention_recall_op.register_fake
+def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+      recall_k, recall_v, recall_idx, lse_ref, mass, scale, bits, group_size):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+_decode_attention_recall_op.register_kernel("cuda")(_decode_attention_recall_triton)
+
+
 # ----------------------------------------------------------------------------------------------
 # Public wrapper
 # ----------------------------------------------------------------------------------------------
 
 
 def _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-                  bits, group_size):
+                  bits, group_size, rows: bool = False):
     """The layer against the layout contract (``cache_layout.check_layer``; views allowed: this
-    op only reads), then what the query must match: head dim, dtype, batch and GQA grouping."""
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    batch, h_q, d = q.shape
-    check_choice("head_dim (q.shape[2])", d, _HEAD_DIMS)
+    op only reads), then what the query must match: head dim, dtype, batch and GQA grouping.
+    q: (B, H_q, D), or (B, R, H_q, D) with ``rows``, R in {1, 2}."""
+    check_tensor("q", q, ndim=4 if rows else 3, dtypes=FLOAT_DTYPES)
+    batch, h_q, d = q.shape[0], q.shape[-2], q.shape[-1]
+    check_choice(f"head_dim (q.shape[{q.dim() - 1}])", d, _HEAD_DIMS)
+    if rows:
+        check_choice("rows (q.shape[1])", q.shape[1], (1, 2))
     check_tensor("k_ring", k_ring, ndim=4, dtypes=(q.dtype,), device=q.device)
     b_max, h_kv, _, _, _ = check_layer((k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                                         k_ring, v_ring, lens), bits, group_size, whole=False)
@@ -892,3 +1193,97 @@ def decode_attention(
     return torch.ops.minikv.decode_attention(q, k_cache, k_scale, k_zero, v_cache, v_scale,
                                              v_zero, k_ring, v_ring, lens, float(scale), bits,
                                              group_size)
+
+
+def decode_attention_recall(
+    q: torch.Tensor,
+    k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
+    recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
+    lse_ref: torch.Tensor, mass: torch.Tensor,
+    scale: float, bits: int = 2, group_size: int = 16,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention with recall (SpeCache): R query rows per sequence over one layer's
+    compressed cache in which the recalled positions take their full-precision K/V; also the
+    statistic that chooses the next step's recall.
+
+    For slot ``b < B``, query row ``r`` and query head ``i`` (KV head ``h = i // (H_q /
+    H_kv)``): one softmax over the slot's quantized tokens, where every position ``t =
+    recall_idx[b, h, j]`` with ``0 <= t < lens[b, 0]`` has ``recall_k[b, h, j]`` /
+    ``recall_v[b, h, j]`` in place of its dequantized key / value, followed by the first
+    ``lens[b, 1] - (R - 1 - r)`` ring tokens (the R rows are consecutive tokens whose K/V are
+    all in the ring already: each row sees itself, not the rows after it). K/V are read once
+    for the R rows. With no valid recall row and R = 1 it is :func:`decode_attention`.
+
+    The last row also writes, for every quantized position ``t < lens[b, 0]``, the attention
+    its KV group pays it: ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the
+    group's query heads ``i``, ``s`` the scaled score (from the recalled key where ``t`` is
+    recalled). ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second
+    pass: the previous step's (returned here as ``lse``) scales the masses of a head by one
+    factor, so the ranking by one head is exact and only the weights of a group's heads in the
+    sum that :func:`.recall.recall_topk` ranks are off. ``mass`` is fp32:
+    4 bytes per position against the ~128 bytes of codes, scales and zeros read per position
+    and head at bits 2, D 128, and no ties among close masses as bf16's 8-bit mantissa would
+    make them. Positions ``>= lens[b, 0]`` and slots ``>= B`` keep what they held. A reference
+    far below this step's scores (by more than ~83 nats) saturates the mass instead of
+    overflowing.
+
+    Reads ``lens`` and ``recall_idx`` on the device (no host sync); safe to capture in a CUDA
+    graph and replay after ``lens``, ``recall_idx``, the recall rows and ``lse_ref`` change in
+    place. On CUDA three launches (recall bitmap, splits, combine), the Triton kernel always.
+
+    Args:
+        q: ``(B, R, H_q, D)``, R in {1, 2}, any strides; the rest as :func:`decode_attention`,
+            and ``R * H_q / H_kv <= 8``.
+        k_cache ... lens: the layer's buffers, as :func:`decode_attention`.
+        recall_k, recall_v: ``(Bmax, H_kv, K, D)`` in q's dtype, contiguous, K >= 1.
+        recall_idx: ``(B', H_kv, K)`` int32, contiguous, ``B <= B' <= Bmax`` (a leading slice of
+            the index buffer is fine): the quantized position of each recall row; -1 (or any
+            value outside ``[0, lens[b, 0])``) = unused row. The valid positions of one (slot,
+            KV head) must be distinct (not checked: that would sync); top-k positions are.
+        lse_ref: ``(B, H_q)`` fp32, any strides: the reference log-sum-exp of the last row's
+            heads (natural log, of the scaled scores).
+        mass: ``(Bmax, H_kv, T_mass)`` fp32, ``T_mass >= T_cap``, contiguous, the whole buffer;
+            mutated. One buffer of the largest capacity can serve every layer: the step reads
+            it (:func:`.recall.recall_topk`) before the next layer's attention writes it.
+        scale, bits, group_size: as :func:`decode_attention`.
+        All on q's device.
+
+    Returns:
+        ``(out, lse)``: ``(B, R, H_q, D)`` in q's dtype and ``(B, R, H_q)`` fp32 (natural log),
+        contiguous.
+
+    Raises:
+        ValueError: a shape, dtype or device inconsistent with the above.
+    """
+    _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+                  bits, group_size, rows=True)
+    batch, rows, h_q, d = q.shape
+    b_max, h_kv = k_ring.shape[:2]
+    _check_group(rows, h_q // h_kv)
+    check_tensor("recall_k", recall_k, shape=(b_max, h_kv, None, d), dtypes=(q.dtype,),
+                 device=q.device, contiguous=True)
+    k = recall_k.shape[2]
+    if k < 1:
+        raise ValueError(f"recall_k: expected K >= 1 recall rows (dim 2), got shape "
+                         f"{tuple(recall_k.shape)}")
+    check_tensor("recall_v", recall_v, shape=(b_max, h_kv, k, d), dtypes=(q.dtype,),
+                 device=q.device, contiguous=True)
+    check_tensor("recall_idx", recall_idx, shape=(None, h_kv, k), dtypes=(torch.int32,),
+                 device=q.device, contiguous=True)
+    if not batch <= recall_idx.shape[0] <= b_max:
+        raise ValueError(f"recall_idx: expected B={batch} <= recall_idx.shape[0] <= "
+                         f"max_batch_size={b_max}, got shape {tuple(recall_idx.shape)}")
+    check_tensor("lse_ref", lse_ref, shape=(batch, h_q), dtypes=(torch.float32,),
+                 device=q.device)
+    capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
+    check_tensor("mass", mass, shape=(b_max, h_kv, None), dtypes=(torch.float32,),
+                 device=q.device, contiguous=True)
+    if mass.shape[2] < capacity:
+        raise ValueError(f"mass: expected at least T_cap={capacity} positions (dim 2), got shape "
+                         f"{tuple(mass.shape)}")
+    check_base("mass", mass)
+    return torch.ops.minikv.decode_attention_recall(
+        q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+        recall_k, recall_v, recall_idx, lse_ref, mass, float(scale), bits, group_size)

@@ -17,6 +17,9 @@ The data, per layer (``Bmax`` slots, ``H_kv`` KV heads, ``T_cap`` quantized toke
 Attention with recall is attention over the quantized region in which every position listed in
 ``recall_idx`` (and below ``lens[b, 0]``) takes the recalled k/v in place of its dequantized
 value, followed by the ring as usual. Ring tokens are full precision already and never recalled.
+That attention is ``minikv::decode_attention_recall`` (:mod:`.attention_decode`, the decode
+attention kernels with recall on), which also writes the statistic the next step's recall is
+chosen from: ``mass (Bmax, H_kv, >= T_cap)`` fp32, the attention a KV group pays each position.
 
 The ops here:
 
@@ -25,9 +28,9 @@ The ops here:
   store itself (zero-copy through unified virtual addressing: a pinned tensor's ``data_ptr()``
   is a valid device address), so the gather is an ordinary kernel node of the captured step,
   with no host synchronization and no copy issued from Python.
-* :func:`decode_attention_recall_ref`: the oracle of attention with recall.
-* :func:`recall_topk_ref`: the rule that chooses what to recall (the top-k positions by a KV
-  group's attention mass).
+* :func:`recall_topk`: the positions to recall next, the top-k by ``mass`` per (slot, KV head),
+  in plain torch ops (``torch.topk``) that the compiled step fuses, with no host sync;
+  :func:`recall_topk_ref` is its rule on attention probabilities.
 
 How the host store crosses the op boundary: the op takes the two host tensors as CPU tensors
 and runs on the device of the others (CUDA's dispatch key outranks CPU's, so ``idx`` and the
@@ -46,9 +49,7 @@ import triton
 import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_tensor
-from .attention_decode import decode_attention_ref
 from .cache_layout import check_base
-from .quant import dequantize_keys_ref, dequantize_values_ref
 
 # Elements of one of k / v a gather program copies (8 per thread at 4 warps, 16 bytes of fp16).
 # Not tuned: no GPU was available when this was written. The issue's measurement (64 tokens x
@@ -118,47 +119,6 @@ def recall_gather_ref(host_k, host_v, idx, recall_k, recall_v) -> None:
         got = torch.gather(host[:B], 2, rows)                       # (B, H, K, D)
         got = torch.where(hit[..., None], got, torch.zeros_like(got))
         out[:B].copy_(got)
-
-
-def decode_attention_recall_ref(
-    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    recall_k, recall_v, recall_idx, scale: float, bits: int, group_size: int,
-) -> torch.Tensor:
-    """Decode attention with recall, in fp32: the oracle the recall kernels will be held to.
-
-    For every slot ``b < B``: the quantized region is dequantized to fp32 (bits 2/4; bits 16:
-    taken as it is), every row ``j`` with ``0 <= recall_idx[b, h, j] < lens[b, 0]`` replaces
-    position ``recall_idx[b, h, j]`` of head ``h`` by ``recall_k[b, h, j]`` / ``recall_v[b, h,
-    j]``, and the result is attended to with the ring by :func:`decode_attention_ref` (handed
-    as a bits-16 fp32 region), so everything but the substitution is that reference.
-
-    Args:
-        q: ``(B, H_q, D)``; the cache buffers and ``lens``: as :func:`decode_attention`.
-        recall_k, recall_v: ``(Bmax, H_kv, K, D)`` in q's dtype.
-        recall_idx: ``(B or Bmax, H_kv, K)`` int32; -1 (or any position outside
-            ``[0, lens[b, 0])``) = unused row.
-        scale, bits, group_size: as :func:`decode_attention`.
-
-    Returns:
-        ``(B, H_q, D)`` in q's dtype.
-    """
-    batch = q.shape[0]
-    if bits == 16:
-        k = k_cache[:batch].float()                                  # (B, H_kv, T_cap, D)
-        v = v_cache[:batch].float()
-    else:
-        k = dequantize_keys_ref(k_cache[:batch], k_scale[:batch], k_zero[:batch], bits,
-                                group_size, torch.float32)
-        v = dequantize_values_ref(v_cache[:batch], v_scale[:batch], v_zero[:batch], bits,
-                                  group_size, torch.float32)
-    for b, n_quant in enumerate(lens[:batch, 0].tolist()):
-        pos = recall_idx[b].long()                                   # (H_kv, K)
-        h, j = ((pos >= 0) & (pos < n_quant)).nonzero(as_tuple=True)
-        k[b, h, pos[h, j]] = recall_k[b, h, j].float()
-        v[b, h, pos[h, j]] = recall_v[b, h, j].float()
-    empty = k.new_empty(0)
-    return decode_attention_ref(q, k, empty, empty, v, empty, empty, k_ring, v_ring, lens,
-                                scale, 16, group_size)
 
 
 def recall_topk_ref(probs: torch.Tensor, k: int, num_kv_heads: int) -> torch.Tensor:
@@ -290,3 +250,40 @@ def recall_gather(store: HostStore, idx: torch.Tensor, recall_k: torch.Tensor,
         raise ValueError(f"idx: expected 1 <= B (idx.shape[0]) <= max_batch_size={Bmax}, "
                          f"got shape {tuple(idx.shape)}")
     torch.ops.minikv.recall_gather(store.k, store.v, idx, recall_k, recall_v)
+
+
+def recall_topk(mass: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions to recall at the next step: per (slot, KV head), the ``k`` held positions
+    with the most attention mass (:func:`recall_topk_ref`'s rule on the group sums that
+    ``decode_attention_recall`` writes).
+
+    Plain torch ops on the device (a mask, ``torch.topk``, a select): no host sync, fused by
+    ``torch.compile`` into the step, capturable in a CUDA graph.
+
+    Args:
+        mass: ``(B, H_kv, T)`` fp32, e.g. a leading slice of the ``mass`` buffer; positions
+            ``>= lens[b, 0]`` are ignored (they hold stale values).
+        lens: ``(B' >= B, 2)`` int32 on mass's device; ``lens[b, 0]`` quantized tokens of slot b.
+        k: positions per (slot, KV head), ``k >= 0``.
+
+    Returns:
+        ``(B, H_kv, k)`` int32: positions by decreasing mass (ties in ``torch.topk``'s order),
+        -1 in the last ``k - lens[b, 0]`` columns when the slot holds fewer than ``k``.
+
+    Raises:
+        ValueError: a shape, dtype or device inconsistent with the above.
+    """
+    check_tensor("mass", mass, ndim=3, dtypes=(torch.float32,))
+    batch, _, t_cap = mass.shape
+    check_tensor("lens", lens, shape=(None, 2), dtypes=(torch.int32,), device=mass.device)
+    if lens.shape[0] < batch:
+        raise ValueError(f"lens: expected at least B={batch} rows (mass.shape[0]), got shape "
+                         f"{tuple(lens.shape)}")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k: expected an int >= 0, got {k!r}")
+    held = torch.arange(t_cap, device=mass.device) < lens[:batch, :1, None]     # (B, 1, T_cap)
+    top = torch.topk(torch.where(held, mass, float("-inf")), min(k, t_cap), dim=-1)
+    idx = torch.where(top.values == float("-inf"), -1, top.indices).to(torch.int32)
+    if k > t_cap:
+        idx = torch.cat([idx, idx.new_full((*idx.shape[:2], k - t_cap), -1)], dim=-1)
+    return idx

@@ -9,14 +9,22 @@ capture under the sync-debug guard.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import List
+
 import pytest
 import torch
 
-from minikv_compile.ops import HostStore, recall_gather
-from minikv_compile.ops.attention_decode import decode_attention_ref
+from minikv_compile.ops import (HostStore, decode_attention, decode_attention_recall,
+                                recall_gather, recall_topk)
+from minikv_compile.ops._checks import sm_count
+from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_recall_triton,
+                                                 _decode_attention_triton, _plan,
+                                                 decode_attention_recall_ref,
+                                                 decode_attention_ref)
 from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
-from minikv_compile.ops.recall import (_recall_gather_triton, decode_attention_recall_ref,
-                                       recall_gather_ref, recall_topk_ref)
+from minikv_compile.ops.recall import _recall_gather_triton, recall_gather_ref, recall_topk_ref
+from test_decode_attention import Case, make_case, poisoned
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -207,6 +215,16 @@ def _layer(b_max, h_kv, t_cap, d, ring, bits, g, dtype, n_quant, n_ring):
     return [*quant, *rings, lens], k_full, v_full
 
 
+def _recall_ref_one_row(q, bufs, rk, rv, idx, scale, bits):
+    """The reference with one query row (q (B, H_q, D)); its lse and mass are left out."""
+    b_max, h_kv = bufs[6].shape[:2]
+    lse_ref = torch.zeros(q.shape[0], q.shape[1])
+    mass = torch.zeros(b_max, h_kv, bufs[3].shape[2])
+    out, _ = decode_attention_recall_ref(q[:, None], *bufs, rk, rv, idx, lse_ref, mass, scale,
+                                         bits, 16)
+    return out[:, 0]
+
+
 ORACLE_CASES = [  # bits, dtype, gqa
     (2, torch.float32, 2),
     (2, torch.bfloat16, 3),
@@ -229,7 +247,7 @@ def test_recall_of_nothing_is_the_decode_attention_reference(bits, dtype, gqa):
     rk = torch.zeros(b_max, h_kv, k, d, dtype=dtype)
     rv = torch.zeros_like(rk)
     recall_gather(store, idx[:2], rk, rv)
-    out = decode_attention_recall_ref(q, *bufs, rk, rv, idx, d ** -0.5, bits, 16)
+    out = _recall_ref_one_row(q, bufs, rk, rv, idx, d ** -0.5, bits)
     _assert_same(out, decode_attention_ref(q, *bufs, d ** -0.5, bits, 16))
     assert lens[0, 0] == 32  # the case really has recall rows past the region
 
@@ -250,7 +268,7 @@ def test_recall_of_everything_is_full_precision_attention(bits, dtype, gqa):
     rk = torch.zeros(b_max, h_kv, k, d, dtype=dtype)
     rv = torch.zeros_like(rk)
     recall_gather(store, idx[:2], rk, rv)
-    out = decode_attention_recall_ref(q, *bufs, rk, rv, idx, d ** -0.5, bits, 16)
+    out = _recall_ref_one_row(q, bufs, rk, rv, idx, d ** -0.5, bits)
 
     empty = torch.empty(0, dtype=torch.float16)
     full = decode_attention_ref(q, k_full, empty, empty, v_full, empty, empty, *bufs[6:],
@@ -281,7 +299,7 @@ def test_partial_recall_substitutes_exactly_the_listed_positions():
     rk = torch.zeros(b_max, h_kv, 4, d)
     rv = torch.zeros_like(rk)
     recall_gather(store, idx, rk, rv)
-    out = decode_attention_recall_ref(q, *bufs, rk, rv, idx, 0.25, bits, 16)
+    out = _recall_ref_one_row(q, bufs, rk, rv, idx, 0.25, bits)
 
     # the substitution done by hand on the dequantized region (32 is past slot 1's region)
     from minikv_compile.ops.quant import dequantize_keys_ref, dequantize_values_ref
@@ -316,6 +334,425 @@ def test_topk_by_group_mass():
     assert recall_topk_ref(probs, 0, 2).shape == (1, 2, 0)
     # one KV head: the mass of all four query heads
     assert recall_topk_ref(probs, 2, 1).tolist() == [[[2, 4]]]
+
+
+# ----------------------------------------------------------------------------------------------
+# minikv::decode_attention_recall: the reference, the Triton kernels (interpreter), the op
+# ----------------------------------------------------------------------------------------------
+# Caches come from test_decode_attention's independent builder (its fp64 truth of the dequantized
+# region and the ring); the oracle below substitutes the recall rows into that truth.
+
+
+@dataclasses.dataclass
+class RecallCase:
+    """A cache (test_decode_attention.Case), the recall arguments in the op's order and q."""
+
+    cache: Case
+    q: torch.Tensor               # (B, R, H_q, D)
+    recall: List[torch.Tensor]    # recall_k, recall_v, recall_idx, lse_ref, mass
+
+
+def _recall_indices(b_max, h_kv, k, t_cap, lens, batch):
+    """(Bmax, H_kv, K) int32: per (slot, head) distinct held positions in shuffled rows, -1
+    rows, positions past the slot's region and past T_cap (a third of each, about)."""
+    idx = torch.full((b_max, h_kv, k), -1, dtype=torch.int32)
+    for b in range(b_max):
+        n_quant = int(lens[b, 0]) if b < batch else 0
+        for h in range(h_kv):
+            n_held = min(n_quant, k - k // 3)
+            row = torch.full((k,), -1, dtype=torch.int32)
+            row[:n_held] = torch.randperm(n_quant)[:n_held].to(torch.int32)
+            if n_held < k:  # past the region (still < T_cap), and past T_cap
+                row[n_held] = min(n_quant + 2, t_cap - 1) if n_quant < t_cap else -1
+            if n_held + 1 < k:
+                row[n_held + 1] = t_cap + 3
+            idx[b, h] = row[torch.randperm(k)]
+    return idx
+
+
+def recall_case(batch, b_max, h_kv, gqa, rows, d, capacity, ring, bits, dtype, n_quant, n_ring,
+                k, group_size=16, device="cpu", idx=None) -> RecallCase:
+    cache = make_case(batch, b_max, h_kv, d, capacity, ring, bits, group_size, dtype, n_quant,
+                      n_ring, outliers=True)
+    lens = cache.bufs[-1]
+    if idx is None:
+        idx = _recall_indices(b_max, h_kv, k, capacity, lens, batch)
+    # the full-precision rows: the dequantized truth plus noise of the quantization's size
+    rk = (torch.randn(b_max, h_kv, k, d) * 2).to(dtype)
+    rv = torch.randn(b_max, h_kv, k, d).to(dtype)
+    q = torch.randn(batch, rows, h_kv * gqa, d).to(dtype)
+    mass = torch.full((b_max, h_kv, capacity), float("nan"))
+    rc = RecallCase(cache, q, [rk, rv, idx, torch.zeros(batch, h_kv * gqa), mass])
+    # lse_ref: the last row's own log-sum-exp, off by up to a nat per head (a stale one)
+    rc.recall[3] = (recall_truth(rc, d ** -0.5, torch.float64)[1][:, -1].float()
+                    + 2 * torch.rand(batch, h_kv * gqa) - 1)
+    cache.bufs = [t.to(device) for t in cache.bufs]
+    cache.keys = [t.to(device) for t in cache.keys]
+    cache.values = [t.to(device) for t in cache.values]
+    return RecallCase(cache, q.to(device), [t.to(device) for t in rc.recall])
+
+
+def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
+    """Attention with recall computed from the cache's fp64 truth, every tensor and product in
+    ``dtype`` (float64: the oracle; q's dtype: the same-precision baseline of the 2x rule).
+    Returns out (B, R, H_q, D), lse (B, R, H_q) and, per slot, mass (H_kv, n_quant) and the
+    last row's probabilities of the quantized positions (H_kv, gqa, n_quant)."""
+    q, cache = rc.q, rc.cache
+    rk, rv, idx, lse_ref, _ = rc.recall
+    batch, rows, h_q, d = q.shape
+    h_kv = rk.shape[1]
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=dtype, device=q.device)
+    masses, probs = [], []
+    for b, (n_quant, n_ring) in enumerate(cache.bufs[-1][:batch].tolist()):
+        k_reg, v_reg = cache.keys[b][:, :n_quant].clone(), cache.values[b][:, :n_quant].clone()
+        for h in range(h_kv):
+            for j, t in enumerate(idx[b, h].tolist()):
+                if 0 <= t < n_quant:
+                    k_reg[h, t], v_reg[h, t] = rk[b, h, j].double(), rv[b, h, j].double()
+        for r in range(rows):
+            seen = n_ring - (rows - 1 - r)
+            kb = torch.cat([k_reg, cache.keys[b][:, n_quant:n_quant + seen]], 1).to(dtype)
+            vb = torch.cat([v_reg, cache.values[b][:, n_quant:n_quant + seen]], 1).to(dtype)
+            qb = q[b, r].to(dtype).view(h_kv, -1, d)
+            s = (qb @ kb.transpose(1, 2)) * scale                          # (H_kv, gqa, T)
+            out[b, r] = (torch.softmax(s, -1) @ vb).reshape(h_q, d)
+            lse[b, r] = torch.logsumexp(s, -1).reshape(h_q)
+        ref = lse_ref[b].to(dtype).view(h_kv, -1, 1)
+        masses.append(torch.exp(s[..., :n_quant] - ref).sum(1))
+        probs.append(torch.softmax(s, -1)[..., :n_quant])
+    return out, lse, masses, probs
+
+
+def assert_recall_within_2x(out, lse, rc: RecallCase, scale: float) -> None:
+    """The 2x rule (test_decode_attention's) for out, lse and the written mass (plus 1e-5 of
+    the largest mass: the kernel takes it through exp2 of log2-domain differences, a few more
+    fp32 roundings than exp(s - lse)); the mass past each slot's region and of the slots >= B
+    is untouched (NaN)."""
+    oracle = recall_truth(rc, scale, torch.float64)
+    base = recall_truth(rc, scale, rc.q.dtype)
+    mass = rc.recall[4]
+    got = [mass[b, :, :m.shape[1]] for b, m in enumerate(oracle[2])]
+    for name, x, o, y, atol in [
+        ("out", [out], [oracle[0]], [base[0]], 1e-6),
+        ("lse", [lse], [oracle[1]], [base[1]], 1e-5),
+        ("mass", got, oracle[2], base[2],
+         1e-5 * max(m.abs().max().item() for m in oracle[2] if m.numel())),
+    ]:
+        err = max((a.double() - b).abs().max().item() for a, b in zip(x, o) if b.numel())
+        base_err = max((a.double() - b).abs().max().item() for a, b in zip(y, o) if b.numel())
+        assert err <= 2 * base_err + atol, f"{name}: {err:.3g} vs same-precision {base_err:.3g}"
+    for b, m in enumerate(oracle[2]):
+        assert not mass[b, :, :m.shape[1]].isnan().any()
+        assert mass[b, :, m.shape[1]:].isnan().all()
+    assert mass[len(oracle[2]):].isnan().all()
+
+
+def run_recall_kernel(rc: RecallCase, scale: float, bufs=None, recall=None, **fields):
+    """The recall launch (Triton; the interpreter on the CPU) on ``_plan``'s tiles, ``fields``
+    replaced."""
+    cache, q = rc.cache, rc.q
+    capacity = cache.bufs[0].shape[2] if cache.bits == 16 else cache.bufs[3].shape[2]
+    h_kv = cache.bufs[6].shape[1]
+    plan = _plan(q.device, q.dtype, cache.bits, cache.group_size, q.shape[3], q.shape[0],
+                 q.shape[2], h_kv, capacity, sm_count(q.device), rows=q.shape[1], recall=True)
+    return _decode_attention_recall_triton(q, *(bufs or cache.bufs), *(recall or rc.recall),
+                                           scale, cache.bits, cache.group_size,
+                                           plan._replace(**fields))
+
+
+# (bits, dtype, gqa, rows): every kernel path (half2 fp16/bf16, fp32 dequantization, bits 16),
+# rows x heads from 1 to the full N axis of 8
+RECALL_KERNEL_CASES = [
+    (bits, dtype, gqa, rows)
+    for bits in (2, 4) for dtype in DTYPES for gqa, rows in ((1, 1), (3, 2), (4, 2))
+] + [(16, torch.float16, 3, 2), (2, torch.bfloat16, 8, 1)]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits,dtype,gqa,rows", RECALL_KERNEL_CASES)
+def test_triton_recall_matches_oracle(bits, dtype, gqa, rows):
+    # 3 splits over 64 tokens in blocks of 16 (some get none); 20 recall rows: 2 recall blocks
+    rc = recall_case(2, 3, 2, gqa, rows, 16, 64, 16, bits, dtype, [48, 64], [3, 16], k=20)
+    out, lse = run_recall_kernel(rc, 0.25, num_splits=3, block_n=16)
+    assert out.shape == rc.q.shape and out.dtype == dtype
+    assert lse.shape == rc.q.shape[:3] and lse.dtype == torch.float32
+    assert_recall_within_2x(out, lse, rc, 0.25)
+
+
+@pytest.mark.parametrize("bits,dtype,gqa,rows", [(2, torch.float32, 3, 2), (4, torch.float16, 1, 1),
+                                                 (16, torch.bfloat16, 2, 2)])
+def test_reference_matches_oracle(bits, dtype, gqa, rows):
+    rc = recall_case(2, 3, 2, gqa, rows, 16, 64, 16, bits, dtype, [48, 64], [3, 16], k=20)
+    out, lse = decode_attention_recall_ref(rc.q, *rc.cache.bufs, *rc.recall, 0.25, bits, 16)
+    oracle = recall_truth(rc, 0.25, torch.float64)
+    tol = {torch.float32: 1e-5, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+    torch.testing.assert_close(out.double(), oracle[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), oracle[1], rtol=1e-5, atol=1e-5)
+    for b, m in enumerate(oracle[2]):
+        torch.testing.assert_close(rc.recall[4][b, :, :m.shape[1]].double(), m, rtol=1e-4,
+                                   atol=0)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_triton_recall_of_everything_is_full_precision_attention(bits, dtype):
+    """The issue's exact property, for the kernel: every quantized position recalled with its
+    original K/V (every quantized block then has no valid token) gives the attention of the
+    uncompressed tokens: within the 2x rule of the fp64 attention over them, and within the
+    same bound of the production kernel over a bits-16 cache of them."""
+    b_max, h_kv, t_cap, d, k = 3, 2, 64, 16, 69
+    idx = torch.full((b_max, h_kv, k), -1, dtype=torch.int32)
+    for b in range(b_max):
+        for h in range(h_kv):
+            idx[b, h] = torch.cat([torch.arange(t_cap), torch.full((5,), -1)])[torch.randperm(k)]
+    rc = recall_case(2, b_max, h_kv, 2, 2, d, t_cap, 16, bits, dtype, [64, 32], [3, 16], k=k,
+                     idx=idx)
+    # the originals: what the recall rows hold (the oracle substitutes them likewise)
+    k_full = torch.randn(b_max, h_kv, t_cap, d).to(dtype)
+    v_full = torch.randn(b_max, h_kv, t_cap, d).to(dtype)
+    store = HostStore(k_full, v_full, "cpu")
+    recall_gather(store, idx, rc.recall[0], rc.recall[1])
+    out, lse = run_recall_kernel(rc, 0.25, num_splits=3, block_n=16)
+    assert_recall_within_2x(out, lse, rc, 0.25)
+
+    full = make_case(2, b_max, h_kv, d, t_cap, 16, 16, 16, dtype, [64, 32], [3, 16])
+    full.bufs[0], full.bufs[3] = k_full, v_full
+    full.bufs[6:8] = rc.cache.bufs[6:8]
+    for r in range(2):  # row r is a one-row query over a ring one token shorter per row after it
+        full.bufs[8] = rc.cache.bufs[8].clone()
+        full.bufs[8][:2, 1] -= 1 - r
+        plain = _decode_attention_triton(rc.q[:, r], *full.bufs, 0.25, 16, 16)
+        oracle = recall_truth(rc, 0.25, torch.float64)[0][:, r]
+        base = recall_truth(rc, 0.25, dtype)[0][:, r]
+        bound = 2 * (base.double() - oracle).abs().max().item() + 1e-6
+        assert (out[:, r].double() - plain.double()).abs().max().item() <= 2 * bound
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_triton_one_row_without_recall_is_decode_attention_bit_for_bit(bits, dtype):
+    """R = 1, every recall row unused (-1, past the region, past T_cap): the production
+    kernel's result exactly, on the same tiles."""
+    rc = recall_case(2, 3, 2, 3, 1, 16, 64, 16, bits, dtype, [48, 64], [3, 16], k=6)
+    idx = rc.recall[2]
+    idx.fill_(-1)
+    idx[0, :, 0], idx[1, :, 1] = 48, 64 + 5  # past slot 0's region, past T_cap
+    out, lse = run_recall_kernel(rc, 0.25, num_splits=3, block_n=16)
+    plan = _plan(rc.q.device, dtype, bits, 16, 16, 2, 6, 2, 64, 1)._replace(num_splits=3,
+                                                                            block_n=16)
+    plain = _decode_attention_triton(rc.q[:, 0], *rc.cache.bufs, 0.25, bits, 16, plan)
+    assert torch.equal(out[:, 0], plain)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits", [2, 4])
+def test_triton_recall_never_reads_unused_rows_and_capacity(bits):
+    """NaN in every recall row that is not valid and everything past the lengths (the cache
+    poisoned as in test_decode_attention): bit-identical results."""
+    batch = 2
+    rc = recall_case(batch, 4, 2, 2, 2, 16, 64, 32, bits, torch.float16, [16, 48], [5, 32], k=9)
+    clean_mass = rc.recall[4].clone()
+    clean = run_recall_kernel(rc, 0.25, recall=rc.recall[:4] + [clean_mass], num_splits=3,
+                              block_n=16)
+    rk, rv, idx = (t.clone() for t in rc.recall[:3])
+    lens = rc.cache.bufs[-1]
+    for b in range(rk.shape[0]):
+        for h in range(rk.shape[1]):
+            for j, t in enumerate(idx[b, h].tolist()):
+                if b >= batch or not 0 <= t < int(lens[b, 0]):
+                    rk[b, h, j] = rv[b, h, j] = float("nan")
+    dirty_mass = rc.recall[4].clone()
+    dirty = run_recall_kernel(rc, 0.25, bufs=poisoned(rc.cache, batch),
+                              recall=[rk, rv, idx, rc.recall[3], dirty_mass],
+                              num_splits=3, block_n=16)
+    assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
+    _assert_same(clean_mass, dirty_mass)
+
+
+@pytest.mark.interpret
+def test_triton_recall_default_plan_and_group_sizes():
+    # the launcher's own plan (1 split on the CPU), group 32, BLOCK_N from the plan
+    rc = recall_case(2, 2, 2, 4, 2, 64, 128, 32, 2, torch.float16, [64, 128], [2, 32], k=11,
+                     group_size=32)
+    out, lse = _decode_attention_recall_triton(rc.q, *rc.cache.bufs, *rc.recall, 0.125, 2, 32)
+    assert_recall_within_2x(out, lse, rc, 0.125)
+
+
+def test_public_recall_op_runs_reference_on_cpu():
+    rc = recall_case(2, 3, 2, 3, 2, 16, 64, 16, 2, torch.bfloat16, [48, 0], [3, 16], k=7)
+    expected_mass = rc.recall[4].clone()
+    expected = decode_attention_recall_ref(rc.q, *rc.cache.bufs, *rc.recall[:4], expected_mass,
+                                           0.25, 2, 16)
+    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
+    _assert_same(out, expected[0])
+    _assert_same(lse, expected[1])
+    _assert_same(rc.recall[4], expected_mass)
+
+
+@pytest.mark.parametrize("bits", [2, 16])
+def test_public_recall_op_one_row_without_recall_is_decode_attention(bits):
+    rc = recall_case(2, 3, 2, 2, 1, 16, 64, 16, bits, torch.float32, [48, 16], [3, 16], k=4)
+    rc.recall[2].fill_(-1)
+    out, _ = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, bits, 16)
+    _assert_same(out[:, 0], decode_attention(rc.q[:, 0], *rc.cache.bufs, 0.25, bits, 16))
+
+
+def test_public_recall_op_of_everything_is_full_precision_attention():
+    """Through the registered op on the CPU (the reference): exactly the bits-16 attention
+    over the original tokens, row by row."""
+    b_max, h_kv, t_cap, d = 2, 2, 32, 16
+    idx = torch.stack([torch.stack([torch.randperm(t_cap) for _ in range(h_kv)])
+                       for _ in range(b_max)]).to(torch.int32)
+    rc = recall_case(2, b_max, h_kv, 2, 2, d, t_cap, 16, 2, torch.float32, [32, 16], [4, 9],
+                     k=t_cap, idx=idx)
+    k_full, v_full = torch.randn(b_max, h_kv, t_cap, d), torch.randn(b_max, h_kv, t_cap, d)
+    recall_gather(HostStore(k_full, v_full, "cpu"), idx, rc.recall[0], rc.recall[1])
+    out, _ = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
+    empty = torch.empty(0, dtype=torch.float16)
+    for r in range(2):
+        lens = rc.cache.bufs[8].clone()
+        lens[:, 1] -= 1 - r
+        full = decode_attention(rc.q[:, r], k_full, empty, empty, v_full, empty, empty,
+                                *rc.cache.bufs[6:8], lens, 0.25, 16, 16)
+        _assert_same(out[:, r], full)
+
+
+def test_mass_with_own_lse_is_the_group_probability_and_topk_follows():
+    """With lse_ref = the last row's own log-sum-exp, mass is the last row's attention
+    probability summed over each KV group, and recall_topk on it picks recall_topk_ref's
+    positions from those probabilities."""
+    rc = recall_case(2, 2, 2, 3, 2, 16, 64, 16, 2, torch.float32, [64, 48], [3, 16], k=5)
+    _, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
+    rc.recall[3] = lse[:, -1]  # a strided (B, H_q) view, as the engine will pass it
+    decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
+    mass, lens = rc.recall[4], rc.cache.bufs[8]
+    probs = recall_truth(rc, 0.25, torch.float64)[3]
+    for b, p in enumerate(probs):                                    # p: (H_kv, gqa, n_quant)
+        n_quant = p.shape[2]
+        torch.testing.assert_close(mass[b, :, :n_quant].double(), p.sum(1), rtol=1e-4, atol=1e-7)
+        got = recall_topk(mass[b:b + 1], lens[b:b + 1], 9)
+        assert got.tolist() == recall_topk_ref(p.reshape(1, 6, n_quant), 9, 2).tolist()
+
+
+def test_recall_topk_follows_the_rule_on_held_positions():
+    """Per slot, recall_topk_ref on the held positions (one query head per KV head: the mass
+    is the probability); stale values past lens[b, 0] never chosen; -1 padding."""
+    batch, h_kv, t_cap = 4, 3, 40
+    lens = torch.tensor([[40, 1], [17, 0], [0, 5], [3, 2], [9, 9]], dtype=torch.int32)
+    mass = torch.rand(batch, h_kv, t_cap)
+    for b in range(batch):
+        mass[b, :, int(lens[b, 0]):] = 1e6  # stale
+    for k in (0, 5, 17, 45):
+        got = recall_topk(mass, lens, k)
+        assert got.shape == (batch, h_kv, k) and got.dtype == torch.int32
+        for b in range(batch):
+            n_quant = int(lens[b, 0])
+            expected = recall_topk_ref(mass[b:b + 1, :, :n_quant], k, h_kv)[0]
+            assert got[b].tolist() == expected.tolist()
+
+
+BAD_TOPK = [
+    ("mass dtype", lambda m, l, k: (m.half(), l, k), "mass: expected dtype"),
+    ("mass rank", lambda m, l, k: (m[0], l, k), "mass: expected 3 dims"),
+    ("lens dtype", lambda m, l, k: (m, l.long(), k), "lens: expected dtype"),
+    ("lens rows", lambda m, l, k: (m, l[:1], k), "lens: expected at least B=2"),
+    ("k", lambda m, l, k: (m, l, -1), "k: expected an int >= 0"),
+]
+
+
+@pytest.mark.parametrize("name,make_bad,message", BAD_TOPK, ids=[b[0] for b in BAD_TOPK])
+def test_recall_topk_bad_inputs_raise(name, make_bad, message):
+    mass, lens = torch.rand(2, 2, 16), torch.full((3, 2), 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        recall_topk(*make_bad(mass, lens, 4))
+
+
+def test_recall_opcheck():
+    rc = recall_case(2, 3, 2, 2, 2, 16, 32, 16, 2, torch.float32, [16, 32], [2, 16], k=5)
+    rc.recall[4].zero_()
+    torch.library.opcheck(torch.ops.minikv.decode_attention_recall.default,
+                          (rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16))
+
+
+def test_compiled_recall_step_fullgraph_no_recompile():
+    """The step's recall part as the engine will compile it (inductor, fullgraph): attention
+    with recall, then the next step's indices from the mass; new lengths, indices and q in
+    place: no recompile, the reference's results."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    rc = recall_case(2, 2, 2, 2, 2, 16, 64, 16, 2, torch.float32, [64, 32], [3, 16], k=6)
+    rk, rv, idx, lse_ref, mass = rc.recall
+    bufs = rc.cache.bufs
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(q, lse_ref):
+        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, 0.25, 2, 16)
+        return out * 2.0, lse, recall_topk(mass[:2], bufs[8], 6)
+
+    for _ in range(2):
+        expected_mass = mass.clone()
+        out_ref, lse_ref_out = decode_attention_recall_ref(rc.q, *bufs, rk, rv, idx, lse_ref,
+                                                           expected_mass, 0.25, 2, 16)
+        out, lse, nxt = step(rc.q, lse_ref)
+        torch.testing.assert_close(out, out_ref * 2)
+        torch.testing.assert_close(lse, lse_ref_out)
+        _assert_same(mass, expected_mass)
+        assert nxt.tolist() == recall_topk(expected_mass[:2], bufs[8], 6).tolist()
+        # the next step: its indices, one more ring token, a new q, this step's lse
+        idx[:2].copy_(nxt)
+        bufs[8][:2, 1] = torch.tensor([4, 15], dtype=torch.int32)
+        rc.q.normal_()
+        lse_ref = lse[:, -1].contiguous()
+    assert counter.frame_count == 1
+
+
+def _recall_valid_args():
+    rc = recall_case(2, 3, 2, 2, 2, 16, 64, 16, 2, torch.float16, [32, 16], [2, 2], k=6)
+    return [rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16]
+
+
+RQ, RK, RV, RIDX, LSE_REF, MASS = 0, 10, 11, 12, 13, 14
+BAD_RECALL = [
+    ("q rank", RQ, lambda t: t[:, 0], "q: expected 4 dims"),
+    ("rows", RQ, lambda t: t.repeat(1, 2, 1, 1), r"rows \(q.shape\[1\]\)"),
+    ("rows x gqa", RQ, lambda t: torch.randn(2, 2, 10, 16).half(),
+     "at most 8 query rows per KV head"),
+    ("head dim", RQ, lambda t: torch.randn(2, 2, 4, 24).half(), r"head_dim \(q.shape\[3\]\)"),
+    ("recall_k dtype", RK, lambda t: t.float(), "recall_k: expected dtype"),
+    ("recall_k heads", RK, lambda t: t[:, :1].contiguous(), "recall_k: expected shape"),
+    ("recall_k empty", RK, lambda t: t[:, :, :0].contiguous(), "recall_k: expected K >= 1"),
+    ("recall_v K", RV, lambda t: t[:, :, :5].contiguous(), "recall_v: expected shape"),
+    ("recall_idx dtype", RIDX, lambda t: t.long(), "recall_idx: expected dtype"),
+    ("recall_idx K", RIDX, lambda t: t[..., :5].contiguous(), "recall_idx: expected shape"),
+    ("recall_idx < B", RIDX, lambda t: t[:1].contiguous(), "recall_idx: expected B=2"),
+    ("recall_idx strided", RIDX, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
+     "recall_idx: expected a contiguous"),
+    ("lse_ref dtype", LSE_REF, lambda t: t.half(), "lse_ref: expected dtype"),
+    ("lse_ref shape", LSE_REF, lambda t: t[:, :2], "lse_ref: expected shape"),
+    ("mass dtype", MASS, lambda t: t.bfloat16(), "mass: expected dtype"),
+    ("mass short", MASS, lambda t: t[:, :, :48].contiguous(), "mass: expected at least T_cap=64"),
+    ("mass view", MASS, lambda t: torch.zeros(4, 2, 64)[:3], "mass: expected a whole"),
+]
+
+
+@pytest.mark.parametrize("name,index,make_bad,message", BAD_RECALL,
+                         ids=[b[0] for b in BAD_RECALL])
+def test_recall_op_bad_inputs_raise(name, index, make_bad, message):
+    args = _recall_valid_args()
+    args[index] = make_bad(args[index])
+    with pytest.raises(ValueError, match=message):
+        decode_attention_recall(*args)
+
+
+def test_recall_refuses_the_gluon_kernel():
+    with pytest.raises(ValueError, match="expected a launch without recall"):
+        _plan(torch.device("cpu"), torch.float16, 2, 16, 128, 1, 4, 1, 128, 1, FRAGMENTS,
+              rows=2, recall=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,3 +853,117 @@ def test_gpu_gather_never_syncs_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: attention with recall at real sizes, and the recall part of a step in a CUDA graph
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("h_kv,gqa,d", [(8, 4, 128), (3, 3, 64)], ids=["llama3", "smollm2"])
+def test_gpu_recall_matches_oracle(h_kv, gqa, d, bits, dtype):
+    # R = 2 (Llama-3-8B: 2 x 4 = 8 rows per KV group); 64 recall rows, partly unused
+    rc = recall_case(4, 5, h_kv, gqa, 2, d, 4096, 128, bits, dtype, [4096, 1024, 16, 2048],
+                     [128, 2, 65, 7], k=64, device="cuda")
+    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, d ** -0.5, bits, 16)
+    assert_recall_within_2x(out, lse, rc, d ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_one_row_without_recall_is_decode_attention_bit_for_bit(bits, dtype):
+    # a size where decode_attention's plan is the Triton kernel too (below the Gluon threshold)
+    rc = recall_case(4, 4, 8, 4, 1, 128, 4096, 128, bits, dtype, [4096, 1024, 16, 2048],
+                     [128, 2, 65, 7], k=64, device="cuda")
+    rc.recall[2].fill_(-1)
+    out, _ = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 128 ** -0.5, bits, 16)
+    assert torch.equal(out[:, 0], decode_attention(rc.q[:, 0], *rc.cache.bufs, 128 ** -0.5,
+                                                   bits, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gpu_recall_of_everything_is_full_precision_attention(bits):
+    b_max, h_kv, t_cap, d = 2, 8, 1024, 128
+    k = t_cap + 16
+    idx = torch.stack([torch.stack([torch.cat([torch.randperm(t_cap), torch.full((16,), -1)])
+                                    [torch.randperm(k)] for _ in range(h_kv)])
+                       for _ in range(b_max)]).to(torch.int32)
+    rc = recall_case(2, b_max, h_kv, 4, 2, d, t_cap, 128, bits, torch.bfloat16, [1024, 512],
+                     [128, 3], k=k, device="cuda", idx=idx)
+    store = HostStore.allocate(max_batch_size=b_max, num_kv_heads=h_kv, capacity=t_cap,
+                               head_dim=d, dtype=torch.bfloat16, device="cuda")
+    store.k.copy_(torch.randn(store.k.shape).bfloat16())
+    store.v.copy_(torch.randn(store.v.shape).bfloat16())
+    recall_gather(store, rc.recall[2], rc.recall[0], rc.recall[1])
+    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, d ** -0.5, bits, 16)
+    assert_recall_within_2x(out, lse, rc, d ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
+    """The recall part of a decode step (gather this step's rows from the pinned store, attend
+    with them, choose the next step's indices and keep the lse), captured once under the
+    sync-debug guard (eager, or fullgraph-compiled as the engine's step is); then q, the ring
+    lengths and the host rows change in place and each replay equals the same step run
+    eagerly from the same state, which carries idx and lse_ref from replay to replay."""
+    batch, b_max, h_kv, gqa, d, t_cap, k = 3, 4, 8, 4, 128, 2048, 32
+    rc = recall_case(batch, b_max, h_kv, gqa, 2, d, t_cap, 128, 2, torch.bfloat16,
+                     [2048, 512, 16], [100, 3, 64], k=k, device="cuda")
+    bufs, q = rc.cache.bufs, rc.q
+    rk, rv, idx, lse_ref, mass = rc.recall
+    idx.fill_(-1)
+    store = HostStore.allocate(max_batch_size=b_max, num_kv_heads=h_kv, capacity=t_cap,
+                               head_dim=d, dtype=torch.bfloat16, device="cuda")
+    store.k.copy_(torch.randn(store.k.shape).bfloat16())
+    store.v.copy_(torch.randn(store.v.shape).bfloat16())
+
+    def eager_step():
+        recall_gather(store, idx[:batch], rk, rv)
+        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, d ** -0.5, 2,
+                                           16)
+        idx[:batch].copy_(recall_topk(mass[:batch], bufs[8], k))
+        lse_ref.copy_(lse[:, -1])
+        return out, lse
+
+    step = torch.compile(eager_step, fullgraph=True) if compiled else eager_step
+    state = [idx, lse_ref, mass]
+    start = [t.clone() for t in state]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: Triton (and the compiler) run outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for t, s in zip(state, start):
+        t.copy_(s)
+    graph = torch.cuda.CUDAGraph()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out, lse = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+    for n_ring in ([100, 2, 64], [101, 3, 65], [102, 4, 66]):
+        torch.cuda.synchronize()
+        q.copy_(torch.randn_like(q))
+        bufs[8][:batch, 1].copy_(torch.tensor(n_ring, dtype=torch.int32))
+        store.k[:batch].copy_(torch.randn(store.k[:batch].shape).bfloat16())
+        before = [t.clone() for t in state]
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [out.clone(), lse.clone()] + [t.clone() for t in state]
+        # slot 2 holds 16 positions: the rest of its k are -1
+        assert (got[2][:2] >= 0).all() and int((got[2][2] == -1).sum()) == h_kv * (k - 16)
+        for t, s in zip(state, before):
+            t.copy_(s)
+        expected = list(eager_step()) + [t.clone() for t in state]
+        for a, b in zip(got, expected):
+            _assert_same(a, b)
