@@ -1,15 +1,14 @@
 """Per-slot decode state and the fixed-shape decode step over the slots of one bucket.
 
-One step for the slots ``[0, B)`` of a bucket ``B``::
+One step for the slots ``[0, B)`` of a bucket ``B`` (``DecodeStep``)::
 
     tokens -> minikv::cache_begin_step (every layer: per-slot flush every n_r, counters; live
               slots only)
-           -> embed -> per layer: q/k/v + RoPE at each slot's logical position
-           -> minikv::cache_write_ring (the new k/v into the ring)
-           -> minikv::decode_attention (compressed cache + ring) -> o_proj, MLP
-    -> norm, lm_head                                                  (``decode_logits``)
-    -> each slot's next token (greedy, sampled or forced), written at its own column;
-       counters and finished flags advance for live slots              (``decode_choose``)
+           -> embed, RoPE at each slot's logical position                          (``begin``)
+    -> per layer: q/k/v (+ RoPE), minikv::cache_write_ring (the new k/v into the ring),
+       minikv::decode_attention (compressed cache + ring), o_proj, MLP             (``layer``)
+    -> norm, lm_head, each slot's next token (greedy, sampled or forced), written at its own
+       column; counters and finished flags advance for live slots              (``choose``)
 
 A slot is *live* while it is admitted and not finished. Slots that are not live go through the
 same arithmetic (their share of the launch) but change nothing: the cache is not touched, their
@@ -18,7 +17,7 @@ preallocated buffer of ``SlotState``, so a replay needs no host synchronization.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -127,37 +126,99 @@ class SlotState:
         self.tokens[rows].copy_(nxt)
 
 
-def decode_logits(adapter, cache: StaticKVCache, state: SlotState, slots: torch.Tensor
-                  ) -> torch.Tensor:
-    """The layers of one decode step of the slots ``[0, B)`` of a bucket: each slot's token in,
-    the next token's logits ``(B, V)`` fp32 out; writes the cache of live slots only.
+class DecodeStep:
+    """One decode step of the slots ``[0, B)`` of a bucket, ``step(slots, mode)`` with ``slots =
+    state.active[:B]``: three parts, each handed to ``compile_part`` (``torch.compile`` through
+    the graph runner, or the identity), and a Python loop over the layers between them::
 
-    slots: ``state.active[:B]``. The bucket's size is read from its length, so that a compiler
-    sees it as a dimension: one compiled graph serves every bucket with the same ``DecodePlan``,
-    and every mode (the choice of the token is ``decode_choose``).
+        h, cos, sin, ring_index = begin(slots)
+        h, normed = layer(weights[l], cache.layers[l], ring_index[l], h, cos, sin, normed)
+                                                                        for l = 0 .. L - 1
+        choose(slots, h, mode)
+
+    Every tensor and module of a layer reaches ``layer`` as an argument (no layer index inside),
+    so the compiler traces and compiles one layer, not L identical ones, and the same compiled
+    code runs every layer: a graph of all 32 layers took 11-16 s per plan from a warm compile
+    cache on the H100, and from a warm cache on the CPU 5.0-5.7 s against 0.3-0.4 s for one
+    layer (``perf/NOTES.md``, "One compiled layer"). Under CUDA graphs the loop runs at capture
+    only: a replay has no Python.
+
+    Compiles are few: the batch reaches every part as dim 0 of its tensors, marked dynamic for
+    ``B >= 2``, so one compiled part serves every bucket with the same ``DecodePlan`` (a size
+    of 1 is always specialized: batch 1 is its own); ``layer`` does not see the mode, and
+    ``begin`` sees neither the mode nor the plan. ``layer`` compiles once per plan, or once per
+    kind of layer where the plan hands the input norm on (``split_norm``: the first layer
+    takes none, the last hands none on); a pyramid budget's capacities, which differ from
+    layer to layer, become a symbolic size at the second layer (one compile more). Each part is
+    a method, so that each has a compile cache of its own (``torch.compile`` of a
+    ``functools.partial`` runs through one wrapper frame that every partial shares).
     """
-    a, batch = adapter, slots.shape[0]
-    rows = slice(0, batch)
-    live = slots & ~state.done[rows]
-    h = a.embed(state.tokens[rows, None])                      # (B, 1, hidden)
-    cos, sin = a.rope(h, state.positions[rows, None])         # (B, 1, D)
-    # Every layer's flushes and counters at once; each layer then only writes its new k/v.
-    ring_index = ops.cache_begin_step(cache.layout, batch, live)  # (L, B)
-    normed: Optional[tuple] = None  # the next input norm's share done by the launch before
-    for layer, lc in enumerate(cache.layers):
-        q, k, v = a.qkv(layer, h, cos, sin, normed)  # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
+
+    def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
+                 compile_part: Callable[[Callable], Callable]):
+        self.adapter, self.cache, self.state = adapter, cache, state
+        self.layers = [(adapter.layer_weights(i), kv) for i, kv in enumerate(cache.layers)]
+        self._begin = compile_part(self.begin)
+        self._layer = compile_part(self.layer)
+        self._choose = compile_part(self.choose)
+
+    def __call__(self, slots: torch.Tensor, mode: str) -> None:
+        _dynamic_batch(slots)
+        h, cos, sin, ring_index = self._begin(slots)
+        normed: Optional[tuple] = None  # the next input norm's share done by the launch before
+        for (weights, kv), ring in zip(self.layers, ring_index.unbind(0)):
+            _dynamic_batch(h, cos, sin, ring, *(normed or ()))
+            h, normed = self._layer(weights, kv, ring, h, cos, sin, normed)
+        _dynamic_batch(h)
+        self._choose(slots, h, mode)
+
+    def begin(self, slots: torch.Tensor) -> tuple:
+        """The step's start for the slots ``[0, B)``: each slot's token embedded, RoPE at its
+        logical position, and every layer's flushes and counters at once (live slots only;
+        each layer then only writes its new k/v).
+
+        slots: ``state.active[:B]``. Returns ``h (B, 1, hidden)``, ``cos, sin (B, 1, D)`` and
+        ``ring_index (L, B)`` int32 (``ops.cache_begin_step``).
+        """
+        a, st, batch = self.adapter, self.state, slots.shape[0]
+        rows = slice(0, batch)
+        live = slots & ~st.done[rows]
+        h = a.embed(st.tokens[rows, None])                             # (B, 1, hidden)
+        cos, sin = a.rope(h, st.positions[rows, None])                 # (B, 1, D)
+        return h, cos, sin, ops.cache_begin_step(self.cache.layout, batch, live)
+
+    def layer(self, weights, kv, ring_index: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, normed: Optional[tuple]) -> tuple:
+        """One layer of the step, the same code for every layer (no layer index in it).
+
+        weights: the layer's ``adapter.layer_weights``; kv: its ``cache.layers`` buffers (the
+        ring written for live slots only); ring_index ``(B,)`` int32: its row of ``begin``'s;
+        h ``(B, 1, hidden)``; normed: what the layer before handed on (None for the first).
+        Returns the layer's ``h`` and what it hands on (``adapter.finish_layer_normed``).
+        """
+        a, batch = self.adapter, h.shape[0]
+        q, k, v = a.qkv(weights, h, cos, sin, normed)  # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
         # Views into the q/k/v projection's output, read in place by both ops (a copy would be
         # one more kernel per tensor and layer).
-        ops.cache_write_ring(k[:, :, 0], v[:, :, 0], lc.k_ring, lc.v_ring, ring_index[layer])
-        o = ops.decode_attention(q[:, :, 0], *lc, a.scale, cache.bits, cache.group_size)
-        h, normed = a.finish_layer_normed(layer, h, o.reshape(batch, 1, -1))  # o (B, H_q, D)
-    return a.logits(h[:, 0])                                   # (B, V) fp32
+        ops.cache_write_ring(k[:, :, 0], v[:, :, 0], kv.k_ring, kv.v_ring, ring_index)
+        o = ops.decode_attention(q[:, :, 0], *kv, a.scale, self.cache.bits,
+                                 self.cache.group_size)                # (B, H_q, D)
+        return a.finish_layer_normed(weights, h, o.reshape(batch, 1, -1))
+
+    def choose(self, slots: torch.Tensor, h: torch.Tensor, mode: str) -> None:
+        """The step's end: the logits of the last layer's ``h (B, 1, hidden)`` (norm, lm_head:
+        ``(B, V)`` fp32), each live slot's next token by ``mode``'s rule, recorded at its
+        column (``SlotState.choose`` and ``record``)."""
+        st = self.state
+        rows = slice(0, slots.shape[0])
+        live = slots & ~st.done[rows]
+        logits = self.adapter.logits(h[:, 0])                          # (B, V) fp32
+        st.record(st.choose(logits, rows, mode, live), rows, live)
 
 
-def decode_choose(state: SlotState, slots: torch.Tensor, logits: torch.Tensor, mode: str
-                  ) -> None:
-    """The rest of the step: each live slot's next token from ``logits (B, V)`` by ``mode``'s
-    rule, recorded at its column (``SlotState.choose`` and ``record``)."""
-    rows = slice(0, slots.shape[0])
-    live = slots & ~state.done[rows]
-    state.record(state.choose(logits, rows, mode, live), rows, live)
+def _dynamic_batch(*tensors: torch.Tensor) -> None:
+    """Dim 0 of each tensor (the bucket's batch) may vary between compiled calls; a batch of 1
+    stays static. ``maybe_``: a plan's branch narrows the range (e.g. to 9..64), no error."""
+    for t in tensors:
+        if t.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)

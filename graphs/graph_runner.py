@@ -1,9 +1,9 @@
 """The one owner of the decode step's compile, CUDA-graph capture and replay.
 
-``GraphRunner`` compiles the step's two parts (the layers, and the choice of the token),
-captures one CUDA graph per (bucket, mode) after warm-up, replays it, and counts compiles and
-replays so that a test (and a benchmark) can prove the graphs are really replayed and nothing
-recompiles. Nobody else calls the step.
+``GraphRunner`` compiles the parts of the step (graphs/decode.py's ``DecodeStep``: the start,
+one layer, the choice of the token), captures one CUDA graph per (bucket, mode) after warm-up,
+replays it, and counts compiles and replays so that a test (and a benchmark) can prove the
+graphs are really replayed and nothing recompiles. Nobody else calls the step.
 
 Warm-up runs the real step on the real buffers, so it must not disturb slots that are
 mid-generation when a new bucket is captured: it runs with every slot marked inactive (the step
@@ -22,41 +22,35 @@ Key = Tuple[int, str]  # (bucket, mode)
 
 
 class GraphRunner:
-    """Runs a key ``(batch, mode)`` as ``choose(slots, forward(slots), mode)`` with
-    ``slots = active[:batch]``: each part compiled (``torch.compile(fullgraph=True)``) if
-    ``compile``, the two replayed from one CUDA graph per key if ``cuda_graphs``.
+    """Runs a key ``(batch, mode)`` as ``step(slots, mode)`` with ``slots = active[:batch]``:
+    the parts the step asks for compiled (``torch.compile(fullgraph=True)``) if ``compile``, the
+    whole step replayed from one CUDA graph per key if ``cuda_graphs``.
 
-    Compiles are few (a whole step per (bucket, mode) would be 14 compiles of ~20 s each for a
-    server's 7 buckets in 2 modes at the 8B shape on the H100): the batch reaches both parts as
-    the length of a view, marked dynamic for ``batch >= 2``, so one compiled graph serves every
-    bucket that takes the same branches (batch 1 is its own: a size of 1 is always
-    specialized); and ``forward`` (the model's layers, nearly all of the compile time) does not
-    see the mode, so every mode shares it.
-
-    forward(slots) -> logits: the layers of a step. choose(slots, logits, mode): the rest.
+    build_step(compile_part) -> step: builds the step, handing each part it wants compiled to
+        ``compile_part`` (``torch.compile`` through the runner's counting backend; the identity
+        without ``compile``). The step decides which buckets share a compiled part (the
+        dynamic sizes it marks): ``DecodeStep``.
     state_buffers: every tensor the step writes besides the cache (restored after warm-up).
     active: the ``(Bmax,)`` bool tensor that admits slots to the step (one of
         ``state_buffers``); zeroed during warm-up so that the step writes no cache buffer.
     """
 
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor],
-                 choose: Callable[[torch.Tensor, torch.Tensor, str], None], *,
+    def __init__(self, build_step: Callable[[Callable], Callable[[torch.Tensor, str], None]], *,
                  device: torch.device, compile: bool, cuda_graphs: bool,
                  state_buffers: List[torch.Tensor], active: torch.Tensor):
         self.device, self.use_graphs, self._compiled = device, cuda_graphs, compile
         self._state, self._active = state_buffers, active
-        self.compiles = 0                      # graphs torch.compile produced (both parts)
+        self.compiles = 0                      # graphs torch.compile produced (every part)
         self.replays = 0                       # CUDA-graph replays
         self.compile_seconds: Dict[Key, float] = {}
         self.capture_seconds: Dict[Key, float] = {}
         self._graphs: Dict[Key, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
-        # dynamic=None: only what is marked (or changes between calls) is symbolic; the
-        # weights and cache buffers the parts close over keep their static shapes.
-        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=None,
-                                     backend=self._backend)
-        self._forward = compiled(forward) if compile else forward
-        self._choose = compiled(choose) if compile else choose
+        # dynamic=None: only what is marked (or changes between calls) is symbolic; weights
+        # and cache buffers keep their static shapes.
+        compile_part = (functools.partial(torch.compile, fullgraph=True, dynamic=None,
+                                          backend=self._backend) if compile else _as_it_is)
+        self._step = build_step(compile_part)
 
     @property
     def graphs(self) -> List[Key]:
@@ -121,11 +115,7 @@ class GraphRunner:
 
     def _invoke(self, key: Key) -> None:
         batch, mode = key
-        slots = self._active[:batch]
-        if self._compiled and batch > 1:
-            # maybe_: the plan's branch narrows the range (e.g. 9..64), which is no error
-            torch._dynamo.maybe_mark_dynamic(slots, 0)
-        self._choose(slots, self._forward(slots), mode)
+        self._step(self._active[:batch], mode)
 
     def _call(self, key: Key) -> None:
         if not self._compiled or key in self.compile_seconds:
@@ -133,8 +123,8 @@ class GraphRunner:
             return
         start = time.perf_counter()
         # A few compiled graphs per part are expected (batch 1, and one per set of buckets with
-        # the same plan or mode); raise the limit so that they do not count as runaway
-        # recompilation.
+        # the same plan or mode, or per kind of layer); raise the limit so that they do not
+        # count as runaway recompilation.
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
             self._invoke(key)
         if self.device.type == "cuda":
@@ -146,3 +136,7 @@ class GraphRunner:
 
         self.compiles += 1
         return compile_fx(gm, example_inputs)
+
+
+def _as_it_is(part: Callable) -> Callable:
+    return part

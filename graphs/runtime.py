@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .cache import StaticKVCache
-from .decode import MAX_EOS_IDS, SlotState, decode_choose, decode_logits
+from .decode import MAX_EOS_IDS, DecodeStep, SlotState
 from .graph_runner import GraphRunner
 from .prefill import prefill_pieces
 from .sampling import Sampling
@@ -84,8 +84,7 @@ class SlotRuntime:
                                    dtype=dtype, device=device)
         self.state = SlotState(config.max_batch_size, config.max_new_tokens, adapter.vocab_size,
                                device)
-        self.runner = GraphRunner(functools.partial(decode_logits, adapter, self.cache, self.state),
-                                  functools.partial(decode_choose, self.state),
+        self.runner = GraphRunner(functools.partial(DecodeStep, adapter, self.cache, self.state),
                                   device=device, compile=compile, cuda_graphs=cuda_graphs,
                                   state_buffers=self.state.buffers(), active=self.state.active)
         self.buckets = _buckets(config.max_batch_size)

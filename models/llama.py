@@ -9,7 +9,7 @@ own: the engine owns the cache and the attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,27 @@ FUSED_MAX_ROWS = 8
 # What a several-row decode step hands from one launch to the next in place of an RMSNorm:
 # (norm weight * h, the sums of squares of h's rows in column blocks), see ``_norm_prologue``.
 Normed = tuple[torch.Tensor, torch.Tensor]
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer as arguments, so that one compiled step serves every layer: nothing in
+    it is looked up by a layer index (which a compiler would bake in, one graph per layer).
+
+    block: the HF decoder layer (its norms, projections, q/k norms and MLP, called as they are).
+    qkv, gate_up: the fused ``[q; k; v]`` and ``[gate; up]`` (weight, bias), or None (unfused).
+    v: the rotated v_proj (weight, bias) of the unfused path, or None (no rotation, or fused).
+    o: o_proj's (weight, bias): the rotated copy, or the module's own.
+    next_norm: the next layer's input-norm weight, whose share a split-norm step hands on
+        (``DecodePlan.split_norm``); None for the last layer.
+    """
+
+    block: nn.Module
+    qkv: Optional[tuple]
+    gate_up: Optional[tuple]
+    v: Optional[tuple]
+    o: tuple
+    next_norm: Optional[torch.Tensor]
+
 
 # The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
 # what ``ops.fused_linear`` computes in front of a projection (and ``ops.rms_norm`` on its own).
@@ -164,6 +185,18 @@ class LlamaFamilyAdapter:
 
     # -- pieces -------------------------------------------------------------------------------
 
+    def layer_weights(self, layer: int) -> LayerWeights:
+        """Layer ``layer``'s modules and weights, as the arguments of ``qkv`` and ``_finish``."""
+        block = self.layers[layer]
+        o = block.self_attn.o_proj
+        fused = {} if self.fused is None else self.fused[layer]
+        last = layer + 1 == self.num_layers
+        return LayerWeights(
+            block=block, qkv=fused.get("qkv"), gate_up=fused.get("gate_up"),
+            v=self.rotated_v[layer] if self.rotated_v else None,  # ([] on the fused path)
+            o=(o.weight, o.bias) if self.rotated_o is None else self.rotated_o[layer],
+            next_norm=None if last else self.layers[layer + 1].input_layernorm.weight)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, S) int64 -> h (B, S, hidden)."""
         return self.decoder.embed_tokens(input_ids)
@@ -172,34 +205,35 @@ class LlamaFamilyAdapter:
         """positions (B, S) int64, *logical* positions -> cos, sin (B, S, D) in h's dtype."""
         return self.decoder.rotary_emb(h, positions)
 
-    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            normed: Optional[Normed] = None):
+    def qkv(self, layer: Union[int, LayerWeights], h: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, normed: Optional[Normed] = None):
         """Pre-norm, projections, optional q/k norm, RoPE. Keys are returned after RoPE.
 
+        ``layer``: its index, or its ``layer_weights`` (what a compiled decode step passes).
         ``normed``: what the layer before returned with ``h`` (``finish_layer_normed``), the
         input norm split over the two launches; None runs the norm here.
         """
-        block = self.layers[layer]
+        w = layer if isinstance(layer, LayerWeights) else self.layer_weights(layer)
+        block = w.block
         attn = block.self_attn
         B, S, _ = h.shape
         nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         rotated = False
         if self._fused_rows(h):
-            w, b = self.fused[layer]["qkv"]
+            weight, bias = w.qkv
             # RoPE of q and k in the same launch, unless a q/k norm (Qwen3) comes before it.
             rotated = not self.has_qk_norm
             rope = (dict(rope_cos=cos[:, 0], rope_sin=sin[:, 0], rope_rows=nq + nkv)
                     if rotated else {})
             x, norm = _norm_prologue(block.input_layernorm, h[:, 0], normed)
-            qkv = ops.fused_linear(x, w, b, **norm, **rope)
+            qkv = ops.fused_linear(x, weight, bias, **norm, **rope)
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
-        elif self.fused is not None:
-            w, b = self.fused[layer]["qkv"]
-            q, k, v = F.linear(block.input_layernorm(h), w, b).split([nq, nkv, nkv], dim=-1)
+        elif w.qkv is not None:
+            q, k, v = F.linear(block.input_layernorm(h), *w.qkv).split([nq, nkv, nkv], dim=-1)
         else:
             x = block.input_layernorm(h)
             q, k = attn.q_proj(x), attn.k_proj(x)
-            v = attn.v_proj(x) if self.rotated_v is None else F.linear(x, *self.rotated_v[layer])
+            v = attn.v_proj(x) if w.v is None else F.linear(x, *w.v)
         q = q.view(B, S, self.num_q_heads, self.head_dim)
         k = k.view(B, S, self.num_kv_heads, self.head_dim)
         v = v.view(B, S, self.num_kv_heads, self.head_dim)
@@ -222,33 +256,35 @@ class LlamaFamilyAdapter:
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """attn_out (B, S, H_q * D) -> the layer's output h (B, S, hidden)."""
+        w = self.layer_weights(layer)
         S, chunk = h.shape[1], self.prefill_chunk
         if S <= chunk:
-            return self._finish(layer, h, attn_out, False)[0]
+            return self._finish(w, h, attn_out, False)[0]
         out = torch.empty_like(h)
         for i in range(0, S, chunk):
-            out[:, i: i + chunk] = self._finish(layer, h[:, i: i + chunk],
+            out[:, i: i + chunk] = self._finish(w, h[:, i: i + chunk],
                                                 attn_out[:, i: i + chunk], False)[0]
         return out
 
-    def finish_layer_normed(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor
-                            ) -> tuple[torch.Tensor, Optional[Normed]]:
-        """A decode step's ``finish_layer``, returning with ``h`` what ``qkv(layer + 1, h,
-        normed=...)`` takes (None where the step does not split the norm: one row, fp16, the
-        last layer, or not the fused path)."""
-        return self._finish(layer, h, attn_out, layer + 1 < self.num_layers)
+    def finish_layer_normed(self, layer: Union[int, LayerWeights], h: torch.Tensor,
+                            attn_out: torch.Tensor) -> tuple[torch.Tensor, Optional[Normed]]:
+        """A decode step's ``finish_layer`` (``layer``: its index or its ``layer_weights``),
+        returning with ``h`` what the next layer's ``qkv(..., normed=...)`` takes (None where
+        the step does not split the norm: one row, fp16, the last layer, or not the fused
+        path)."""
+        w = layer if isinstance(layer, LayerWeights) else self.layer_weights(layer)
+        return self._finish(w, h, attn_out, True)
 
-    def _finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, hand_on: bool
+    def _finish(self, w: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor, hand_on: bool
                 ) -> tuple[torch.Tensor, Optional[Normed]]:
-        """The layer's output, and with ``hand_on`` (where the plan splits the norm) the next
-        layer's input norm share (``_norm_prologue``)."""
-        block = self.layers[layer]
+        """The layer's output, and with ``hand_on`` (where the plan splits the norm and a next
+        layer exists) the next layer's input norm share (``_norm_prologue``)."""
+        block = w.block
         o = block.self_attn.o_proj
-        o_w, o_b = (o.weight, o.bias) if self.rotated_o is None else self.rotated_o[layer]
+        o_w, o_b = w.o
         if self._fused_rows(h):
             down = block.mlp.down_proj
             post = block.post_attention_layernorm
-            w, b = self.fused[layer]["gate_up"]
             split = self.decode_plan(h.shape[0], h.dtype).split_norm
             if split:  # the norm split over o_proj and gate/up
                 x, *xn = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0],
@@ -257,19 +293,19 @@ class LlamaFamilyAdapter:
             else:
                 x = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0])
                 a, norm = _norm_prologue(post, x)
-            act = ops.fused_linear(a, w, b, **norm, glu_out=True)  # silu(gate) * up
-            if hand_on and split:
-                nxt = self.layers[layer + 1].input_layernorm
+            act = ops.fused_linear(a, *w.gate_up, **norm, glu_out=True)  # silu(gate) * up
+            # next_norm is read only where the norm is split: elsewhere the last layer's None
+            # is never seen, and one compiled layer serves them all
+            if hand_on and split and w.next_norm is not None:
                 out, *xn = ops.fused_linear(act, down.weight, down.bias, residual=x,
-                                            norm_out=nxt.weight)
+                                            norm_out=w.next_norm)
                 return out[:, None], tuple(xn)
             return ops.fused_linear(act, down.weight, down.bias, residual=x)[:, None], None
         h = h + (o(attn_out) if self.rotated_o is None else F.linear(attn_out, o_w, o_b))
         x = block.post_attention_layernorm(h)
-        if self.fused is None:
+        if w.gate_up is None:
             return h + block.mlp(x), None
-        w, b = self.fused[layer]["gate_up"]
-        gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+        gate, up = F.linear(x, *w.gate_up).chunk(2, dim=-1)
         return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up), None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ def test_compiled_step_compiles_once_over_many_steps_and_requests():
     for n in (17, 50):  # new prompt lengths, then 599 steps = 37 flushes of the 16-token ring
         p = [prompt_of(n, seed=n)]
         assert cm.generate(p, max_new_tokens=600).sequences == eager.generate(p, max_new_tokens=600).sequences
-    assert cm.stats["compiles"] == 2  # the layers and the choice of the token
+    assert cm.stats["compiles"] == 3  # the start, one layer (every layer's), the choice
 
 
 def test_kv_memory_report_matches_paper_formula_for_llama2_7b_shape():
@@ -232,7 +232,9 @@ def test_gpu_graph_replay_equals_the_step_it_captured_and_is_replayed(lengths):
     # Replaying the captured graph is the compiled step, bit for bit (199 steps, 6 flushes).
     assert out.sequences == unreplayed.generate(prompts, max_new_tokens=200).sequences
     assert graph.stats["replays"] - before == 199
-    assert len(graph.stats["graphs"]) == 1 and graph.stats["compiles"] == 2  # no per-step
+    # The start, the layer and the choice, no per-step compile; several rows split the norm,
+    # so the first and the last of the 2 layers compile a layer each.
+    assert len(graph.stats["graphs"]) == 1 and graph.stats["compiles"] == (3 if n == 1 else 4)
     # Compiled vs eager: inductor fuses bf16 elementwise chains in fp32 and rounds once, eager
     # rounds after every op, so greedy paths of a random model may part; the log-probs of the
     # same tokens must agree to bf16 precision: typically 2**-8 relative on |logp| ~ 2-5 (~0.02).

@@ -102,10 +102,43 @@ def test_a_graph_compiled_mid_generation_leaves_running_slots_alone():
     fresh.runtime.admit(1, sampled)  # (2, "sample") is compiled now, mid-generation
     run_until_done(fresh.runtime, [0, 1])
     assert fresh.runtime.outputs([0, 1]) == want
-    # The layers once per batch size (1, and 2 as a dynamic size), the choice once per
-    # (batch size, mode): alone, both at batch 1 share the layers (3 compiles); here 4.
-    assert (compiles, fresh.stats["compiles"]) == (3, 4)
+    # The start and the layer once per batch size (1, and 2 as a dynamic size), the choice
+    # once per (batch size, mode): alone, both at batch 1 share the start and the layer (4
+    # compiles); here 6.
+    assert (compiles, fresh.stats["compiles"]) == (4, 6)
     assert sorted(fresh.stats["compile_seconds"]) == [(1, "greedy"), (2, "sample")]
+
+
+def test_one_compiled_layer_serves_every_layer_of_each_plan():
+    # The CUDA path's three plans, on the CPU: the fused projections (ops.fused_linear's
+    # reference) at batch 1 and at 2..8 (the input norm split over launches), GEMMs at 9..16.
+    # 8 layers, yet the layer compiles once per plan, and at 2..8 once per kind of layer (the
+    # first takes no norm share, the last hands none on); the tokens are the eager step's.
+    from minikv_compile.graphs.runtime import SlotRuntime
+    from minikv_compile.models import get_adapter
+
+    model = tiny(num_hidden_layers=8)
+    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 16, "max_new_tokens": 6})
+    requests = [Request(prompt_of(30 + 7 * i, seed=i), 6) for i in range(10)]
+    outputs, compiles = [], []
+    for compile in (True, False):
+        adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens,
+                              fuse_projections=True)
+        rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                         compile=compile, cuda_graphs=False)
+        for n in (1, 3, 10):  # buckets 1, 4 and 16
+            for slot in range(n):
+                rt.admit(slot, requests[slot])
+            run_until_done(rt, list(range(n)))
+            outputs.append(rt.outputs(list(range(n))))
+            compiles.append(rt.runner.compiles)
+            rt.release_all()
+    assert [adapter.decode_plan(b, torch.float32).split_norm for b in (1, 4, 16)] == [
+        False, True, False]
+    assert outputs[:3] == outputs[3:]
+    # the start, the layer and the choice at batch 1; at 2..8 the start, 3 kinds of layer and
+    # the choice; at 9..16 the GEMM layer alone (the start and the choice see no plan)
+    assert compiles[:3] == [3, 8, 9]
 
 
 def test_generate_seed_is_reproducible_alone_and_in_a_batch():
@@ -253,9 +286,10 @@ def test_gpu_join_and_capture_under_the_sync_guard():
     replays = cm.stats["replays"]
     assert join() == first
     assert cm.stats["replays"] > replays
-    # 3 graphs, 5 compiles: the layers at batch 1 and at 2..8 (bucket 4's graph, reused by
-    # bucket 2), the choice for (1, greedy), (2.., greedy) and (2.., sample).
-    assert len(cm.stats["graphs"]) == 3 and cm.stats["compiles"] == 5
+    # 3 graphs, 8 compiles: the start at batch 1 and at 2..8 (bucket 4's graph, reused by
+    # bucket 2), the layer at batch 1 and at 2..8 (split norm: the first and the last of the 2
+    # layers, one each), the choice for (1, greedy), (2.., greedy) and (2.., sample).
+    assert len(cm.stats["graphs"]) == 3 and cm.stats["compiles"] == 8
 
 
 @pytest.mark.gpu
@@ -265,17 +299,18 @@ def test_gpu_a_host_sync_inside_the_step_fails_at_capture():
     x = torch.zeros(4, device="cuda")
     active = torch.zeros(4, dtype=torch.bool, device="cuda")
 
-    def syncing_forward(slots):
-        return x.add_(float(x.sum().item()))  # .item(): a device-to-host sync
+    def syncing_step(slots, mode):
+        x.add_(float(x.sum().item()))  # .item(): a device-to-host sync
 
-    def choose(slots, logits, mode):
+    def step(slots, mode):
         x.add_(1.0)
 
-    runner = GraphRunner(syncing_forward, choose, device=torch.device("cuda"), compile=False,
-                         cuda_graphs=True, state_buffers=[x, active], active=active)
+    runner = GraphRunner(lambda compile_part: syncing_step, device=torch.device("cuda"),
+                         compile=False, cuda_graphs=True, state_buffers=[x, active],
+                         active=active)
     with pytest.raises(RuntimeError):
         runner.prepare((1, "greedy"))
-    clean = GraphRunner(lambda slots: x, choose, device=torch.device("cuda"), compile=False,
+    clean = GraphRunner(lambda compile_part: step, device=torch.device("cuda"), compile=False,
                         cuda_graphs=True, state_buffers=[x, active], active=active)
     clean.prepare((1, "greedy"))
     x.zero_()
