@@ -129,7 +129,7 @@ class SlotState:
 class DecodeStep:
     """One decode step of the slots ``[0, B)`` of a bucket, ``step(slots, mode)`` with ``slots =
     state.active[:B]``: three parts, each handed to ``compile_part`` (``torch.compile`` through
-    the graph runner, or the identity), and a Python loop over the layers between them::
+    the graph runner; None: run as they are), and a Python loop over the layers between them::
 
         h, cos, sin, ring_index = begin(slots)
         h, normed = layer(weights[l], cache.layers[l], ring_index[l], h, cos, sin, normed)
@@ -155,21 +155,24 @@ class DecodeStep:
     """
 
     def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
-                 compile_part: Callable[[Callable], Callable]):
+                 compile_part: Optional[Callable[[Callable], Callable]]):
         self.adapter, self.cache, self.state = adapter, cache, state
         self.layers = [(adapter.layer_weights(i), kv) for i, kv in enumerate(cache.layers)]
-        self._begin = compile_part(self.begin)
-        self._layer = compile_part(self.layer)
-        self._choose = compile_part(self.choose)
+        parts = (self.begin, self.layer, self.choose)
+        self._compiled = compile_part is not None
+        if self._compiled:
+            parts = tuple(compile_part(part) for part in parts)
+        self._begin, self._layer, self._choose = parts
 
     def __call__(self, slots: torch.Tensor, mode: str) -> None:
-        _dynamic_batch(slots)
+        mark = _dynamic_batch if self._compiled else _as_they_are  # marks matter to a compiler
+        mark(slots)
         h, cos, sin, ring_index = self._begin(slots)
         normed: Optional[tuple] = None  # the next input norm's share done by the launch before
         for (weights, kv), ring in zip(self.layers, ring_index.unbind(0)):
-            _dynamic_batch(h, cos, sin, ring, *(normed or ()))
+            mark(h, cos, sin, ring, *(normed or ()))
             h, normed = self._layer(weights, kv, ring, h, cos, sin, normed)
-        _dynamic_batch(h)
+        mark(h)
         self._choose(slots, h, mode)
 
     def begin(self, slots: torch.Tensor) -> tuple:
@@ -222,3 +225,7 @@ def _dynamic_batch(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _as_they_are(*tensors: torch.Tensor) -> None:
+    """No compiler: nothing to mark."""

@@ -27,8 +27,8 @@ class GraphRunner:
     whole step replayed from one CUDA graph per key if ``cuda_graphs``.
 
     build_step(compile_part) -> step: builds the step, handing each part it wants compiled to
-        ``compile_part`` (``torch.compile`` through the runner's counting backend; the identity
-        without ``compile``). The step decides which buckets share a compiled part (the
+        ``compile_part`` (``torch.compile`` through the runner's counting backend; None without
+        ``compile``: the parts run as they are). The step decides which buckets share a compiled part (the
         dynamic sizes it marks): ``DecodeStep``.
     state_buffers: every tensor the step writes besides the cache (restored after warm-up).
     active: the ``(Bmax,)`` bool tensor that admits slots to the step (one of
@@ -49,7 +49,7 @@ class GraphRunner:
         # dynamic=None: only what is marked (or changes between calls) is symbolic; weights
         # and cache buffers keep their static shapes.
         compile_part = (functools.partial(torch.compile, fullgraph=True, dynamic=None,
-                                          backend=self._backend) if compile else _as_it_is)
+                                          backend=self._backend) if compile else None)
         self._step = build_step(compile_part)
 
     @property
@@ -137,6 +137,3 @@ class GraphRunner:
         self.compiles += 1
         return compile_fx(gm, example_inputs)
 
-
-def _as_it_is(part: Callable) -> Callable:
-    return part

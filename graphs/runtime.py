@@ -194,8 +194,8 @@ class SlotRuntime:
         if not 1 <= len(r.prompt) <= cfg.max_prompt_len:
             raise ValueError(f"{name}.prompt: expected 1..{cfg.max_prompt_len} tokens "
                              f"(max_prompt_len), got {len(r.prompt)}")
-        bad = next((t for t in r.prompt if not 0 <= t < V), None)
-        if bad is not None:
+        if not 0 <= min(r.prompt) <= max(r.prompt) < V:  # builtins: the server checked it too
+            bad = next(t for t in r.prompt if not 0 <= t < V)
             raise ValueError(f"{name}.prompt: expected token ids in [0, {V}), got {bad}")
         if not 1 <= r.max_new_tokens <= cfg.max_new_tokens:
             raise ValueError(f"{name}.max_new_tokens: expected 1..{cfg.max_new_tokens} (the "

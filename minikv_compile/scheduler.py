@@ -174,15 +174,17 @@ class PrefillClock:
     """How long a prefill layer takes, learnt from the layers run, without a host sync.
 
     Each gap's layers are timed (CUDA events, read once they have passed; wall time on the
-    CPU, where the work is done when the call returns). An admission's own layers time it once
-    one of its gaps has been read; before that, the cost per prompt token and layer of every
-    admission so far (an average weighted toward the latest) times its tokens.
+    CPU, where the work is done when the call returns). The admission under way (one at a
+    time) is timed by its own layers once one of its gaps has been read; before that, by the
+    cost per prompt token and layer of every admission so far (an average weighted toward the
+    latest) times its tokens.
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.per_token_layer: Optional[float] = None   # ms, any admission
-        self._own: Dict[int, float] = {}                # ms a layer, by admission
+        self._current = None                            # the admission under way
+        self._current_ms: Optional[float] = None        # its ms a layer, once read
         self._open: List[tuple] = []                    # CUDA gaps not read yet
 
     def start(self):
@@ -195,34 +197,33 @@ class PrefillClock:
     def stop(self, start, admission, tokens: int, layers: int) -> None:
         if layers == 0:
             return
+        if admission is not self._current:
+            self._current, self._current_ms = admission, None
         if not self.cuda:
-            self._learn(id(admission), (time.perf_counter() - start) * 1e3, tokens, layers)
+            self._learn(admission, (time.perf_counter() - start) * 1e3, tokens, layers)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._open.append((start, end, id(admission), tokens, layers))
+        self._open.append((start, end, admission, tokens, layers))
 
     def layer_ms(self, admission, tokens: int) -> Optional[float]:
         """The estimate for one more layer of ``admission`` (``tokens`` prompt tokens); None
         before anything was measured."""
         while self._open and self._open[0][1].query():  # recorded in order, passed in order
-            start, end, key, n, layers = self._open.pop(0)
-            self._learn(key, start.elapsed_time(end), n, layers)
-        own = self._own.get(id(admission))
-        if own is not None:
-            return own
+            start, end, timed, n, layers = self._open.pop(0)
+            self._learn(timed, start.elapsed_time(end), n, layers)
+        if admission is self._current and self._current_ms is not None:
+            return self._current_ms
         return None if self.per_token_layer is None else self.per_token_layer * tokens
 
     def forget(self, admission) -> None:
-        """``admission`` ended: its own figure goes (its id may be reused); its gaps not read
-        yet still count for every admission."""
-        self._own.pop(id(admission), None)
-        self._open = [o[:2] + (None,) + o[3:] if o[2] == id(admission) else o
-                      for o in self._open]
+        """``admission`` ended: its gaps not read yet count for every admission alone."""
+        if admission is self._current:
+            self._current = self._current_ms = None
 
-    def _learn(self, key: Optional[int], ms: float, tokens: int, layers: int) -> None:
-        if key is not None:
-            self._own[key] = ms / layers
+    def _learn(self, admission, ms: float, tokens: int, layers: int) -> None:
+        if admission is not None and admission is self._current:
+            self._current_ms = ms / layers
         rate = ms / (layers * tokens)
         old = self.per_token_layer
         self.per_token_layer = rate if old is None else 0.5 * (old + rate)

@@ -333,7 +333,12 @@ def gpu_slug(device: torch.device) -> str:
     """A folder name for the device: "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3"."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+    return name_slug(torch.cuda.get_device_name(device))
+
+
+def name_slug(name: str) -> str:
+    """``gpu_slug`` of a GPU's name as the driver reports it."""
+    name = name.lower().replace("nvidia", "")
     return "-".join("".join(c if c.isalnum() else " " for c in name).split()) or "gpu"
 
 

@@ -300,10 +300,11 @@ def _gpu_slug(device: str) -> str:
 
         pynvml.nvmlInit()
         name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-        name = (name.decode() if isinstance(name, bytes) else name).lower().replace("nvidia", "")
     except Exception:  # no NVML, no GPU: the worker runs on the CPU
         return "cpu"
-    return "-".join("".join(c if c.isalnum() else " " for c in name).split()) or "gpu"
+    from .measure import name_slug
+
+    return name_slug(name.decode() if isinstance(name, bytes) else name)
 
 
 class Bench:

@@ -383,6 +383,15 @@ def test_at_most_one_prefill_piece_runs_between_two_decode_steps():
     sched = Scheduler(cm, CharTokenizer(), prefill_layers=1, prefill_batch_tokens=1)
     sched.submit(ServeRequest(prompt_of(10, seed=0), 40))
     sched._admit_piece()                                   # nothing ran: admitted at once
+    for n in (100, 90):
+        sched.submit(ServeRequest(prompt_of(n, seed=n), 5))
+    per_gap, _ = _prefill_layers_per_gap(cm, sched, 6)
+    assert per_gap == [1, 1, 1, 1, 0, 0] and sched.metrics.prefills == 3
+
+
+def _prefill_layers_per_gap(cm, sched, gaps: int):
+    """Drive ``gaps`` rounds (the prefill between two steps, then a step) by hand: the prefill
+    layers each gap ran, and every prefill layer's index in order."""
     layers = []
     real = cm.adapter.qkv
 
@@ -392,15 +401,13 @@ def test_at_most_one_prefill_piece_runs_between_two_decode_steps():
         return real(layer, h, *args, **kw)
 
     cm.adapter.qkv = counting
-    for n in (100, 90):
-        sched.submit(ServeRequest(prompt_of(n, seed=n), 5))
     per_gap = []
-    for _ in range(6):
+    for _ in range(gaps):
         before = len(layers)
         sched._admit_piece()
         per_gap.append(len(layers) - before)
         sched._step()
-    assert per_gap == [1, 1, 1, 1, 0, 0] and sched.metrics.prefills == 3
+    return per_gap, layers
 
 
 @pytest.mark.parametrize("prefill_ms, layer_ms, per_gap", [
@@ -418,22 +425,8 @@ def test_the_prefill_between_two_steps_fits_prefill_ms(monkeypatch, prefill_ms, 
     sched.submit(ServeRequest(prompt_of(10, seed=0), 40))
     sched._admit_piece()                                   # nothing ran: admitted at once
     monkeypatch.setattr(sched.clock, "layer_ms", lambda admission, tokens: layer_ms)
-    layers = []
-    real = cm.adapter.qkv
-
-    def counting(layer, h, *args, **kw):
-        if h.shape[1] > 1:                                 # a prefill layer, not a decode row
-            layers.append(layer)
-        return real(layer, h, *args, **kw)
-
-    cm.adapter.qkv = counting
     long = sched.submit(ServeRequest(prompt_of(100, seed=1), 5))
-    got = []
-    for _ in per_gap:
-        before = len(layers)
-        sched._admit_piece()
-        got.append(len(layers) - before)
-        sched._step()
+    got, layers = _prefill_layers_per_gap(cm, sched, len(per_gap))
     assert got == per_gap and layers == list(range(5)) and long.completion_tokens >= 1
 
 
@@ -442,7 +435,8 @@ def test_the_prefill_clock_learns_a_layer_from_the_layers_run():
     clock = Scheduler(cm, CharTokenizer()).clock
     a, b = object(), object()
     assert clock.layer_ms(a, 100) is None                  # nothing measured yet
-    clock._learn(id(a), 30.0, tokens=100, layers=3)        # (the CPU's stop() measures this)
+    clock._current = a                                     # (stop() makes it the one under way
+    clock._learn(a, 30.0, tokens=100, layers=3)            # and measures this on the CPU)
     assert clock.layer_ms(a, 100) == 10.0                  # its own layers
     assert clock.layer_ms(b, 300) == pytest.approx(30.0)   # another: 0.1 ms a token and layer
     clock.forget(a)
