@@ -3,14 +3,98 @@ captured, never reallocated (layout: ``minikv_compile.ops.cache_layout``), and i
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, NamedTuple, Optional
 
 import torch
 
-from minikv_compile.ops import CacheLayout
+from minikv_compile.ops import CacheLayout, HostStore
 
 from . import budget
+
+
+class RecallLayer(NamedTuple):
+    """One layer's device buffers of SpeCache's recall (``K`` = ``recall_top_k``)::
+
+        k, v      (Bmax, H_kv, K, D) model dtype  the recalled full-precision rows
+        idx       (Bmax, H_kv, K) int32           their quantized positions; -1 = unused
+        lse_ref   (Bmax, H_q) fp32                the speculative row's log-sum-exp of the
+                                                  step before (the scale of its mass)
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    idx: torch.Tensor
+    lse_ref: torch.Tensor
+
+
+class RecallBuffers:
+    """SpeCache's buffers: per layer the full-precision K/V of every token the quantized cache
+    holds, in host memory (``stores``, a :class:`HostStore` of ``(Bmax, H_kv, T_cap, D)``,
+    pinned on CUDA), the device buffers of ``RecallLayer``, and one ``mass (Bmax, H_kv,
+    max T_cap + ring rows)`` fp32 that every layer's attention writes and its top-k reads.
+
+    The pinned bytes are checked against the host's available memory before anything is
+    allocated: pinned memory cannot be swapped, and an allocation that takes the last of it
+    fails (or stalls the host) mid-request instead of here.
+    """
+
+    def __init__(self, *, top_k: int, block: int, capacities: List[int], max_batch_size: int,
+                 num_kv_heads: int, num_q_heads: int, head_dim: int, ring_rows: int,
+                 dtype: torch.dtype, device: torch.device):
+        B, H, D, K = max_batch_size, num_kv_heads, head_dim, top_k
+        self.top_k, self.block = top_k, block
+        self.host_bytes = 2 * B * H * D * dtype.itemsize * sum(capacities)
+        check_host_memory(self.host_bytes)
+        self.stores = [HostStore.allocate(max_batch_size=B, num_kv_heads=H, capacity=cap,
+                                          head_dim=D, dtype=dtype, device=device)
+                       for cap in capacities]
+        self.layers = [RecallLayer(torch.zeros(B, H, K, D, dtype=dtype, device=device),
+                                   torch.zeros(B, H, K, D, dtype=dtype, device=device),
+                                   torch.full((B, H, K), -1, dtype=torch.int32, device=device),
+                                   torch.zeros(B, num_q_heads, dtype=torch.float32, device=device))
+                       for _ in capacities]
+        self.mass = torch.zeros(B, H, max(capacities) + ring_rows, dtype=torch.float32,
+                                device=device)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the device buffers (every slot)."""
+        return self.mass.nbytes + sum(t.nbytes for layer in self.layers for t in layer)
+
+    def reset_slot(self, slot: int) -> None:
+        """A new request in ``slot``: nothing recalled yet (eager; between replays)."""
+        for layer in self.layers:
+            layer.idx[slot].fill_(-1)
+            layer.lse_ref[slot].fill_(0.0)
+
+
+def host_available_bytes() -> Optional[int]:
+    """The host memory the kernel says is available now (``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_host_memory(nbytes: int, share: float = 0.8) -> None:
+    """``MemoryError`` unless ``nbytes`` fit in ``share`` of the host's available memory (the
+    rest stays for the process, the model's loading and the system)."""
+    available = host_available_bytes()
+    if available is not None and nbytes > share * available:
+        raise MemoryError(
+            f"recall_top_k: the host copy of the KV cache needs {nbytes / 2**30:.2f} GiB of "
+            f"host memory (2 x max_batch_size x KV heads x head_dim x dtype bytes x the layers' "
+            f"capacities), expected at most {share:.0%} of the {available / 2**30:.2f} GiB "
+            f"available; lower max_batch_size, max_prompt_len or max_new_tokens")
 
 
 class StaticKVCache:
@@ -22,12 +106,21 @@ class StaticKVCache:
     """
 
     def __init__(self, config, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, num_q_heads: Optional[int] = None):
+        caps = budget.capacities(config, num_layers)
+        recall = config.recall_top_k > 0
+        # SpeCache: the host copy first (its check comes before any allocation), and rings with
+        # a spare row for the speculative token
+        self.recall = RecallBuffers(
+            top_k=config.recall_top_k, block=config.recall_block, capacities=caps,
+            max_batch_size=config.max_batch_size, num_kv_heads=num_kv_heads,
+            num_q_heads=num_q_heads or num_kv_heads, head_dim=head_dim,
+            ring_rows=config.residual_length + 1, dtype=dtype, device=device) if recall else None
         self.layout = CacheLayout.allocate(
-            capacities=budget.capacities(config, num_layers),
+            capacities=caps,
             max_batch_size=config.max_batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
             ring=config.residual_length, bits=config.bits, group_size=config.group_size,
-            dtype=dtype, device=device)
+            dtype=dtype, device=device, spare_ring_row=recall)
         self.layers = self.layout.layers
         self.bits, self.group_size = config.bits, config.group_size
         self.max_batch_size, self.ring = config.max_batch_size, config.residual_length
@@ -40,6 +133,9 @@ class StaticKVCache:
         for layer in self.layers:
             layer.lens[start:stop, 0].fill_(0)
             layer.lens[start:stop, 1].fill_(1)
+        if self.recall is not None:
+            for slot in range(start, stop):
+                self.recall.reset_slot(slot)
 
 
 @dataclass(frozen=True)
@@ -49,10 +145,13 @@ class LayerBytes:
     ring: int         # the full-precision residual ring
     counters: int     # per-slot lens
     padding: int      # of codes + scale_zero: the held tokens rounded up to whole groups
+    recall: int = 0   # SpeCache's device buffers (recalled rows, indices, lse, mass share)
+    host: int = 0     # SpeCache's full-precision copy of the held tokens, in host memory
 
     @property
     def total(self) -> int:
-        return self.codes + self.scale_zero + self.ring + self.counters
+        """Bytes on the device (the host copy is not among them)."""
+        return self.codes + self.scale_zero + self.ring + self.counters + self.recall
 
 
 @dataclass(frozen=True)
@@ -68,6 +167,9 @@ class KVMemoryReport:
     (``budget.formula_kv_bytes``, 16-bit values at 2 bytes); the quantized region equals it up
     to ``padding`` (for a 16-bit cache, in a 2-byte dtype).
     ``allocated_bytes``: every buffer of the cache (all slots, at full capacity).
+    With SpeCache (``recall_top_k``): ``recall_bytes``, its device buffers (in the totals), and
+    ``host_bytes``, the held tokens' full-precision copy in host memory (not in the totals;
+    ``host_allocated_bytes`` for all slots at full capacity).
     """
 
     layers: List[LayerBytes]
@@ -81,6 +183,7 @@ class KVMemoryReport:
     new_tokens: int
     bits: int
     notes: List[str] = field(default_factory=list)
+    host_allocated_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -93,6 +196,14 @@ class KVMemoryReport:
     @property
     def ring_bytes(self) -> int:
         return sum(layer.ring for layer in self.layers)
+
+    @property
+    def recall_bytes(self) -> int:
+        return sum(layer.recall for layer in self.layers)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(layer.host for layer in self.layers)
 
     @property
     def padding_bytes(self) -> int:
@@ -115,6 +226,7 @@ class KVMemoryReport:
             f"  scales + zeros      {mib(sz)}",
             f"  residual ring       {mib(self.ring_bytes)}",
             f"  counters            {mib(sum(layer.counters for layer in self.layers))}",
+        ] + ([f"  recall buffers      {mib(self.recall_bytes)}"] if self.recall_bytes else []) + [
             f"  total               {mib(self.total_bytes)}",
             f"    of which padding  {mib(self.padding_bytes)}",
             f"  formula (paper)     {mib(self.formula_bytes)}   quantized region "
@@ -123,6 +235,9 @@ class KVMemoryReport:
             f"  total / uncompressed {self.ratio:9.4f}   ({100 * (1 - self.ratio):.1f}% smaller)",
             f"  allocated (all slots, full capacity) {mib(self.allocated_bytes)}",
         ]
+        if self.host_allocated_bytes:
+            lines += [f"  host copy (SpeCache) {mib(self.host_bytes)}   allocated "
+                      f"{mib(self.host_allocated_bytes)} in host memory, not in the totals"]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -133,7 +248,9 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
     Bmax, H, D, G = cache.max_batch_size, cache.num_kv_heads, cache.head_dim, cache.group_size
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     layers, allocated = [], 0
-    for layer, n_kept in zip(cache.layers, kept):
+    rec = cache.recall
+    per_slot = lambda ts: sum(nbytes(t) for t in ts) // Bmax  # noqa: E731
+    for i, (layer, n_kept) in enumerate(zip(cache.layers, kept)):
         allocated += sum(nbytes(t) for t in layer)
         cap = layer.capacity
         codes_tok = (nbytes(layer.k_cache) + nbytes(layer.v_cache)) // (Bmax * cap)
@@ -144,7 +261,13 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
         layers.append(LayerBytes(codes=codes_tok * held * batch, scale_zero=sz_tok * held * batch,
                                  ring=(nbytes(layer.k_ring) + nbytes(layer.v_ring)) // Bmax * batch,
                                  counters=nbytes(layer.lens) // Bmax * batch,
-                                 padding=(held - need) * (codes_tok + sz_tok) * batch))
+                                 padding=(held - need) * (codes_tok + sz_tok) * batch,
+                                 recall=0 if rec is None else batch * (
+                                     per_slot(rec.layers[i]) + per_slot([rec.mass]) // len(kept)),
+                                 host=0 if rec is None else batch * need * 2 * H * D
+                                 * cache.dtype.itemsize))
+    if rec is not None:
+        allocated += rec.device_bytes
     width = H * D  # d: KV width of one layer
     def full(dtype_bytes: int) -> int:
         return budget.full_kv_bytes(num_layers=len(cache.layers), kv_width=width,
@@ -155,10 +278,12 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
     formula = budget.formula_kv_bytes(bits=cache.bits, group_size=G, kv_width=width, kept=kept,
                                       new_tokens=new_tokens, batch=batch)
     notes = [
-        f"ring: {cache.ring} tokens per slot and layer in {cache.dtype} on top of the formula",
+        f"ring: {cache.ring} tokens per slot and layer in {cache.dtype} on top of the formula"
+        + ("" if rec is None else " (and a spare row for SpeCache's speculative token)"),
         "padding: the held tokens rounded up to a whole quantization group",
     ]
     return KVMemoryReport(layers=layers, full_bytes=full(cache.dtype.itemsize),
                           full_dtype=cache.dtype, fp16_bytes=full(2), formula_bytes=formula,
                           allocated_bytes=allocated, batch=batch, prompt_len=prompt_len,
-                          new_tokens=new_tokens, bits=cache.bits, notes=notes)
+                          new_tokens=new_tokens, bits=cache.bits, notes=notes,
+                          host_allocated_bytes=0 if rec is None else rec.host_bytes)

@@ -17,6 +17,7 @@ preallocated buffer of ``SlotState``, so a replay needs no host synchronization.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -50,6 +51,8 @@ class SlotState:
         forced      (Bmax, N)     int64  teacher mode: the tokens to feed instead of choosing
         logprobs    (Bmax, N + 1) fp32   teacher mode: log-prob of the forced token per column;
                                          column N is the scratch column again
+        spec        (Bmax,)       int64  SpeCache: the speculative token fed beside ``tokens``
+        pre         (Bmax,)       bool   SpeCache: the slot's next step is its pre-decoding
     """
 
     def __init__(self, max_batch_size: int, max_new_tokens: int, vocab_size: int,
@@ -76,13 +79,16 @@ class SlotState:
         self.generated = torch.zeros(B, N + 1, **i64)
         self.forced = torch.zeros(B, N, **i64)
         self.logprobs = torch.zeros(B, N + 1, **f32)
+        self.spec = torch.zeros(B, **i64)
+        self.pre = torch.zeros(B, dtype=torch.bool, device=dev)
 
     def buffers(self) -> list:
         """Every buffer (what a graph's warm-up must leave as it found)."""
         return [self.tokens, self.positions, self.count, self.limit, self.minimum, self.active,
                 self.done,
                 self.eos_ids, self.greedy, self.temperature, self.top_k, self.top_p, self.penalty,
-                self.seed, self.seen, self.generated, self.forced, self.logprobs]
+                self.seed, self.seen, self.generated, self.forced, self.logprobs, self.spec,
+                self.pre]
 
     def choose(self, logits: torch.Tensor, rows: slice, mode: str, live: torch.Tensor
                ) -> torch.Tensor:
@@ -217,6 +223,123 @@ class DecodeStep:
         live = slots & ~st.done[rows]
         logits = self.adapter.logits(h[:, 0])                          # (B, V) fp32
         st.record(st.choose(logits, rows, mode, live), rows, live)
+
+
+class RecallDecodeStep(DecodeStep):
+    """SpeCache's decode step (``cache.recall`` set): two rows per slot, the token ``T_t`` at
+    its position ``p`` and the speculative token ``T'_{t+1}`` (the previous step's guess of
+    the next one) at ``p + 1``. Everything per token (embedding, projections, MLP, LM head)
+    runs the ``2B`` rows as one batch, so the weights are read once for both rows; the
+    attention takes them as ``(B, 2)`` query rows::
+
+        begin: cache_begin_step (T_t's ring row, every layer), embed and RoPE of the 2B rows
+        layer: q/k/v; T_t's k/v to its ring row and T'_{t+1}'s to the row after it (the spare
+               row when T_t fills the ring), attended with one ring token more than ``lens``
+               counts (row 1 sees itself, row 0 does not); attention over the low-bit cache with
+               this layer's recalled rows in place of theirs (minikv::decode_attention_recall);
+               from the speculative row's mass, the top-k this layer recalls at the next step,
+               and its lse as that step's mass reference
+        then, per layer at capture (a side stream on CUDA, joined at the end of the step, so
+               that the host reads overlap the remaining layers): T_t's k/v to the host copy
+               (minikv::recall_store), the next step's rows from it (minikv::recall_gather)
+        choose: row 0's logits -> T_{t+1} by the mode's rule, recorded; row 1's argmax ->
+               T'_{t+2} (the speculation is greedy whatever the mode: it only steers the recall)
+
+    Pre-decoding (``state.pre``: a slot's first step after admission): nothing is recalled yet
+    (``idx`` -1), both rows feed the first token at its position ``p`` (row 1 sees its own k/v
+    twice, which changes no ranking of its mass), row 0's argmax becomes the speculation
+    ``T'_2`` and nothing is recorded; ``lens[b, 1]`` is given back, so that the next step feeds
+    the first token again, now with its top-k recalled. A slot thus takes one step more than
+    its tokens.
+    """
+
+    def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
+                 compile_part: Optional[Callable[[Callable], Callable]]):
+        super().__init__(adapter, cache, state, compile_part)
+        self.recall = cache.recall
+        self.layers = [(w, kv, rec) for (w, kv), rec in zip(self.layers, self.recall.layers)]
+        cuda = cache.device.type == "cuda"
+        self._side = torch.cuda.Stream(device=cache.device) if cuda else None
+        # + one ring token for the attention: the speculative row's
+        self._spec_ring = torch.tensor([[0, 1]], dtype=torch.int32, device=cache.device)
+
+    def __call__(self, slots: torch.Tensor, mode: str) -> None:
+        mark = _dynamic_batch if self._compiled else _as_they_are
+        mark(slots)
+        batch = slots.shape[0]
+        h, cos, sin, ring_index, undo = self._begin(slots)
+        normed: Optional[tuple] = None
+        main, side = torch.cuda.current_stream() if self._side else None, self._side
+        rows = zip(self.layers, self.recall.stores, ring_index.unbind(0))
+        for (weights, kv, rec), store, ring in rows:
+            mark(h, cos, sin, ring, undo, *(normed or ()))
+            h, normed = self._layer(weights, kv, rec, self.recall.mass, ring, undo, h, cos, sin,
+                                    normed)
+            if side is not None:
+                side.wait_stream(main)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                ops.recall_store(store, kv.k_ring, kv.v_ring, kv.lens, ring)
+                ops.recall_gather(store, rec.idx[:batch], rec.k, rec.v)
+        if side is not None:
+            main.wait_stream(side)
+        mark(h)
+        self._choose(slots, h, mode)
+
+    def begin(self, slots: torch.Tensor) -> tuple:
+        """``DecodeStep.begin`` for the two rows of each slot: ``h (2B, 1, hidden)``, ``cos, sin
+        (2B, 1, D)`` (rows ``2b``, ``2b + 1``: slot b's token and speculation), ``ring_index
+        (L, B)`` int32, and ``undo (B,)`` int32: 1 for the live slots that pre-decode."""
+        a, st, batch = self.adapter, self.state, slots.shape[0]
+        rows = slice(0, batch)
+        live = slots & ~st.done[rows]
+        pre = st.pre[rows]
+        tokens = torch.stack([st.tokens[rows], st.spec[rows]], dim=1)         # (B, 2)
+        pos = st.positions[rows]
+        positions = torch.stack([pos, pos + (~pre).long()], dim=1)             # (B, 2)
+        h = a.embed(tokens.view(-1, 1))                                        # (2B, 1, hidden)
+        cos, sin = a.rope(h, positions.view(-1, 1))                            # (2B, 1, D)
+        ring_index = ops.cache_begin_step(self.cache.layout, batch, live)
+        return h, cos, sin, ring_index, (live & pre).int()
+
+    def layer(self, weights, kv, rec, mass: torch.Tensor, ring_index: torch.Tensor,
+              undo: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              normed: Optional[tuple]) -> tuple:
+        """One layer of the two-row step (the same code for every layer). rec: the layer's
+        ``RecallLayer``; mass: the shared ``(Bmax, H_kv, T)`` buffer; undo ``(B,)`` int32 from
+        ``begin``; the rest as ``DecodeStep.layer``, with ``2B`` rows."""
+        a, n_rows = self.adapter, h.shape[0]
+        batch = n_rows // 2
+        q, k, v = a.qkv(weights, h, cos, sin, normed)  # q (2B, H_q, 1, D), k/v (2B, H_kv, 1, D)
+        q2 = q[:, :, 0].unflatten(0, (batch, 2))                               # (B, 2, H_q, D)
+        k2, v2 = k[:, :, 0].unflatten(0, (batch, 2)), v[:, :, 0].unflatten(0, (batch, 2))
+        live = ring_index >= 0
+        ops.cache_write_ring(k2[:, 0], v2[:, 0], kv.k_ring, kv.v_ring, ring_index)
+        ops.cache_write_ring(k2[:, 1], v2[:, 1], kv.k_ring, kv.v_ring,
+                             torch.where(live, ring_index + 1, -1))
+        o, lse = ops.decode_attention_recall(
+            q2, *kv[:8], kv.lens + self._spec_ring, rec.k, rec.v, rec.idx[:batch],
+            rec.lse_ref[:batch], mass, a.scale, self.cache.bits, self.cache.group_size)
+        kv.lens[:batch, 1] -= undo
+        idx = ops.recall_topk(mass[:batch], kv.lens, rec.idx.shape[2], self.cache.ring,
+                              self.recall.block)
+        rec.idx[:batch] = torch.where(live[:, None, None], idx, rec.idx[:batch])
+        rec.lse_ref[:batch] = torch.where(live[:, None], lse[:, 1], rec.lse_ref[:batch])
+        return a.finish_layer_normed(weights, h, o.reshape(n_rows, 1, -1))
+
+    def choose(self, slots: torch.Tensor, h: torch.Tensor, mode: str) -> None:
+        """Row 0 of each slot: its next token by ``mode`` (recorded unless it pre-decodes);
+        row 1 (row 0 when pre-decoding): the next speculation, greedy."""
+        st = self.state
+        batch = slots.shape[0]
+        rows = slice(0, batch)
+        live = slots & ~st.done[rows]
+        pre = st.pre[rows]
+        real = live & ~pre
+        logits = self.adapter.logits(h[:, 0]).view(batch, 2, -1)             # (B, 2, V) fp32
+        st.record(st.choose(logits[:, 0], rows, mode, real), rows, real)
+        spec = argmax_rows(torch.where(pre[:, None], logits[:, 0], logits[:, 1]))
+        st.spec[rows] = torch.where(live, spec, st.spec[rows])
+        st.pre[rows] = pre & ~live
 
 
 def _dynamic_batch(*tensors: torch.Tensor) -> None:

@@ -117,4 +117,10 @@ def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer:
         k_sel, v_sel = k[0].gather(1, idx), v[0].gather(1, idx)
     ops.cache_write_prefill(k_sel.contiguous(), v_sel.contiguous(), slot, lc, cache.bits,
                             cache.group_size)
+    if cache.recall is not None:
+        # SpeCache's host copy: row t = the token at quantized position t (the order of k_sel;
+        # its ring tail takes the next positions when flushed). Pinned: the copy is async.
+        store, n = cache.recall.stores[layer], k_sel.shape[1]
+        store.k[slot, :, :n].copy_(k_sel, non_blocking=True)
+        store.v[slot, :, :n].copy_(v_sel, non_blocking=True)
     return out

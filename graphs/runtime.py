@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .cache import StaticKVCache
-from .decode import MAX_EOS_IDS, DecodeStep, SlotState
+from .decode import MAX_EOS_IDS, DecodeStep, RecallDecodeStep, SlotState
 from .graph_runner import GraphRunner
 from .prefill import prefill_pieces
 from .sampling import Sampling
@@ -81,10 +81,11 @@ class SlotRuntime:
         self.adapter, self.config, self.device = adapter, config, device
         self.cache = StaticKVCache(config, num_layers=adapter.num_layers,
                                    num_kv_heads=adapter.num_kv_heads, head_dim=adapter.head_dim,
-                                   dtype=dtype, device=device)
+                                   dtype=dtype, device=device, num_q_heads=adapter.num_q_heads)
         self.state = SlotState(config.max_batch_size, config.max_new_tokens, adapter.vocab_size,
                                device)
-        self.runner = GraphRunner(functools.partial(DecodeStep, adapter, self.cache, self.state),
+        step = DecodeStep if self.cache.recall is None else RecallDecodeStep
+        self.runner = GraphRunner(functools.partial(step, adapter, self.cache, self.state),
                                   device=device, compile=compile, cuda_graphs=cuda_graphs,
                                   state_buffers=self.state.buffers(), active=self.state.active)
         self.buckets = _buckets(config.max_batch_size)
@@ -232,6 +233,10 @@ class SlotRuntime:
             first = st.choose(logits[i: i + 1], rows, request.mode, live)
             st.positions[s] = len(request.prompt) - 1  # the last prompt token, which prefill fed
             st.record(first, rows, live)
+            if self.cache.recall is not None:  # SpeCache: the slot's next step pre-decodes
+                st.spec[s] = st.tokens[s]
+                st.pre[s] = True
+                self.cache.recall.reset_slot(s)
         for s, request in zip(slots, requests):
             st.active[s] = True
             self._requests[s] = request
@@ -288,6 +293,12 @@ class SlotRuntime:
             self.release(slot)
 
     # -- stepping ------------------------------------------------------------------------------
+
+    @property
+    def extra_steps(self) -> int:
+        """Steps a request takes besides one per token after its first: SpeCache's
+        pre-decoding step (``RecallDecodeStep``), or none."""
+        return 0 if self.cache.recall is None else 1
 
     def step_key(self) -> Tuple[int, str]:
         """(bucket, mode) the next step replays."""

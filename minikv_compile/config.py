@@ -69,6 +69,17 @@ class MiniKVConfig:
         (both folded into v_proj and o_proj): outlier channels are spread over the head before
         the cache quantizes them. On SmolLM2 at 2 bits (CPU harness, 20 paired needle prompts
         of 512 tokens) needle retrieval went from 3 to 15 of 20; perplexity did not move.
+    recall_top_k:
+        SpeCache: 0 (off), or the ``K`` positions per slot, layer and KV head whose
+        full-precision K/V are recalled from host memory before each decode attention, chosen
+        by the attention of a speculative next token one step ahead. The prompt's and the
+        generated tokens' K/V are kept in (pinned) host memory besides the low-bit cache; each
+        step feeds two rows per slot (the token and the speculation). Recall is among the
+        tokens the quantized cache holds (budgets of 1.0 keep them all). Needs bits 2 or 4.
+    recall_block:
+        Recall granularity: 1 (single positions) or aligned blocks of this many positions,
+        ranked by their summed attention (fewer, larger host reads). ``recall_top_k`` must be
+        a multiple of it.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
@@ -97,6 +108,8 @@ class MiniKVConfig:
     group_size: int = 16
     residual_length: int = 128
     rotation: str = "none"
+    recall_top_k: int = 0
+    recall_block: int = 1
     max_batch_size: int = 1
     max_prompt_len: int = 4096
     max_new_tokens: int = 256
@@ -131,6 +144,14 @@ class MiniKVConfig:
                 f"residual_length: expected a multiple of group_size={self.group_size}, "
                 f"got {self.residual_length}"
             )
+        store("recall_top_k", check_int("recall_top_k", self.recall_top_k, lo=0))
+        store("recall_block", _positive_int("recall_block", self.recall_block))
+        if self.recall_top_k and self.bits == 16:
+            raise ValueError("recall_top_k: expected 0 with bits=16 (nothing to recall from a "
+                             f"16-bit cache), got {self.recall_top_k}")
+        if self.recall_top_k % self.recall_block:
+            raise ValueError(f"recall_top_k: expected a multiple of recall_block="
+                             f"{self.recall_block}, got {self.recall_top_k}")
         if self.snapkv_kernel % 2 == 0:
             raise ValueError(f"snapkv_kernel: expected an odd pooling width, got {self.snapkv_kernel}")
         for name in ("compile", "cuda_graphs"):

@@ -248,7 +248,8 @@ class MiniKVModel:
             finished = rt.finished(slots) if watch else None
             if streamer is not None:
                 streamer([out[0] for out in rt.outputs(slots)])
-            last = max(r.max_new_tokens for r in requests) - 1  # steps after the first token
+            # steps after the first token (SpeCache: and each slot's pre-decoding step)
+            last = max(r.max_new_tokens for r in requests) - 1 + self.runtime.extra_steps
             steps = 0
             eos = any(r.eos_ids for r in requests)
             while steps < last:

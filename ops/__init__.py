@@ -10,7 +10,7 @@ from .attention_decode import decode_attention, decode_attention_recall
 from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
-from .recall import HostStore, recall_gather, recall_topk
+from .recall import HostStore, recall_gather, recall_store, recall_topk
 
 __all__ = [
     "quantize_keys",
@@ -27,5 +27,5 @@ __all__ = [
     "cache_write_prefill",
     "fused_linear",
     "rms_norm",
-    "HostStore", "recall_gather", "recall_topk",
+    "HostStore", "recall_gather", "recall_store", "recall_topk",
 ]

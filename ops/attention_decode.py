@@ -680,6 +680,8 @@ def _decode_attention_split_kernel(
                 m_i, l_i, acc, p = _attend_block_masked(
                     q_d, k_t, v, tokens[:, None] < seen[None, :], m_i, l_i, acc, qk_scale,
                     elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
+                # ring token t is quantized position n_quant + t once flushed
+                _store_mass(mass_plane + n_quant, tokens, tokens < n_ring, p, m_i, lse2)
         else:
             for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
                 tokens = start + tl.arange(0, BLOCK_N)
@@ -1034,7 +1036,8 @@ def decode_attention_recall_ref(
     ``h`` by ``recall_k[b, h, j]`` / ``recall_v[b, h, j]``, and query row ``r`` attends to it
     followed by the first ``lens[b, 1] - (R - 1 - r)`` ring tokens. The last row's scores give
     ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the query heads ``i`` of KV
-    group ``h``, for ``t < lens[b, 0]``; the rest of ``mass`` is left as it is.
+    group ``h``, for ``t < lens[b, 0] + lens[b, 1]`` (ring token j at ``lens[b, 0] + j``); the
+    rest of ``mass`` is left as it is.
 
     Returns ``(out, lse)``: ``(B, R, H_q, D)`` in q's dtype, ``(B, R, H_q)`` fp32.
     """
@@ -1060,7 +1063,8 @@ def decode_attention_recall_ref(
             out[b, r] = (torch.softmax(scores, dim=-1) @ vr).view(h_q, d).to(q.dtype)
             lse[b, r] = torch.logsumexp(scores, dim=-1).view(h_q)
         ref = lse_ref[b].float().view(h_kv, gqa, 1)
-        mass[b, :, :n_quant] = torch.exp(scores[..., :n_quant] - ref).sum(1).to(mass.dtype)
+        n = scores.shape[-1]  # the last row sees every ring token
+        mass[b, :, :n] = torch.exp(scores - ref).sum(1).to(mass.dtype)
     return out, lse
 
 
@@ -1216,8 +1220,9 @@ def decode_attention_recall(
     all in the ring already: each row sees itself, not the rows after it). K/V are read once
     for the R rows. With no valid recall row and R = 1 it is :func:`decode_attention`.
 
-    The last row also writes, for every quantized position ``t < lens[b, 0]``, the attention
-    its KV group pays it: ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the
+    The last row also writes, for every quantized position ``t < lens[b, 0]`` and every ring
+    token (ring row j at ``t = lens[b, 0] + j``, the position a flush will give it), the
+    attention its KV group pays it: ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the
     group's query heads ``i``, ``s`` the scaled score (from the recalled key where ``t`` is
     recalled). ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second
     pass: the previous step's (returned here as ``lse``) scales the masses of a head by one
@@ -1225,7 +1230,7 @@ def decode_attention_recall(
     sum that :func:`.recall.recall_topk` ranks are off. ``mass`` is fp32:
     4 bytes per position against the ~128 bytes of codes, scales and zeros read per position
     and head at bits 2, D 128, and no ties among close masses as bf16's 8-bit mantissa would
-    make them. Positions ``>= lens[b, 0]`` and slots ``>= B`` keep what they held. A reference
+    make them. Positions ``>= lens[b, 0] + lens[b, 1]`` and slots ``>= B`` keep what they held. A reference
     far below this step's scores (by more than ~83 nats) saturates the mass instead of
     overflowing.
 
@@ -1244,7 +1249,8 @@ def decode_attention_recall(
             KV head) must be distinct (not checked: that would sync); top-k positions are.
         lse_ref: ``(B, H_q)`` fp32, any strides: the reference log-sum-exp of the last row's
             heads (natural log, of the scaled scores).
-        mass: ``(Bmax, H_kv, T_mass)`` fp32, ``T_mass >= T_cap``, contiguous, the whole buffer;
+        mass: ``(Bmax, H_kv, T_mass)`` fp32, ``T_mass >= T_cap + ring rows``, contiguous, the
+            whole buffer;
             mutated. One buffer of the largest capacity can serve every layer: the step reads
             it (:func:`.recall.recall_topk`) before the next layer's attention writes it.
         scale, bits, group_size: as :func:`decode_attention`.
@@ -1280,8 +1286,9 @@ def decode_attention_recall(
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
     check_tensor("mass", mass, shape=(b_max, h_kv, None), dtypes=(torch.float32,),
                  device=q.device, contiguous=True)
-    if mass.shape[2] < capacity:
-        raise ValueError(f"mass: expected at least T_cap={capacity} positions (dim 2), got shape "
+    if mass.shape[2] < capacity + k_ring.shape[2]:
+        raise ValueError(f"mass: expected at least T_cap + ring rows = "
+                         f"{capacity + k_ring.shape[2]} positions (dim 2), got shape "
                          f"{tuple(mass.shape)}")
     check_base("mass", mass)
     return torch.ops.minikv.decode_attention_recall(

@@ -8,12 +8,18 @@ bits`` codes per int32, group ``G``; the code layout of :mod:`.quant`)::
     v_cache  (Bmax, H, T_cap, D / P) int32        values, per-token groups packed along channels
     v_scale, v_zero (Bmax, H, T_cap, D / G) fp16
     k_ring, v_ring  (Bmax, H, R, D) model dtype   the most recent tokens in full precision
+                    (or R + 1 rows: a spare row)
     lens     (Bmax, 2) int32                      [quantized tokens, ring tokens] per slot
 
 With ``bits == 16`` k_cache / v_cache are ``(Bmax, H, T_cap, D)`` in the model dtype and the four
 scale / zero tensors are empty. Slot ``b`` holds, in order, region tokens ``[0, lens[b, 0])`` then
 ring tokens ``[0, lens[b, 1])``; nothing past them is ever read. Layers may differ in ``T_cap``
 only (the pyramid budget), so an all-layer launch reaches them through an address table.
+
+A ring of ``R + 1`` rows (``bits < 16``, ``R`` a multiple of G) has a spare row: it still flushes
+``R`` tokens at a time (:func:`ring_length`), so a token written one row past the last counted
+one, attended by a step and never counted in ``lens`` (SpeCache's speculative token), always
+has a row, also when the ring's ``R`` rows are full.
 """
 from __future__ import annotations
 
@@ -85,8 +91,9 @@ class CacheLayout:
     @classmethod
     def allocate(cls, *, capacities: Sequence[int], max_batch_size: int, num_kv_heads: int,
                  head_dim: int, ring: int, bits: int, group_size: int, dtype: torch.dtype,
-                 device: torch.device) -> "CacheLayout":
-        """Zeroed buffers for ``capacities[l]`` quantized tokens per slot in layer ``l``."""
+                 device: torch.device, spare_ring_row: bool = False) -> "CacheLayout":
+        """Zeroed buffers for ``capacities[l]`` quantized tokens per slot in layer ``l``; rings of
+        ``ring`` rows, ``ring + 1`` with ``spare_ring_row`` (bits < 16)."""
         B, H, D, G, R = max_batch_size, num_kv_heads, head_dim, group_size, ring
         layers = []
         for cap in capacities:
@@ -103,7 +110,7 @@ class CacheLayout:
                 v_cache = torch.zeros(B, H, cap, D // P, dtype=torch.int32, device=device)
                 v_scale = torch.zeros(B, H, cap, D // G, dtype=torch.float16, device=device)
                 v_zero = torch.zeros_like(v_scale)
-            k_ring = torch.zeros(B, H, R, D, dtype=dtype, device=device)
+            k_ring = torch.zeros(B, H, R + int(spare_ring_row), D, dtype=dtype, device=device)
             lens = torch.zeros(B, 2, dtype=torch.int32, device=device)
             layers.append(LayerBuffers(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
                                        torch.zeros_like(k_ring), lens))
@@ -123,8 +130,14 @@ def table_rows(layers: Sequence[Sequence[torch.Tensor]]) -> tuple:
     return tuple(tuple(t.data_ptr() for t in bufs) + (bufs[3].shape[2],) for bufs in layers)
 
 
+def ring_length(rows: int, bits: int, group_size: int) -> int:
+    """R, the tokens a ring of ``rows`` rows holds and flushes: ``rows`` less a spare row."""
+    return rows if bits == 16 else rows - rows % group_size
+
+
 def check_layer(bufs: Sequence[torch.Tensor], bits: int, group_size: int, whole: bool = True):
-    """Validate one layer's buffers against the layout; return ``(Bmax, H, T_cap, R, D)``.
+    """Validate one layer's buffers against the layout; return ``(Bmax, H, T_cap, R, D)``,
+    ``R`` the ring's length (:func:`ring_length`: its rows less a spare row).
 
     ``whole``: each buffer must be a whole allocation, not a view (ops that write it)."""
     check_choice("bits", bits, (2, 4, 16))
@@ -149,9 +162,10 @@ def check_layer(bufs: Sequence[torch.Tensor], bits: int, group_size: int, whole:
             check_tensor(name, t)  # unused with bits == 16
     else:
         P = codes_per_word(bits)
-        if R % G or D % G:
-            raise ValueError(f"k_ring: expected ring length R (dim 2) and head dim D (dim 3) "
-                             f"divisible by group_size={G}, got shape {tuple(k_ring.shape)}")
+        if R % G > 1 or R < G or D % G:
+            raise ValueError(f"k_ring: expected ring rows (dim 2) R or R + 1 (a spare row) with "
+                             f"R and head dim D (dim 3) divisible by group_size={G}, got shape "
+                             f"{tuple(k_ring.shape)}")
         check_tensor("v_cache", v_cache, shape=(Bmax, H, None, D // P), dtypes=(torch.int32,),
                      device=dev, contiguous=True)
         T_cap = v_cache.shape[2]
@@ -169,7 +183,7 @@ def check_layer(bufs: Sequence[torch.Tensor], bits: int, group_size: int, whole:
     if whole:
         for name, t in zip(BUFFER_NAMES, bufs):
             check_base(name, t)
-    return Bmax, H, T_cap, R, D
+    return Bmax, H, T_cap, ring_length(R, bits, G), D
 
 
 def check_base(name: str, t: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import triton.language as tl
 from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_tensor, codes_per_word, sm_count
 from .cache_layout import (BUFFER_NAMES, TABLE_COLS, CacheLayout, LayerBuffers, check_base,
-                           check_layer, table_rows)
+                           check_layer, ring_length, table_rows)
 from .quant import (_quantize_key_block, _quantize_value_block, quantize_keys, quantize_keys_ref,
                     quantize_values, quantize_values_ref)
 
@@ -50,7 +50,7 @@ def _append_plan(n_quant, n_ring, T_cap, RING: tl.constexpr):
 
 @triton.jit
 def _flush_key_group(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, j, d0, D, T_cap,
-                     RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                     ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                      BLOCK_DK: tl.constexpr):
     """Quantize ring key group ``j`` (tokens [j * G, (j + 1) * G)) of one (slot, head), channels
     [d0, d0 + BLOCK_DK), into region group ``n_quant / G + j``."""
@@ -62,7 +62,7 @@ def _flush_key_group(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, j, d
     d_ok = d < D
     # -- load [1, W, P, BLOCK_DK]: one group, token j * G + w * P + p
     t = j * G + w[None, :, None, None] * P + p[None, None, :, None]
-    x = tl.load(ring_ptr + (bh * RING + t) * D + d[None, None, None, :],
+    x = tl.load(ring_ptr + (bh * ROWS + t) * D + d[None, None, None, :],
                 mask=d_ok[None, None, None, :], other=0.0)
     packed, scale_h, zero_h = _quantize_key_block(x.to(tl.float32), BITS)  # [1, W, BD], [1, BD]
     # -- store codes rows n_quant / P + j * W + w and scale/zero row n_quant / G + j
@@ -76,7 +76,7 @@ def _flush_key_group(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, j, d
 
 @triton.jit
 def _flush_value_tokens(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, t0, D, T_cap,
-                        RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                        ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                         TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr):
     """Quantize ring values [t0, t0 + TOKENS) of one (slot, head), all their channel groups,
     into region tokens from ``n_quant + t0``."""
@@ -90,7 +90,7 @@ def _flush_value_tokens(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, t
     p = tl.arange(0, P)
     # -- load [TOKENS, BLOCK_NG, W, P]: channel (g * W + w) * P + p
     c = (g[None, :, None, None] * W + w[None, None, :, None]) * P + p[None, None, None, :]
-    x = tl.load(ring_ptr + (bh * RING + t[:, None, None, None]) * D + c,
+    x = tl.load(ring_ptr + (bh * ROWS + t[:, None, None, None]) * D + c,
                 mask=g_ok[None, :, None, None], other=0.0)
     packed, scale_h, zero_h = _quantize_value_block(x.to(tl.float32), BITS)  # [TB, NG, W], [TB, NG]
     # -- store codes columns g * W + w and scale/zero columns g of region tokens n_quant + t
@@ -104,37 +104,39 @@ def _flush_value_tokens(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, t
 
 @triton.jit
 def _flush_plain_tokens(ring_ptr, cache_ptr, bh, n_quant, t0, D, T_cap,
-                        RING: tl.constexpr, TOKENS: tl.constexpr, BLOCK_D: tl.constexpr):
+                        RING: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
     """bits == 16: copy ring tokens [t0, t0 + TOKENS) of one (slot, head) to region tokens from
     ``n_quant + t0``."""
     t = t0 + tl.arange(0, TOKENS)
     d = tl.arange(0, BLOCK_D)
     mask = (t < RING)[:, None] & (d < D)[None, :]
-    x = tl.load(ring_ptr + (bh * RING + t[:, None]) * D + d[None, :], mask=mask)
+    x = tl.load(ring_ptr + (bh * ROWS + t[:, None]) * D + d[None, :], mask=mask)
     tl.store(cache_ptr + (bh * T_cap + n_quant + t[:, None]) * D + d[None, :], x, mask=mask)
 
 
 @triton.jit
 def _flush_chunk(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, bh, n_quant,
-                 c, D, T_cap, RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr,
+                 c, D, T_cap, RING: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                 G: tl.constexpr, SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr,
                  BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr):
     """Chunk ``c`` of the flush of one (slot, head) ring (``bh = slot * H + head``) into region
     tokens from ``n_quant``: with bits < 16, the channel block c % SPLIT of ring key group
     c // SPLIT plus the matching 1 / SPLIT of that group's value tokens; with bits == 16, TOKENS
-    ring tokens of K and V (``_flush_tiles``)."""
+    ring tokens of K and V (``_flush_tiles``). RING: the tokens a flush moves; ROWS: the ring's
+    rows (RING + 1 with a spare row)."""
     if BITS == 16:
         _flush_plain_tokens(k_ring, k_cache, bh, n_quant, c * TOKENS, D, T_cap,
-                            RING, TOKENS, BLOCK_D)
+                            RING, ROWS, TOKENS, BLOCK_D)
         _flush_plain_tokens(v_ring, v_cache, bh, n_quant, c * TOKENS, D, T_cap,
-                            RING, TOKENS, BLOCK_D)
+                            RING, ROWS, TOKENS, BLOCK_D)
     else:
         j = c // SPLIT
         i = c % SPLIT
         _flush_key_group(k_ring, k_cache, k_scale, k_zero, bh, n_quant, j, i * BLOCK_DK, D,
-                         T_cap, RING, BITS, G, BLOCK_DK)
+                         T_cap, ROWS, BITS, G, BLOCK_DK)
         _flush_value_tokens(v_ring, v_cache, v_scale, v_zero, bh, n_quant,
-                            j * G + i * TOKENS, D, T_cap, RING, BITS, G, TOKENS, BLOCK_NG)
+                            j * G + i * TOKENS, D, T_cap, ROWS, BITS, G, TOKENS, BLOCK_NG)
 
 
 @triton.jit
@@ -186,9 +188,9 @@ def _layer_ptr(table, layer, COL: tl.constexpr, DT: tl.constexpr):
 @triton.jit
 def _flush_layers_kernel(
     table, live, L, batch, H, D,
-    RING: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNKS: tl.constexpr, RING_DT: tl.constexpr, CODE_DT: tl.constexpr, BLOCK_P: tl.constexpr,
+    RING: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr, RING_DT: tl.constexpr, CODE_DT: tl.constexpr, BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Launch 1 of cache_begin_step: every full ring of every layer, as one list of work items.
@@ -232,8 +234,8 @@ def _flush_layers_kernel(
                          _layer_ptr(table, ly, 2, tl.float16), _layer_ptr(table, ly, 3, CODE_DT),
                          _layer_ptr(table, ly, 4, tl.float16), _layer_ptr(table, ly, 5, tl.float16),
                          _layer_ptr(table, ly, 6, RING_DT), _layer_ptr(table, ly, 7, RING_DT),
-                         bh, nq, item % CHUNKS, D, cap, RING, BITS, G, SPLIT, BLOCK_DK, TOKENS,
-                         BLOCK_NG, BLOCK_D)
+                         bh, nq, item % CHUNKS, D, cap, RING, ROWS, BITS, G, SPLIT, BLOCK_DK,
+                         TOKENS, BLOCK_NG, BLOCK_D)
         done += count
 
 
@@ -339,7 +341,8 @@ def _cache_begin_step_triton(table, table_host, k_cache, k_scale, k_zero, v_cach
                              group_size: int) -> torch.Tensor:
     layers = list(zip(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens))
     L = len(lens)
-    _, H, R, D = k_ring[0].shape
+    _, H, rows_, D = k_ring[0].shape
+    R = ring_length(rows_, bits, group_size)
     dev = table.device
     rows = table_rows(layers)
     if tuple(map(tuple, table_host.tolist())) != rows:
@@ -356,7 +359,7 @@ def _cache_begin_step_triton(table, table_host, k_cache, k_scale, k_zero, v_cach
     pdl = gdc.supported(dev)
     ring_dt = _TL_DTYPES[k_ring[0].dtype]
     _flush_layers_kernel[(programs,)](
-        table, live, L, batch, H, D, CHUNKS=chunks, RING_DT=ring_dt,
+        table, live, L, batch, H, D, ROWS=rows_, CHUNKS=chunks, RING_DT=ring_dt,
         CODE_DT=ring_dt if bits == 16 else tl.int32,
         BLOCK_P=min(_PAIRS_PER_TILE, triton.next_power_of_2(pairs)), PDL=pdl, launch_pdl=pdl,
         **flush)
@@ -403,13 +406,13 @@ def _begin_slot_ref(b, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_rin
                     bits: int, group_size: int) -> int:
     """Live slot ``b``'s flush (if its ring is full and the region has room) and counters for one
     new token; returns the ring row the token goes to, or -1 (full ring, no room: no token)."""
-    R, T_cap = k_ring.shape[2], v_cache.shape[2]
+    R, T_cap = ring_length(k_ring.shape[2], bits, group_size), v_cache.shape[2]
     n_quant, n_ring = lens[b].tolist()
     flush = n_ring == R and n_quant + R <= T_cap
     if not (n_ring < R or flush):
         return -1
     if flush:
-        _store_region(b, n_quant, k_ring[b], v_ring[b], k_cache, k_scale, k_zero, v_cache,
+        _store_region(b, n_quant, k_ring[b, :, :R], v_ring[b, :, :R], k_cache, k_scale, k_zero, v_cache,
                       v_scale, v_zero, bits, group_size, quantize_keys_ref, quantize_values_ref)
         n_quant, n_ring = n_quant + R, 0
     lens[b, 0] = n_quant

@@ -1,4 +1,4 @@
-"""Recall of full-precision K/V from host memory (SpeCache, issue 25): the first building blocks.
+"""Recall of full-precision K/V from host memory (SpeCache).
 
 SpeCache keeps two copies of every token the quantized cache holds: the low-bit one on the GPU
 (the region of :mod:`.cache_layout`) and the model-dtype one in host memory. Before a decode
@@ -28,6 +28,8 @@ The ops here:
   store itself (zero-copy through unified virtual addressing: a pinned tensor's ``data_ptr()``
   is a valid device address), so the gather is an ordinary kernel node of the captured step,
   with no host synchronization and no copy issued from Python.
+* ``minikv::recall_store``: each slot's newest ring token to the host row it takes in the
+  quantized order (the host copy grows as tokens are generated, not at flushes).
 * :func:`recall_topk`: the positions to recall next, the top-k by ``mass`` per (slot, KV head),
   in plain torch ops (``torch.topk``) that the compiled step fuses, with no host sync;
   :func:`recall_topk_ref` is its rule on attention probabilities.
@@ -91,6 +93,32 @@ def _recall_gather_kernel(host_k, host_v, idx, recall_k, recall_v, T_cap, K, D,
     tl.store(recall_v + dst, v, mask=dst_mask)
 
 
+@triton.jit
+def _recall_store_kernel(k_ring, v_ring, lens, ring_index, host_k, host_v, H, T_cap, D,
+                         ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program b: slot b's ring row ``ring_index[b]`` (every head) -> host row ``lens[b, 0] +
+    ring_index[b]``; nothing for -1. k_ring, v_ring: (Bmax, H, ROWS, D); host_k, host_v:
+    (Bmax, H, T_cap, D), possibly host memory."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.load(ring_index + b)
+    t = tl.load(lens + 2 * b) + i
+    if (i >= 0) & (t < T_cap):
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h < H)[:, None] & (d < D)[None, :]
+        src = ((b * H + h[:, None]) * ROWS + i) * D + d[None, :]
+        dst = ((b * H + h[:, None]) * T_cap + t) * D + d[None, :]
+        tl.store(host_k + dst, tl.load(k_ring + src, mask=mask), mask=mask)
+        tl.store(host_v + dst, tl.load(v_ring + src, mask=mask), mask=mask)
+
+
+def _recall_store_triton(k_ring, v_ring, lens, ring_index, host_k, host_v) -> None:
+    _, H, rows, D = k_ring.shape
+    _recall_store_kernel[(ring_index.shape[0],)](
+        k_ring, v_ring, lens, ring_index, host_k, host_v, H, host_k.shape[2], D, ROWS=rows,
+        BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D))
+
+
 def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
     B, H, K = idx.shape
     T_cap, D = host_k.shape[2], host_k.shape[3]
@@ -119,6 +147,16 @@ def recall_gather_ref(host_k, host_v, idx, recall_k, recall_v) -> None:
         got = torch.gather(host[:B], 2, rows)                       # (B, H, K, D)
         got = torch.where(hit[..., None], got, torch.zeros_like(got))
         out[:B].copy_(got)
+
+
+def recall_store_ref(k_ring, v_ring, lens, ring_index, host_k, host_v) -> None:
+    """Reference for :func:`recall_store` (the op's arguments; tensors on any devices)."""
+    T_cap = host_k.shape[2]
+    for b, i in enumerate(ring_index.tolist()):
+        t = int(lens[b, 0]) + i
+        if i >= 0 and t < T_cap:
+            host_k[b, :, t] = k_ring[b, :, i].to(host_k.device)
+            host_v[b, :, t] = v_ring[b, :, i].to(host_v.device)
 
 
 def recall_topk_ref(probs: torch.Tensor, k: int, num_kv_heads: int) -> torch.Tensor:
@@ -162,6 +200,20 @@ def _(host_k, host_v, idx, recall_k, recall_v):
 
 # Chosen whenever idx / the recall buffers are CUDA tensors, the host store being CPU tensors.
 _recall_gather_op.register_kernel("cuda")(_recall_gather_triton)
+
+
+@torch.library.custom_op("minikv::recall_store", mutates_args=("host_k", "host_v"))
+def _recall_store_op(k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
+                     ring_index: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor) -> None:
+    recall_store_ref(k_ring, v_ring, lens, ring_index, host_k, host_v)
+
+
+@_recall_store_op.register_fake
+def _(k_ring, v_ring, lens, ring_index, host_k, host_v):
+    return None
+
+
+_recall_store_op.register_kernel("cuda")(_recall_store_triton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,38 +304,105 @@ def recall_gather(store: HostStore, idx: torch.Tensor, recall_k: torch.Tensor,
     torch.ops.minikv.recall_gather(store.k, store.v, idx, recall_k, recall_v)
 
 
-def recall_topk(mass: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
-    """The positions to recall at the next step: per (slot, KV head), the ``k`` held positions
-    with the most attention mass (:func:`recall_topk_ref`'s rule on the group sums that
-    ``decode_attention_recall`` writes).
+def recall_topk(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
+                block: int = 1) -> torch.Tensor:
+    """The positions to recall at the next step: per (slot, KV head), the ``k`` positions with
+    the most attention mass among those the next step holds quantized (:func:`recall_topk_ref`'s
+    rule on the group sums that ``decode_attention_recall`` writes), or the ``k / block``
+    aligned blocks of ``block`` positions with the most mass (larger host reads).
+
+    The next step holds ``[0, lens[b, 0])``, plus the ring's ``ring`` tokens when the ring is
+    full (``lens[b, 1] >= ring``): the next step flushes them into the quantized region first,
+    and the attention wrote their mass at the positions they take there.
 
     Plain torch ops on the device (a mask, ``torch.topk``, a select): no host sync, fused by
     ``torch.compile`` into the step, capturable in a CUDA graph.
 
     Args:
         mass: ``(B, H_kv, T)`` fp32, e.g. a leading slice of the ``mass`` buffer; positions
-            ``>= lens[b, 0]`` are ignored (they hold stale values).
-        lens: ``(B' >= B, 2)`` int32 on mass's device; ``lens[b, 0]`` quantized tokens of slot b.
-        k: positions per (slot, KV head), ``k >= 0``.
+            the next step does not hold are ignored (they hold stale values).
+        lens: ``(B' >= B, 2)`` int32 on mass's device: the layer's counters after this step.
+        k: positions per (slot, KV head), ``k >= 0``, a multiple of ``block``.
+        ring: R, the ring's length (tokens a flush moves), ``>= 1``.
+        block: 1 (single positions) or the block size, ``>= 1``.
 
     Returns:
-        ``(B, H_kv, k)`` int32: positions by decreasing mass (ties in ``torch.topk``'s order),
-        -1 in the last ``k - lens[b, 0]`` columns when the slot holds fewer than ``k``.
+        ``(B, H_kv, k)`` int32: positions by decreasing mass (of their block; ties in
+        ``torch.topk``'s order), -1 where the slot holds fewer than ``k`` (blocks: the
+        positions of a chosen block past what the slot holds).
 
     Raises:
         ValueError: a shape, dtype or device inconsistent with the above.
     """
     check_tensor("mass", mass, ndim=3, dtypes=(torch.float32,))
-    batch, _, t_cap = mass.shape
+    batch, h_kv, t_cap = mass.shape
     check_tensor("lens", lens, shape=(None, 2), dtypes=(torch.int32,), device=mass.device)
     if lens.shape[0] < batch:
         raise ValueError(f"lens: expected at least B={batch} rows (mass.shape[0]), got shape "
                          f"{tuple(lens.shape)}")
-    if not isinstance(k, int) or k < 0:
-        raise ValueError(f"k: expected an int >= 0, got {k!r}")
-    held = torch.arange(t_cap, device=mass.device) < lens[:batch, :1, None]     # (B, 1, T_cap)
-    top = torch.topk(torch.where(held, mass, float("-inf")), min(k, t_cap), dim=-1)
-    idx = torch.where(top.values == float("-inf"), -1, top.indices).to(torch.int32)
-    if k > t_cap:
-        idx = torch.cat([idx, idx.new_full((*idx.shape[:2], k - t_cap), -1)], dim=-1)
+    for name, value, lo in (("k", k, 0), ("ring", ring, 1), ("block", block, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {value!r}")
+    if k % block:
+        raise ValueError(f"k: expected a multiple of block={block}, got {k}")
+    lens = lens[:batch]
+    held = lens[:, 0] + torch.where(lens[:, 1] >= ring, ring, 0)            # (B,)
+    pos = torch.arange(t_cap, device=mass.device)
+    score = torch.where(pos < held[:, None, None], mass, float("-inf"))     # (B, H_kv, T)
+    if block > 1:
+        pad = -t_cap % block
+        score = torch.nn.functional.pad(score, (0, pad), value=float("-inf"))
+        # a block's mass: the sum of its held positions (-inf for a block with none)
+        blocks = score.view(batch, h_kv, -1, block)
+        finite = blocks > float("-inf")
+        score = torch.where(finite.any(-1), torch.where(finite, blocks, 0.0).sum(-1),
+                            float("-inf"))                                  # (B, H_kv, T / blk)
+    n = min(k // block, score.shape[-1])
+    top = torch.topk(score, n, dim=-1)
+    idx = torch.where(top.values == float("-inf"), -1, top.indices)         # (B, H_kv, n)
+    if block > 1:
+        idx = (idx[..., None] * block + torch.arange(block, device=mass.device)).flatten(2)
+        idx = torch.where((idx >= 0) & (idx < held[:, None, None]), idx, -1)
+    idx = idx.to(torch.int32)
+    if idx.shape[-1] < k:
+        idx = torch.cat([idx, idx.new_full((batch, h_kv, k - idx.shape[-1]), -1)], dim=-1)
     return idx
+
+
+def recall_store(store: HostStore, k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
+                 ring_index: torch.Tensor) -> None:
+    """Copy each slot's newest ring token to its host row: ``store.k[b, :, lens[b, 0] + i] =
+    k_ring[b, :, i]`` (and v) for ``i = ring_index[b] >= 0``, the row that token takes in the
+    quantized order once the ring is flushed (a flush appends the ring's tokens in order at
+    ``lens[b, 0]``). Slots with -1 and slots ``>= B`` are not touched.
+
+    Writing each token as it enters the ring keeps the host copy complete without a copy of
+    128 tokens at every flush; per step and layer it is ``H_kv x D x 2`` values per slot. One
+    launch on CUDA, storing into the pinned store in place (no host synchronization, capturable).
+
+    Args:
+        store: the layer's :class:`HostStore` ``(Bmax, H_kv, T_cap, D)``, made for the ring's
+            device.
+        k_ring, v_ring: the layer's rings ``(Bmax, H_kv, rows, D)`` in the store's dtype,
+            contiguous, after this step's ring write.
+        lens: ``(Bmax, 2)`` int32, the layer's counters after ``cache_begin_step``.
+        ring_index: ``(B,)`` int32, contiguous: the layer's row of ``cache_begin_step``'s result.
+
+    Raises:
+        ValueError: a shape, dtype or device inconsistent with the above.
+    """
+    if not isinstance(store, HostStore):
+        raise ValueError(f"store: expected a HostStore, got {type(store).__name__}")
+    Bmax, H, _, D = store.k.shape
+    check_tensor("k_ring", k_ring, shape=(Bmax, H, None, D), dtypes=(store.k.dtype,),
+                 device=store.device, contiguous=True)
+    check_tensor("v_ring", v_ring, shape=tuple(k_ring.shape), dtypes=(store.k.dtype,),
+                 device=store.device, contiguous=True)
+    check_tensor("lens", lens, shape=(Bmax, 2), dtypes=(torch.int32,), device=store.device,
+                 contiguous=True)
+    check_tensor("ring_index", ring_index, ndim=1, dtypes=(torch.int32,), device=store.device,
+                 contiguous=True)
+    if not 1 <= ring_index.shape[0] <= Bmax:
+        raise ValueError(f"ring_index: expected 1 <= B <= max_batch_size={Bmax} entries, got "
+                         f"shape {tuple(ring_index.shape)}")
+    torch.ops.minikv.recall_store(k_ring, v_ring, lens, ring_index, store.k, store.v)

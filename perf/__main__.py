@@ -32,6 +32,7 @@ PROG = "python -m minikv_compile.perf"
 ALL_METHODS = ("hf-eager", "hf-static", "full", "kivi", "minikv", "minikv-pyramid")
 PREFILL_METHODS = ALL_METHODS + ("hf-eager-attn",)
 ENGINE_ONLY = ("full", "kivi", "minikv", "minikv-pyramid")
+SPECACHE_METHODS = ("kivi-specache", "minikv-specache")  # engine-vs-hf only (harness.py)
 MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
 NO_GPU = "no CUDA device: this measurement needs a GPU (--tiny runs the plumbing on the CPU)"
 
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timed-tokens", type=positive_int, default=None)
 
     p = sub.add_parser("engine-vs-hf", help="MiniKV vs HF StaticCache decode, against the floor")
-    common(p)
+    common(p, ALL_METHODS + SPECACHE_METHODS)
     p.add_argument("--shapes", type=_shape_list, default=None, help="BATCHxPROMPT list, e.g. 1x32768,8x4096")
     decode_tokens(p)
 

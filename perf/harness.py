@@ -167,7 +167,11 @@ ENGINE_METHODS: Dict[str, Dict[str, object]] = {
     "minikv": dict(selection="h2o", snapkv_kernel=7, selection_block=1, sink_tokens=0),
     "minikv-pyramid": dict(budget_policy="pyramid", selection="h2o", snapkv_kernel=7,
                            selection_block=1, sink_tokens=0),
+    # SpeCache: the same GPU copies, 64 positions per KV head recalled from host memory
+    "kivi-specache": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, recall_top_k=64),
+    "minikv-specache": dict(recall_top_k=64),
 }
+SPECACHE_METHODS = ("kivi-specache", "minikv-specache")
 HF_METHODS = ("hf-eager", "hf-static")
 # Prefill-only comparator (the paper's Table 3): eager attention materializes L x L scores.
 PREFILL_ONLY_METHODS = ("hf-eager-attn",)
@@ -180,6 +184,8 @@ METHOD_LABELS = {
     "kivi": "engine, KIVI (2 bit, no eviction)",
     "minikv": "engine, MiniKV (2 bit, 25%/25%)",
     "minikv-pyramid": "engine, MiniKV-pyramid",
+    "kivi-specache": "engine, KIVI + SpeCache (K 64)",
+    "minikv-specache": "engine, library default + SpeCache (K 64)",
 }
 
 
@@ -645,7 +651,23 @@ def kv_bytes_read(model, method: str, prompt_len: int, generated: int, batch: in
         ring = (kept % cfg.group_size + generated) % cfg.residual_length
         quant = held - ring
         total += 2 * width * (quant * (cfg.bits / 8 + 4 / cfg.group_size) + ring * elt)
+        # SpeCache: the recalled rows (their host reads are ``host_link_bytes``)
+        total += 2 * s["kv_heads"] * min(cfg.recall_top_k, quant) * s["head_dim"] * elt
     return int(total * batch)
+
+
+def host_link_bytes(model, method: str, prompt_len: int, generated: int, batch: int) -> int:
+    """Bytes a SpeCache step moves over the host link: per layer and slot, the K recalled
+    rows of k and v per KV head read, and the new token's k and v written; 0 without recall."""
+    if not is_engine(method) or not engine_config(method).recall_top_k:
+        return 0
+    s = model_summary(model)
+    cfg = engine_config(method)
+    elt = 2 if s["dtype"] in ("bfloat16", "float16") else 4
+    kept = [sum(budget.kept_tokens(cfg, prompt_len, layer, s["layers"]))
+            for layer in range(s["layers"])]
+    rows = sum(min(cfg.recall_top_k, k + generated) + 1 for k in kept)
+    return int(2 * s["kv_heads"] * s["head_dim"] * elt * rows * batch)
 
 
 def floor_figures(model, method: str, prompt_len: int, batch: int, generated: int,
@@ -654,7 +676,8 @@ def floor_figures(model, method: str, prompt_len: int, batch: int, generated: in
     ``(weight bytes + KV bytes) / copy bandwidth`` and the bandwidth the step achieved."""
     weights = model_summary(model)["weight_bytes_read_per_step"]
     kv = kv_bytes_read(model, method, prompt_len, generated, batch)
-    out = {"weight_bytes_read": weights, "kv_bytes_read": kv}
+    out = {"weight_bytes_read": weights, "kv_bytes_read": kv,
+           "host_link_bytes": host_link_bytes(model, method, prompt_len, generated, batch)}
     if bandwidth and ms_per_token:
         bw = bandwidth["bytes_per_s"]
         floor_ms = 1e3 * (weights + kv) / bw

@@ -362,14 +362,55 @@ def test_triton_begin_step_matches_reference(bits, D, G, programs, pairs_per_til
             assert_buffers_equal(tri[layer], bufs, f"step {step} layer {layer}")
 
 
+def _with_spare_row(bufs):
+    """The same layer with rings of R + 1 rows: the first R as given, the spare row noise."""
+    out = clone_all(bufs)
+    for i in (6, 7):
+        ring = bufs[i]
+        spare = torch.randn(*ring.shape[:2], 1, ring.shape[3]).to(ring.dtype)
+        out[i] = torch.cat([ring, spare.to(ring.device)], dim=2).contiguous()
+    return out
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_spare_ring_row_changes_nothing_counted(bits, impl):
+    # A ring of R + 1 rows (SpeCache's speculative token) flushes R tokens, as a ring of R rows
+    # does: over steps that flush full rings (with and without room), the regions, counters
+    # and ring rows [0, R) equal those of the same cache without the spare row; a token written
+    # to the spare row (ring_index + 1 = R) is never flushed.
+    plain, B, H = _layers_case(bits, 64, 16, torch.float16)
+    spare = [_with_spare_row(bufs) for bufs in plain]
+    layouts = [CacheLayout(c, bits, 16) if impl == "triton" else None for c in (plain, spare)]
+    assert layouts[0] is None or layouts[1].ring == layouts[0].ring == 32
+    g = torch.Generator().manual_seed(5)
+    for step in range(40):
+        news = [new_tokens(B, H, 64, torch.float16, g) for _ in plain]
+        index = [step_all_layers(c, lay, news, B, bits, 16, impl)
+                 for c, lay in zip((plain, spare), layouts)]
+        assert torch.equal(*index), step
+        # the speculative token, one row on: the same in both rings where the plain one has
+        # the row, the spare row's alone when the token filled the ring
+        for p, q, idx in zip(plain, spare, index[1]):
+            for b, i in enumerate(idx.tolist()):
+                if i >= 0:
+                    q[6][b, :, i + 1] = torch.randn(H, 64, generator=g).half()
+                    if i + 1 < 32:
+                        p[6][b, :, i + 1] = q[6][b, :, i + 1]
+        for layer, (p, q) in enumerate(zip(plain, spare)):
+            q_counted = list(q[:6]) + [q[6][:, :, :32], q[7][:, :, :32], q[8]]
+            assert_buffers_equal(q_counted, p, f"step {step}, layer {layer}")
+
+
 _AOT_BODY = """
 from minikv_compile.ops import cache_update as cu
 
-for bits in (2, 16):
+for bits, rows in ((2, 128), (2, 129), (16, 128)):  # 129: a ring with a spare row
     chunks, flush = cu._flush_constants(128, 128, bits, 16)
     build(cu._flush_layers_kernel,
           {"table": "*i64", "live": "*i1", "L": "i32", "batch": "i32", "H": "i32", "D": "i32"},
-          dict(flush, CHUNKS=chunks, RING_DT=tl.bfloat16,
+          dict(flush, ROWS=rows, CHUNKS=chunks, RING_DT=tl.bfloat16,
                CODE_DT=tl.bfloat16 if bits == 16 else tl.int32, BLOCK_P=256, PDL=True))
 build(cu._commit_kernel, {"table": "*i64", "live": "*i1", "ring_index": "*i32", "batch": "i32"},
       dict(RING=128, BLOCK_B=8, PDL=True))

@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from minikv_compile.ops import (HostStore, decode_attention, decode_attention_recall,
-                                recall_gather, recall_topk)
+                                recall_gather, recall_store, recall_topk)
 from minikv_compile.ops._checks import sm_count
 from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_recall_triton,
                                                  _decode_attention_triton, _plan,
                                                  decode_attention_recall_ref,
                                                  decode_attention_ref)
 from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
-from minikv_compile.ops.recall import _recall_gather_triton, recall_gather_ref, recall_topk_ref
+from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_triton,
+                                       recall_gather_ref, recall_topk_ref)
 from test_decode_attention import Case, make_case, poisoned
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,6 +80,65 @@ def test_triton_gather_matches_reference(dtype, b_max, batch, h_kv, t_cap, k, d)
                     assert torch.equal(rv_ref[b, h, j], store.v[b, h, t])
                 else:
                     assert not rk_ref[b, h, j].any() and not rv_ref[b, h, j].any()
+
+
+def _store_case(b_max, h_kv, t_cap, rows, d, dtype, batch):
+    """A NaN store, rings, counters and ring rows: slots with a row, one with -1, one whose
+    row would land past T_cap (a full region: nothing written)."""
+    store = HostStore(torch.full((b_max, h_kv, t_cap, d), float("nan")).to(dtype),
+                      torch.full((b_max, h_kv, t_cap, d), float("nan")).to(dtype), "cpu")
+    k_ring = torch.randn(b_max, h_kv, rows, d).to(dtype)
+    v_ring = torch.randn(b_max, h_kv, rows, d).to(dtype)
+    lens = torch.randint(0, t_cap - rows, (b_max, 2), dtype=torch.int32)
+    ring_index = torch.randint(0, rows, (batch,), dtype=torch.int32)
+    ring_index[0] = -1
+    lens[batch - 1, 0] = t_cap - int(ring_index[batch - 1])  # past T_cap
+    return store, k_ring, v_ring, lens, ring_index
+
+
+def _expected_store(store, k_ring, v_ring, lens, ring_index):
+    """The store after recall_store, by hand."""
+    k, v = store.k.clone(), store.v.clone()
+    for b, i in enumerate(ring_index.tolist()):
+        t = int(lens[b, 0]) + i
+        if i >= 0 and t < k.shape[2]:
+            k[b, :, t], v[b, :, t] = k_ring[b, :, i], v_ring[b, :, i]
+    return k, v
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b_max,batch,h_kv,t_cap,rows,d", [
+    (4, 3, 2, 64, 17, 16),   # a ring with a spare row, a bucket below Bmax
+    (3, 3, 3, 48, 16, 24),   # H, D not powers of two
+])
+def test_store_matches_by_hand(dtype, b_max, batch, h_kv, t_cap, rows, d):
+    """The newest ring token of each slot lands at host row lens[b, 0] + ring_index[b]
+    (Triton through the interpreter, the op's reference on the CPU); nothing else moves."""
+    case = _store_case(b_max, h_kv, t_cap, rows, d, dtype, batch)
+    expected = _expected_store(*case)
+    assert (expected[0] != case[0].k).sum() > 0  # something is written
+    for run in (lambda st, *a: _recall_store_triton(*a, st.k, st.v), recall_store):
+        store = HostStore(case[0].k.clone(), case[0].v.clone(), "cpu")
+        run(store, *case[1:])
+        _assert_same(store.k, expected[0])
+        _assert_same(store.v, expected[1])
+
+
+def test_store_opcheck_and_bad_inputs():
+    store, k_ring, v_ring, lens, ring_index = _store_case(3, 2, 48, 17, 16, torch.float32, 2)
+    store.k.zero_(), store.v.zero_()
+    torch.library.opcheck(torch.ops.minikv.recall_store.default,
+                          (k_ring, v_ring, lens, ring_index, store.k, store.v))
+    for args, message in [
+        ((store, k_ring.half(), v_ring, lens, ring_index), "k_ring: expected dtype"),
+        ((store, k_ring[:, :1].contiguous(), v_ring, lens, ring_index), "k_ring: expected shape"),
+        ((store, k_ring, v_ring, lens.long(), ring_index), "lens: expected dtype"),
+        ((store, k_ring, v_ring, lens, ring_index[:0]), "ring_index: expected 1 <= B"),
+        ((store.k, k_ring, v_ring, lens, ring_index), "store: expected a HostStore"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            recall_store(*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -219,7 +279,7 @@ def _recall_ref_one_row(q, bufs, rk, rv, idx, scale, bits):
     """The reference with one query row (q (B, H_q, D)); its lse and mass are left out."""
     b_max, h_kv = bufs[6].shape[:2]
     lse_ref = torch.zeros(q.shape[0], q.shape[1])
-    mass = torch.zeros(b_max, h_kv, bufs[3].shape[2])
+    mass = torch.zeros(b_max, h_kv, bufs[3].shape[2] + bufs[6].shape[2])
     out, _ = decode_attention_recall_ref(q[:, None], *bufs, rk, rv, idx, lse_ref, mass, scale,
                                          bits, 16)
     return out[:, 0]
@@ -381,7 +441,7 @@ def recall_case(batch, b_max, h_kv, gqa, rows, d, capacity, ring, bits, dtype, n
     rk = (torch.randn(b_max, h_kv, k, d) * 2).to(dtype)
     rv = torch.randn(b_max, h_kv, k, d).to(dtype)
     q = torch.randn(batch, rows, h_kv * gqa, d).to(dtype)
-    mass = torch.full((b_max, h_kv, capacity), float("nan"))
+    mass = torch.full((b_max, h_kv, capacity + ring), float("nan"))
     rc = RecallCase(cache, q, [rk, rv, idx, torch.zeros(batch, h_kv * gqa), mass])
     # lse_ref: the last row's own log-sum-exp, off by up to a nat per head (a stale one)
     rc.recall[3] = (recall_truth(rc, d ** -0.5, torch.float64)[1][:, -1].float()
@@ -395,8 +455,9 @@ def recall_case(batch, b_max, h_kv, gqa, rows, d, capacity, ring, bits, dtype, n
 def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
     """Attention with recall computed from the cache's fp64 truth, every tensor and product in
     ``dtype`` (float64: the oracle; q's dtype: the same-precision baseline of the 2x rule).
-    Returns out (B, R, H_q, D), lse (B, R, H_q) and, per slot, mass (H_kv, n_quant) and the
-    last row's probabilities of the quantized positions (H_kv, gqa, n_quant)."""
+    Returns out (B, R, H_q, D), lse (B, R, H_q) and, per slot, mass (H_kv, n_quant + n_ring:
+    the quantized positions, then the ring's tokens, which the last row all sees) and the last
+    row's probabilities of the quantized positions (H_kv, gqa, n_quant)."""
     q, cache = rc.q, rc.cache
     rk, rv, idx, lse_ref, _ = rc.recall
     batch, rows, h_q, d = q.shape
@@ -419,7 +480,7 @@ def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
             out[b, r] = (torch.softmax(s, -1) @ vb).reshape(h_q, d)
             lse[b, r] = torch.logsumexp(s, -1).reshape(h_q)
         ref = lse_ref[b].to(dtype).view(h_kv, -1, 1)
-        masses.append(torch.exp(s[..., :n_quant] - ref).sum(1))
+        masses.append(torch.exp(s - ref).sum(1))
         probs.append(torch.softmax(s, -1)[..., :n_quant])
     return out, lse, masses, probs
 
@@ -633,25 +694,54 @@ def test_mass_with_own_lse_is_the_group_probability_and_topk_follows():
     for b, p in enumerate(probs):                                    # p: (H_kv, gqa, n_quant)
         n_quant = p.shape[2]
         torch.testing.assert_close(mass[b, :, :n_quant].double(), p.sum(1), rtol=1e-4, atol=1e-7)
-        got = recall_topk(mass[b:b + 1], lens[b:b + 1], 9)
+        # (ring=32: no ring counts as full, the region alone is held; test_recall_topk_*)
+        got = recall_topk(mass[b:b + 1], lens[b:b + 1], 9, ring=32)
         assert got.tolist() == recall_topk_ref(p.reshape(1, 6, n_quant), 9, 2).tolist()
 
 
+def _held_next(lens, ring):
+    """Positions each slot holds quantized at the next step: its region, plus a full ring's
+    tokens (flushed first), by hand."""
+    return [n_quant + (ring if n_ring >= ring else 0) for n_quant, n_ring in lens.tolist()]
+
+
 def test_recall_topk_follows_the_rule_on_held_positions():
-    """Per slot, recall_topk_ref on the held positions (one query head per KV head: the mass
-    is the probability); stale values past lens[b, 0] never chosen; -1 padding."""
-    batch, h_kv, t_cap = 4, 3, 40
-    lens = torch.tensor([[40, 1], [17, 0], [0, 5], [3, 2], [9, 9]], dtype=torch.int32)
+    """Per slot, recall_topk_ref on the positions the next step holds (one query head per KV
+    head: the mass is the probability): the region, and a full ring's tokens (slot 4: its
+    ring of 8 is full, so positions 9..16 count); stale values past them never chosen; -1
+    padding."""
+    batch, h_kv, t_cap = 5, 3, 40
+    lens = torch.tensor([[32, 1], [17, 0], [0, 5], [3, 2], [9, 8], [1, 1]], dtype=torch.int32)
+    held = _held_next(lens[:batch], 8)
+    assert held == [32, 17, 0, 3, 17]
     mass = torch.rand(batch, h_kv, t_cap)
     for b in range(batch):
-        mass[b, :, int(lens[b, 0]):] = 1e6  # stale
+        mass[b, :, held[b]:] = 1e6  # stale
     for k in (0, 5, 17, 45):
-        got = recall_topk(mass, lens, k)
+        got = recall_topk(mass, lens, k, ring=8)
         assert got.shape == (batch, h_kv, k) and got.dtype == torch.int32
         for b in range(batch):
-            n_quant = int(lens[b, 0])
-            expected = recall_topk_ref(mass[b:b + 1, :, :n_quant], k, h_kv)[0]
+            expected = recall_topk_ref(mass[b:b + 1, :, :held[b]], k, h_kv)[0]
             assert got[b].tolist() == expected.tolist()
+
+
+def test_recall_topk_by_blocks():
+    """recall_block: the k / block aligned blocks with the most summed mass over the held
+    positions (a block partly held counts its held part), each as its positions in order;
+    positions past what the slot holds are -1."""
+    batch, h_kv, t_cap, block = 2, 2, 36, 4
+    lens = torch.tensor([[30, 3], [6, 0]], dtype=torch.int32)
+    mass = torch.rand(batch, h_kv, t_cap)
+    got = recall_topk(mass, lens, 12, ring=16, block=block)
+    assert got.shape == (batch, h_kv, 12)
+    for b, n in enumerate(_held_next(lens, 16)):
+        for h in range(h_kv):
+            sums = [mass[b, h, i:min(i + block, n)].sum().item() for i in range(0, n, block)]
+            order = sorted(range(len(sums)), key=lambda i: -sums[i])[:3]
+            expected = [i * block + j if i * block + j < n else -1 for i in order
+                        for j in range(block)]
+            expected += [-1] * (12 - len(expected))
+            assert got[b, h].tolist() == expected, (b, h)
 
 
 BAD_TOPK = [
@@ -660,6 +750,9 @@ BAD_TOPK = [
     ("lens dtype", lambda m, l, k: (m, l.long(), k), "lens: expected dtype"),
     ("lens rows", lambda m, l, k: (m, l[:1], k), "lens: expected at least B=2"),
     ("k", lambda m, l, k: (m, l, -1), "k: expected an int >= 0"),
+    ("ring", lambda m, l, k: (m, l, k, 0), "ring: expected an int >= 1"),
+    ("block", lambda m, l, k: (m, l, k, 16, 0), "block: expected an int >= 1"),
+    ("k by block", lambda m, l, k: (m, l, 6, 16, 4), "k: expected a multiple of block=4"),
 ]
 
 
@@ -667,7 +760,8 @@ BAD_TOPK = [
 def test_recall_topk_bad_inputs_raise(name, make_bad, message):
     mass, lens = torch.rand(2, 2, 16), torch.full((3, 2), 16, dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
-        recall_topk(*make_bad(mass, lens, 4))
+        args = make_bad(mass, lens, 4)
+        recall_topk(*args, *((16,) if len(args) == 3 else ()))
 
 
 def test_recall_opcheck():
@@ -692,7 +786,7 @@ def test_compiled_recall_step_fullgraph_no_recompile():
     @torch.compile(backend=counter, fullgraph=True)
     def step(q, lse_ref):
         out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, 0.25, 2, 16)
-        return out * 2.0, lse, recall_topk(mass[:2], bufs[8], 6)
+        return out * 2.0, lse, recall_topk(mass[:2], bufs[8], 6, ring=16)
 
     for _ in range(2):
         expected_mass = mass.clone()
@@ -702,7 +796,7 @@ def test_compiled_recall_step_fullgraph_no_recompile():
         torch.testing.assert_close(out, out_ref * 2)
         torch.testing.assert_close(lse, lse_ref_out)
         _assert_same(mass, expected_mass)
-        assert nxt.tolist() == recall_topk(expected_mass[:2], bufs[8], 6).tolist()
+        assert nxt.tolist() == recall_topk(expected_mass[:2], bufs[8], 6, ring=16).tolist()
         # the next step: its indices, one more ring token, a new q, this step's lse
         idx[:2].copy_(nxt)
         bufs[8][:2, 1] = torch.tensor([4, 15], dtype=torch.int32)
@@ -735,8 +829,9 @@ BAD_RECALL = [
     ("lse_ref dtype", LSE_REF, lambda t: t.half(), "lse_ref: expected dtype"),
     ("lse_ref shape", LSE_REF, lambda t: t[:, :2], "lse_ref: expected shape"),
     ("mass dtype", MASS, lambda t: t.bfloat16(), "mass: expected dtype"),
-    ("mass short", MASS, lambda t: t[:, :, :48].contiguous(), "mass: expected at least T_cap=64"),
-    ("mass view", MASS, lambda t: torch.zeros(4, 2, 64)[:3], "mass: expected a whole"),
+    ("mass short", MASS, lambda t: t[:, :, :64].contiguous(),
+     "mass: expected at least T_cap \\+ ring rows = 80"),
+    ("mass view", MASS, lambda t: torch.zeros(4, 2, 80)[:3], "mass: expected a whole"),
 ]
 
 
@@ -838,6 +933,40 @@ def test_gpu_cuda_graph_replay_follows_idx_and_host_rows(compiled):
 
 
 @pytest.mark.gpu
+def test_gpu_store_writes_pinned_rows_in_a_cuda_graph():
+    """recall_store from CUDA rings into the pinned store: eager, then captured under the
+    sync-debug guard and replayed after the rings, counters and ring rows change in place."""
+    case = _store_case(4, 8, 512, 129, 128, torch.bfloat16, 3)
+    store = HostStore.allocate(max_batch_size=4, num_kv_heads=8, capacity=512, head_dim=128,
+                               dtype=torch.bfloat16, device="cuda")
+    store.k.copy_(case[0].k), store.v.copy_(case[0].v)
+    k_ring, v_ring, lens, ring_index = (t.cuda() for t in case[1:])
+    expected = _expected_store(store, k_ring.cpu(), v_ring.cpu(), lens.cpu(), ring_index.cpu())
+    recall_store(store, k_ring, v_ring, lens, ring_index)
+    torch.cuda.synchronize()
+    _assert_same(store.k, expected[0])
+    _assert_same(store.v, expected[1])
+    graph = torch.cuda.CUDAGraph()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            recall_store(store, k_ring, v_ring, lens, ring_index)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    for _ in range(2):
+        k_ring.normal_(), v_ring.normal_()
+        ring_index.copy_(torch.randint(-1, 129, (3,), dtype=torch.int32))
+        lens[:, 0].copy_(torch.randint(0, 400, (4,), dtype=torch.int32))
+        torch.cuda.synchronize()
+        expected = _expected_store(store, k_ring.cpu(), v_ring.cpu(), lens.cpu(), ring_index.cpu())
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same(store.k, expected[0])
+        _assert_same(store.v, expected[1])
+
+
+@pytest.mark.gpu
 def test_gpu_gather_never_syncs_with_the_host():
     store, rk, rv, idx = _gpu_case(torch.float16, b_max=2, k=16)
     recall_gather(store, idx, rk, rv)  # warm-up (compiles the kernel)
@@ -927,7 +1056,7 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
         recall_gather(store, idx[:batch], rk, rv)
         out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, d ** -0.5, 2,
                                            16)
-        idx[:batch].copy_(recall_topk(mass[:batch], bufs[8], k))
+        idx[:batch].copy_(recall_topk(mass[:batch], bufs[8], k, ring=128))
         lse_ref.copy_(lse[:, -1])
         return out, lse
 

@@ -1,0 +1,173 @@
+"""SpeCache in the engine (``MiniKVConfig(recall_top_k=K)``): the host copy, the two-row step with
+pre-decoding, the recall inside the step. CPU, fp32, tiny random models (test_engine's ``tiny``):
+a row's arithmetic does not depend on the other rows, so "the same tokens as alone" is exact.
+
+The independent reference for the whole method is HF itself: with K at least every token the
+cache holds, every quantized position is recalled in full precision at every step (the step
+after a flush too: the flushed ring's tokens are ranked from the step before), so the compressed
+cache with recall must give the uncompressed model's greedy tokens exactly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.graphs import cache as cache_module
+from minikv_compile.graphs.runtime import Request
+from minikv_compile.graphs.sampling import Sampling
+from test_engine import hf_greedy, prompt_of, tiny
+
+# 2-bit, nothing evicted (KIVI's cache), a 32-token ring: 48 new tokens cross a flush.
+KIVI = dict(bits=2, heavy_budget=1.0, recent_budget=1.0, residual_length=32, max_prompt_len=64,
+            max_new_tokens=48, max_batch_size=4)
+EVERYTHING = 128  # >= T_cap = 64 + 48
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("block", [1, 16])
+def test_recalling_every_token_reproduces_hf_greedy(kind, block):
+    model = tiny(kind)
+    prompts = [prompt_of(37), prompt_of(5, seed=1), prompt_of(64, seed=2)]
+    want = [hf_greedy(model, p, 48) for p in prompts]
+    plain = minikv_compile(model, MiniKVConfig(**KIVI)).generate(prompts, max_new_tokens=48)
+    assert plain.sequences != want  # 2 bits alone do change the tokens here
+    cm = minikv_compile(model, MiniKVConfig(**KIVI, recall_top_k=EVERYTHING, recall_block=block))
+    out = cm.generate(prompts, max_new_tokens=48)
+    assert out.sequences == want
+    assert out.decode_steps == 48  # 47 tokens after the first, and the pre-decoding step
+
+
+def test_teacher_forced_log_probs_with_every_token_recalled_are_the_full_caches():
+    model = tiny()
+    prompt = prompt_of(50, seed=4)
+    target = prompt_of(40, seed=5)
+    full = minikv_compile(model, MiniKVConfig(**{**KIVI, "bits": 16}))
+    cm = minikv_compile(model, MiniKVConfig(**KIVI, recall_top_k=EVERYTHING))
+    got = cm.teacher_force([prompt], [target])[0]
+    torch.testing.assert_close(got, full.teacher_force([prompt], [target])[0], rtol=0, atol=1e-4)
+    plain = minikv_compile(model, MiniKVConfig(**KIVI)).teacher_force([prompt], [target])[0]
+    assert (plain - got).abs().max() > 1e-2  # (what recall fixes is visible)
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_a_small_recall_with_eviction_is_slot_independent(block):
+    """K = 16 of ~60 held tokens under the default selection (25% + 25%): a batch equals each
+    prompt alone, and a request joining a running batch (its pre-decoding step runs beside the
+    others' regular steps) gets its tokens alone, greedy and sampled."""
+    cfg = MiniKVConfig(residual_length=32, max_prompt_len=128, max_new_tokens=60,
+                       max_batch_size=4, recall_top_k=16, recall_block=block)
+    cm = minikv_compile(tiny(), cfg)
+    rt = cm.runtime
+    reqs = [Request(prompt_of(100, seed=1), 60), Request(prompt_of(37, seed=2), 50),
+            Request(prompt_of(120, seed=3), 40,
+                    sampling=Sampling(greedy=False, temperature=1.2, top_k=20, seed=9))]
+
+    def run(start, slots_reqs, join_after=None, late=None):
+        rt.release_all()
+        for slot, r in slots_reqs:
+            rt.admit(slot, r)
+        steps = 0
+        while not all(rt.finished([s for s, _ in slots_reqs])) or late is not None:
+            if steps == join_after and late is not None:
+                rt.admit(*late)
+                slots_reqs, late = slots_reqs + [late], None
+            rt.step()
+            steps += 1
+        out = rt.outputs([s for s, _ in slots_reqs])
+        rt.release_all()
+        return out
+
+    alone = [run(0, [(0, r)])[0] for r in reqs]
+    assert run(0, [(0, reqs[0]), (1, reqs[1])], join_after=20, late=(2, reqs[2])) == alone
+    greedy_plain = minikv_compile(tiny(), MiniKVConfig(
+        residual_length=32, max_prompt_len=128, max_new_tokens=60)).generate(
+        [list(reqs[0].prompt)], max_new_tokens=60).sequences[0]
+    assert alone[0] != greedy_plain  # recall changed the tokens (so the test sees it run)
+
+
+def test_compiled_two_row_step_equals_the_eager_one():
+    """The step's parts through inductor (fullgraph, dynamic batch) give the eager step's
+    tokens, across a flush and two buckets; the layer compiles once for every layer."""
+    model = tiny(num_hidden_layers=3)
+    cfg = dict(residual_length=16, max_prompt_len=64, max_new_tokens=40, max_batch_size=2,
+               recall_top_k=8)
+    prompts = [prompt_of(30, seed=1), prompt_of(45, seed=2)]
+    eager = minikv_compile(model, MiniKVConfig(**cfg, compile=False))
+    cm = minikv_compile(model, MiniKVConfig(**cfg, compile=True))
+    for batch in ([prompts[0]], prompts):
+        assert (cm.generate(batch, max_new_tokens=40).sequences
+                == eager.generate(batch, max_new_tokens=40).sequences)
+    # begin, layer and choose at batch 1, and again for batches 2.. (dynamic); one layer graph
+    # for the 3 layers of each
+    assert cm.stats["compiles"] == 6
+
+
+def test_kv_memory_reports_device_and_host_bytes():
+    model = tiny()
+    cfg = MiniKVConfig(**KIVI, recall_top_k=16)
+    cm = minikv_compile(model, cfg)
+    report = cm.kv_memory(prompt_len=40, new_tokens=8, batch=2)
+    H, D, Hq, L, K = 2, 64, 4, 2, 16
+    # per slot and layer: recalled k and v, idx, lse_ref; the mass buffer's per-slot share
+    # split over the layers (T_cap 112 + 33 ring rows)
+    per_layer = K * H * D * 4 * 2 + K * H * 4 + Hq * 4 + H * (112 + 33) * 4 // L
+    assert report.recall_bytes == 2 * L * per_layer
+    assert report.host_bytes == 2 * L * 48 * 2 * H * D * 4       # 40 + 8 tokens, fp32
+    assert report.host_allocated_bytes == 4 * L * 112 * 2 * H * D * 4
+    assert report.total_bytes == sum(x.total for x in report.layers)
+    assert report.recall_bytes > 0 and "host copy (SpeCache)" in str(report)
+
+
+def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch):
+    monkeypatch.setattr(cache_module, "host_available_bytes", lambda: 10 * 2**20)
+    allocated = []
+    monkeypatch.setattr(cache_module.HostStore, "allocate",
+                        classmethod(lambda cls, **kw: allocated.append(kw)))
+    with pytest.raises(MemoryError, match=r"recall_top_k: the host copy .* needs 0.\d\d GiB"):
+        minikv_compile(tiny(), MiniKVConfig(**{**KIVI, "max_batch_size": 64}, recall_top_k=16))
+    assert allocated == []
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(bits=16), "recall_top_k: expected 0 with bits=16"),
+    (dict(recall_block=16, recall_top_k=24), "recall_top_k: expected a multiple of recall_block=16"),
+    (dict(recall_top_k=-1), "recall_top_k: expected an int >= 0"),
+    (dict(recall_block=0), "recall_block: expected an int >= 1"),
+    (dict(recall_top_k=2.0), "recall_top_k: expected an int"),
+])
+def test_bad_recall_config(over, match):
+    with pytest.raises(ValueError, match=match):
+        MiniKVConfig(**{"recall_top_k": 8, **over})
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_replayed_recall_step_equals_the_eager_step():
+    """bf16 on the GPU: the captured two-row step (pinned host copy, recall on the side
+    stream) gives the tokens of the same compiled parts run without graphs, for a request
+    joining mid-generation; the graphs are replayed and nothing recompiles on a second run."""
+    model = tiny(dtype=torch.bfloat16, device="cuda")
+    cfg = dict(residual_length=32, max_prompt_len=128, max_new_tokens=80, max_batch_size=4,
+               recall_top_k=16)
+    graphs = minikv_compile(model, MiniKVConfig(**cfg))
+    eager = minikv_compile(model, MiniKVConfig(**cfg, cuda_graphs=False))  # same kernels
+    reqs = [Request(prompt_of(100, seed=1), 80), Request(prompt_of(61, seed=3), 64)]
+
+    def join(cm):
+        rt = cm.runtime
+        rt.release_all()
+        rt.admit(0, reqs[0])
+        for _ in range(40):
+            rt.step()
+        rt.admit(1, reqs[1])
+        while not all(rt.finished([0, 1])):
+            rt.step()
+        return rt.outputs([0, 1])
+
+    first = join(graphs)
+    assert first == join(eager)
+    compiles, replays = graphs.stats["compiles"], graphs.stats["replays"]
+    assert join(graphs) == first
+    assert graphs.stats["compiles"] == compiles and graphs.stats["replays"] > replays
