@@ -78,6 +78,19 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             **SELECTIONS["snapkv_block_sink"]),
     _method("snapkv_block_sink4_hadamard", "MiniKV + snapkv k15, blocks, 4 sinks, 4-bit, Hadamard",
             bits=4, rotation="hadamard", **SELECTIONS["snapkv_block_sink"]),
+    # SpeCache (issue 25): K positions per KV head recalled in full precision from the host copy
+    # every step; the GPU copy as the named method. Group 64 is the 2-bit copy within 16% of the
+    # fp16 cache's bytes with the ring and the recall buffer.
+    _method("kivi2_g64", "KIVI-2, group 64", group_size=64, **_KEEP_ALL),
+    _method("kivi2_spec64", "KIVI-2 + SpeCache K 64", recall_top_k=64, **_KEEP_ALL),
+    _method("kivi2_g64_spec64", "KIVI-2, group 64 + SpeCache K 64", group_size=64,
+            recall_top_k=64, **_KEEP_ALL),
+    _method("kivi2_g64_spec256", "KIVI-2, group 64 + SpeCache K 256", group_size=64,
+            recall_top_k=256, **_KEEP_ALL),
+    _method("kivi2_g64_spec64_hadamard", "KIVI-2, group 64, Hadamard + SpeCache K 64",
+            group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    _method("snapkv_block_sink_spec64", "MiniKV + snapkv k15, blocks, 4 sinks + SpeCache K 64",
+            recall_top_k=64, **SELECTIONS["snapkv_block_sink"]),
 )}
 # Most important first: a run cut short by --budget-seconds still has the paper's comparison.
 MAIN_METHODS = ("full", "minikv", "kivi2", "snapkv2", "h2o16", "minikv_pyramid", "snapkv_block",
