@@ -243,7 +243,8 @@ class RecallDecodeStep(DecodeStep):
                that the host reads overlap the remaining layers): T_t's k/v to the host copy
                (minikv::recall_store), the next step's rows from it (minikv::recall_gather)
         choose: row 0's logits -> T_{t+1} by the mode's rule, recorded; row 1's argmax ->
-               T'_{t+2} (the speculation is greedy whatever the mode: it only steers the recall)
+               T'_{t+2} (greedy whatever the mode: it only steers the recall; teacher mode
+               takes the forced token instead, see ``choose``)
 
     Pre-decoding (``state.pre``: a slot's first step after admission): nothing is recalled yet
     (``idx`` -1), both rows feed the first token at its position ``p`` (row 1 sees its own k/v
@@ -328,7 +329,11 @@ class RecallDecodeStep(DecodeStep):
 
     def choose(self, slots: torch.Tensor, h: torch.Tensor, mode: str) -> None:
         """Row 0 of each slot: its next token by ``mode`` (recorded unless it pre-decodes);
-        row 1 (row 0 when pre-decoding): the next speculation, greedy."""
+        row 1 (row 0 when pre-decoding): the next speculation, greedy. Teacher mode speculates
+        the forced token the next step feeds after the one it feeds: what greedy generation's
+        speculation is whenever the step before guessed right (its row 1 runs the token row 0
+        will choose), so that perplexity measures the cache, not a guess of a text the model
+        would not have written."""
         st = self.state
         batch = slots.shape[0]
         rows = slice(0, batch)
@@ -337,7 +342,11 @@ class RecallDecodeStep(DecodeStep):
         real = live & ~pre
         logits = self.adapter.logits(h[:, 0]).view(batch, 2, -1)             # (B, 2, V) fp32
         st.record(st.choose(logits[:, 0], rows, mode, real), rows, real)
-        spec = argmax_rows(torch.where(pre[:, None], logits[:, 0], logits[:, 1]))
+        if mode == "teacher":  # (count has moved on for the slots that recorded)
+            col = st.count[rows].clamp(max=st.max_new_tokens - 1)[:, None]
+            spec = st.forced[rows].gather(1, col)[:, 0]
+        else:
+            spec = argmax_rows(torch.where(pre[:, None], logits[:, 0], logits[:, 1]))
         st.spec[rows] = torch.where(live, spec, st.spec[rows])
         st.pre[rows] = pre & ~live
 

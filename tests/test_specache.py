@@ -50,6 +50,27 @@ def test_teacher_forced_log_probs_with_every_token_recalled_are_the_full_caches(
     assert (plain - got).abs().max() > 1e-2  # (what recall fixes is visible)
 
 
+def test_speculation_is_the_next_token_greedy_and_forced():
+    """Greedy: after the pre-decoding step the speculation is the token the next step then
+    chooses (every token recalled: the two rows are exact). Teacher mode: the forced token
+    after the one the next step feeds."""
+    cm = minikv_compile(tiny(), MiniKVConfig(**KIVI, recall_top_k=EVERYTHING))
+    rt, st = cm.runtime, cm.runtime.state
+    rt.admit(0, Request(prompt_of(30), 10))
+    rt.step()                                        # pre-decoding: nothing recorded
+    assert rt.outputs([0])[0] == [int(st.tokens[0])]
+    for _ in range(5):
+        spec = int(st.spec[0])
+        rt.step()
+        assert rt.outputs([0])[0][-1] == spec
+    rt.release(0)
+    forced = prompt_of(10, seed=7)
+    rt.admit(0, Request(prompt_of(30), 10, forced=forced))
+    for i in range(1, 6):
+        rt.step()
+        assert int(st.spec[0]) == forced[i]
+
+
 @pytest.mark.parametrize("block", [1, 16])
 def test_a_small_recall_with_eviction_is_slot_independent(block):
     """K = 16 of ~60 held tokens under the default selection (25% + 25%): a batch equals each
