@@ -11,6 +11,25 @@ _POLICIES = ("uniform", "pyramid")
 ROTATIONS = ("none", "hadamard")
 
 
+# Named configurations (``MiniKVConfig.preset``), chosen from the accuracy harness on SmolLM2
+# (perf/results/accuracy/specache-afe423b, H200: needle exact match over 240 prompts of 2k-7k
+# tokens, the full cache 87.1%).
+PRESETS = {
+    # the MiniKV paper: H2O heavy hitters 25% + recent window 25%, 2 bit (needle 12.9%)
+    "minikv": dict(heavy_budget=0.25, recent_budget=0.25, selection="h2o", snapkv_kernel=7,
+                   selection_block=1, sink_tokens=0, bits=2, recall_top_k=0),
+    # KIVI-2: 2 bit, nothing evicted (40.0%)
+    "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=0),
+    # SpeCache as its paper runs it: KIVI-2's GPU copy, 64 positions per KV head recalled
+    # (82.1%)
+    "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=64),
+    # the most accurate at MiniKV's GPU bytes: the library's selection (45.8% alone) with
+    # SpeCache's recall of 64 positions (85.8%); decode reads the recalled rows from host
+    # memory and feeds two rows a step
+    "accurate": dict(heavy_budget=0.25, recent_budget=0.25, bits=2, recall_top_k=64),
+}
+
+
 @dataclass(frozen=True)
 class MiniKVConfig:
     """How the KV cache is compressed and how the decode loop runs.
@@ -27,6 +46,8 @@ class MiniKVConfig:
                          sink_tokens=0`` (budgets and bits as the defaults)
     library default      MiniKV's bytes with SnapKV scores over 16-token blocks + 4 sinks
     MiniKV-pyramid       ``budget_policy="pyramid"``
+    SpeCache             ``recall_top_k=64`` on KIVI's cache (``preset("specache")``), or on
+                         any other (``preset("accurate")``: the library's selection)
     ===================  =====================================================================
 
     Parameters
@@ -115,6 +136,14 @@ class MiniKVConfig:
     max_new_tokens: int = 256
     compile: Optional[bool] = None
     cuda_graphs: Optional[bool] = None
+
+    @classmethod
+    def preset(cls, name: str, **fields) -> "MiniKVConfig":
+        """A named configuration (``PRESETS``: ``"minikv"``, ``"kivi"``, ``"specache"``,
+        ``"accurate"``), ``fields`` on top (capacity, compile, or any preset field)."""
+        if name not in PRESETS:
+            raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        return cls(**{**PRESETS[name], **fields})
 
     def __post_init__(self) -> None:
         # Integral numpy / 0-d torch values are stored as Python ints (floats, strings and bools

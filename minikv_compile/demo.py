@@ -2,10 +2,13 @@
 
 The prompt is a run of consecutive King James verses (from Proverbs, ~4000 tokens on a GPU,
 ~1500 on a CPU) with one verse from another book, the needle, inserted at 30% depth; the chat
-question can only be answered from that verse. SmolLM2-135M-Instruct answers it twice through
-the engine: with MiniKV (25% heavy hitters + 25% recent window, 2-bit) and with the uncompressed
-cache (16 bit, everything kept). For each run the demo prints the answer, whether it holds the
-expected words, the KV bytes against an fp16 cache, the prefill time and the decode rate.
+question can only be answered from that verse. SmolLM2-135M-Instruct answers it three times
+through the engine: with the ``"accurate"`` preset (MiniKV's bytes on the GPU: 25% heavy hitters
++ 25% recent window, 2-bit, and SpeCache's recall of the 64 positions per KV head each step
+attends to most, in full precision from host memory), with the same cache and no recall, and
+with the uncompressed cache (16 bit, everything kept). For each run the demo prints the answer,
+whether it holds the expected words, the KV bytes on the GPU against an fp16 cache (and the
+host copy's), the prefill time and the decode rate.
 """
 from __future__ import annotations
 
@@ -93,12 +96,16 @@ def run(model, tokenizer, prompt: NeedlePrompt, name: str, config: MiniKVConfig)
     report = compiled.kv_memory(prompt_len=len(prompt.input_ids), new_tokens=config.max_new_tokens)
     evicts = config.heavy_budget + config.recent_budget < 1.0
     print(f"\n== {name}: bits={config.bits}, heavy={config.heavy_budget}, recent={config.recent_budget}"
-          + (f", selection={config.selection}" if evicts else " (nothing evicted)"))
+          + (f", selection={config.selection}" if evicts else " (nothing evicted)")
+          + (f", recall_top_k={config.recall_top_k}" if config.recall_top_k else ""))
     print(f"answer:        {answer!r}  ({out.stop_reasons[0]}, {len(out.sequences[0])} tokens)")
     print(f"correct:       {answer_is_right(answer, prompt.expected)}  (expected one of {list(prompt.expected)})")
     dtype = str(report.full_dtype).replace("torch.", "")
-    print(f"KV memory:     {report.total_bytes / 2**20:.2f} MiB vs {report.full_bytes / 2**20:.2f} MiB "
-          f"uncompressed {dtype} (ratio {report.ratio:.3f})")
+    print(f"KV memory:     {report.total_bytes / 2**20:.2f} MiB on the device vs "
+          f"{report.full_bytes / 2**20:.2f} MiB uncompressed {dtype} (ratio {report.ratio:.3f})")
+    if config.recall_top_k:
+        print(f"host memory:   {report.host_bytes / 2**20:.2f} MiB (the full-precision copy "
+              f"recall reads, {report.host_allocated_bytes / 2**20:.2f} MiB allocated)")
     print(f"setup:         {setup_s:.2f} s (allocation{', compile and capture' if config.compile else ''})")
     print(f"prefill:       {out.prefill_seconds:.2f} s for {len(prompt.input_ids)} tokens")
     print(f"decode:        {out.decode_tokens_per_second:.1f} tokens/s")
@@ -135,12 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     common = dict(max_batch_size=1, max_prompt_len=len(prompt.input_ids), max_new_tokens=args.max_new_tokens,
                   compile=on_cuda, cuda_graphs=on_cuda)
     chosen = {} if args.selection is None else dict(selection=args.selection)
-    run(model, tokenizer, prompt, "MiniKV",
+    run(model, tokenizer, prompt, "MiniKV + SpeCache (preset 'accurate')",
+        MiniKVConfig.preset("accurate", **chosen, **common))
+    if on_cuda:
+        torch.cuda.empty_cache()
+    run(model, tokenizer, prompt, "MiniKV, no recall (the library's default)",
         MiniKVConfig(heavy_budget=0.25, recent_budget=0.25, bits=2, **chosen, **common))
-    if args.selection is None:  # the paper's selection rule at the same bytes, for comparison
-        run(model, tokenizer, prompt, "MiniKV, the paper's H2O selection",
-            MiniKVConfig(heavy_budget=0.25, recent_budget=0.25, bits=2, selection="h2o", snapkv_kernel=7,
-                         selection_block=1, sink_tokens=0, **common))
     if on_cuda:
         torch.cuda.empty_cache()
     run(model, tokenizer, prompt, "uncompressed",

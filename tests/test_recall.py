@@ -24,7 +24,8 @@ from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_re
                                                  decode_attention_ref)
 from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
 from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_triton,
-                                       recall_gather_ref, recall_topk_ref)
+                                       _recall_topk_triton, recall_gather_ref, recall_topk_ops,
+                                       recall_topk_ref)
 from test_decode_attention import Case, make_case, poisoned
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -725,6 +726,24 @@ def test_recall_topk_follows_the_rule_on_held_positions():
             assert got[b].tolist() == expected.tolist()
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("batch,h_kv,t_cap,k", [
+    (2, 1, 2100, 64),   # two chunks of 2048, a partial last one
+    (2, 1, 300, 20),    # one chunk, K not a power of two, a slot holding fewer than K
+    (1, 1, 70, 128),    # K > T: -1 padding
+])
+def test_triton_topk_matches_the_torch_ops(batch, h_kv, t_cap, k):
+    """The CUDA implementation (interpreter) against recall_topk_ops on held positions: the
+    region, a full ring's tokens, stale values past them; fp32 masses with no ties."""
+    g = torch.Generator().manual_seed(t_cap)
+    mass = torch.rand(batch + 1, h_kv, t_cap + 16, generator=g)[:batch]
+    lens = torch.tensor([[t_cap - 16, 16], [min(5, t_cap), 3], [t_cap // 2, 1]][:batch],
+                        dtype=torch.int32)
+    got = _recall_topk_triton(mass, lens, k, 16)
+    assert got.dtype == torch.int32 and got.shape == (batch, h_kv, k)
+    assert got.tolist() == recall_topk_ops(mass, lens, k, 16).tolist()
+
+
 def test_recall_topk_by_blocks():
     """recall_block: the k / block aligned blocks with the most summed mass over the held
     positions (a block partly held counts its held part), each as its positions in order;
@@ -964,6 +983,17 @@ def test_gpu_store_writes_pinned_rows_in_a_cuda_graph():
         torch.cuda.synchronize()
         _assert_same(store.k, expected[0])
         _assert_same(store.v, expected[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,t_cap", [(1, 32768 + 129), (8, 4096 + 129)])
+def test_gpu_topk_matches_the_torch_ops(batch, t_cap):
+    mass = torch.rand(batch, 8, t_cap, device="cuda")
+    lens = torch.tensor([[t_cap - 129 - 16 * b, 128 - b] for b in range(batch)],
+                        dtype=torch.int32, device="cuda")
+    for k in (64, 48, 256):
+        got = recall_topk(mass, lens, k, ring=128)
+        assert got.tolist() == recall_topk_ops(mass, lens, k, 128).tolist()
 
 
 @pytest.mark.gpu
