@@ -124,7 +124,7 @@ def _recall_store_triton(k_ring, v_ring, lens, ring_index, host_k, host_v) -> No
 # Positions per program of the top-k's first stage: 17 programs per (slot, KV head) at 32k
 # tokens, whose 17 x K candidates the second stage sorts in one program.
 _TOPK_CHUNK = 2048
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = tl.constexpr(2**31 - 1)  # (a kernel reads only constexpr globals)
 
 
 @triton.jit

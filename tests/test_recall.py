@@ -26,6 +26,7 @@ from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
 from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_triton,
                                        _recall_topk_triton, recall_gather_ref, recall_topk_ops,
                                        recall_topk_ref)
+from aot import compile_for_sm90
 from test_decode_attention import Case, make_case, poisoned
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -742,6 +743,20 @@ def test_triton_topk_matches_the_torch_ops(batch, h_kv, t_cap, k):
     got = _recall_topk_triton(mass, lens, k, 16)
     assert got.dtype == torch.int32 and got.shape == (batch, h_kv, k)
     assert got.tolist() == recall_topk_ops(mass, lens, k, 16).tolist()
+
+
+def test_recall_kernels_compile_for_sm90():
+    # The top-k's two kernels and the store, for an H100/H200, without a GPU (tests/aot.py).
+    compile_for_sm90("""
+from minikv_compile.ops import recall as r
+build(r._topk_chunk_kernel, {"mass": "*fp32", "lens": "*i32", "cand": "*i64", "H": "i32",
+      "T": "i32", "T_MASS": "i32", "RING": "i32", "K": "i32"}, dict(KP=64, CHUNK=2048))
+build(r._topk_merge_kernel, {"cand": "*i64", "idx": "*i32", "N": "i32", "K": "i32"},
+      dict(NP=2048, KP=64))
+build(r._recall_store_kernel, {"k_ring": "*bf16", "v_ring": "*bf16", "lens": "*i32",
+      "ring_index": "*i32", "host_k": "*bf16", "host_v": "*bf16", "H": "i32", "T_cap": "i32",
+      "D": "i32"}, dict(ROWS=129, BLOCK_H=8, BLOCK_D=128))
+""")
 
 
 def test_recall_topk_by_blocks():
