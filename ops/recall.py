@@ -31,10 +31,9 @@ The ops here:
   with no host synchronization and no copy issued from Python.
 * ``minikv::recall_store``: each slot's newest ring token to the host row it takes in the
   quantized order (the host copy grows as tokens are generated, not at flushes).
-* ``minikv::recall_topk`` (:func:`recall_topk`): the positions to recall next, the top-k by
-  ``mass`` per (slot, KV head), with no host sync (Triton on CUDA; blocks of positions and the
-  CPU in torch ops, :func:`recall_topk_ops`); :func:`recall_topk_ref` is its rule on attention
-  probabilities.
+* :func:`recall_topk`: the positions to recall next, the top-k by ``mass`` per (slot, KV head),
+  in plain torch ops (``torch.topk``) that the compiled step fuses, with no host sync;
+  :func:`recall_topk_ref` is its rule on attention probabilities.
 
 How the host store crosses the op boundary: the op takes the two host tensors as CPU tensors
 and runs on the device of the others (CUDA's dispatch key outranks CPU's, so ``idx`` and the
@@ -119,75 +118,6 @@ def _recall_store_triton(k_ring, v_ring, lens, ring_index, host_k, host_v) -> No
     _recall_store_kernel[(ring_index.shape[0],)](
         k_ring, v_ring, lens, ring_index, host_k, host_v, H, host_k.shape[2], D, ROWS=rows,
         BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D))
-
-
-# Positions per program of the top-k's first stage: 17 programs per (slot, KV head) at 32k
-# tokens, whose 17 x K candidates the second stage sorts in one program.
-_TOPK_CHUNK = 2048
-_INT32_MAX = tl.constexpr(2**31 - 1)  # (a kernel reads only constexpr globals)
-
-
-@triton.jit
-def _topk_chunk_kernel(mass, lens, cand, H, T, T_MASS, RING, K,
-                       KP: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (b * H + h, c): the KP largest keys of positions [c * CHUNK, (c + 1) * CHUNK) of
-    plane (b, h) -> cand[b * H + h, c * K : (c + 1) * K] (the first K of them).
-
-    key = (the fp32 mass's bits << 32) | (2^31 - 1 - position) for a held position (mass >= 0,
-    so its bits order as the values do; ties go to the lower position), -1 otherwise.
-    """
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    b = bh // H
-    n_quant = tl.load(lens + 2 * b)
-    n_ring = tl.load(lens + 2 * b + 1)
-    held = n_quant + tl.where(n_ring >= RING, RING, 0)
-    pos = c * CHUNK + tl.arange(0, CHUNK)
-    ok = (pos < held) & (pos < T)
-    m = tl.load(mass + bh * T_MASS + pos, mask=ok, other=0.0)
-    bits = m.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(ok, (bits << 32) | (_INT32_MAX - pos).to(tl.int64), -1)
-    top = _first_rows(tl.sort(key, descending=True), CHUNK // KP, KP)
-    j = tl.arange(0, KP)
-    tl.store(cand + (bh * tl.num_programs(1) + c) * K + j, top, mask=j < K)
-
-
-@triton.jit
-def _topk_merge_kernel(cand, idx, N, K, NP: tl.constexpr, KP: tl.constexpr):
-    """Program b * H + h: the K largest of its N candidate keys -> idx[b, h, :K] (positions,
-    -1 for a key of no held position), by decreasing mass."""
-    bh = tl.program_id(0).to(tl.int64)
-    n = tl.arange(0, NP)
-    key = tl.load(cand + bh * N + n, mask=n < N, other=-1)
-    top = _first_rows(tl.sort(key, descending=True), NP // KP, KP)
-    pos = tl.where(top >= 0, _INT32_MAX - (top & 0xFFFFFFFF), -1)
-    j = tl.arange(0, KP)
-    tl.store(idx + bh * K + j, pos.to(tl.int32), mask=j < K)
-
-
-@triton.jit
-def _first_rows(x, R: tl.constexpr, C: tl.constexpr):
-    """The first C elements of x (R * C,), as a (C,) tensor."""
-    rows = tl.reshape(x, (R, C))
-    first = tl.arange(0, R)[:, None] == 0
-    return tl.max(tl.where(first, rows, -1), axis=0)
-
-
-def _recall_topk_triton(mass, lens, k: int, ring: int) -> torch.Tensor:
-    batch, h_kv, t = mass.shape
-    idx = torch.empty(batch, h_kv, k, dtype=torch.int32, device=mass.device)
-    if batch * h_kv * k == 0:
-        return idx
-    kp = triton.next_power_of_2(k)
-    chunk = max(_TOPK_CHUNK, 2 * kp)
-    chunks = triton.cdiv(t, chunk)
-    cand = torch.empty(batch * h_kv, chunks * k, dtype=torch.int64, device=mass.device)
-    # (mass: a leading slice of the whole buffer: plane b * H + h starts at its index * T)
-    _topk_chunk_kernel[(batch * h_kv, chunks)](mass, lens, cand, h_kv, t, mass.stride(1),
-                                               ring, k, KP=kp, CHUNK=chunk)
-    _topk_merge_kernel[(batch * h_kv,)](cand, idx, chunks * k, k,
-                                        NP=triton.next_power_of_2(chunks * k), KP=kp)
-    return idx
 
 
 def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
@@ -287,10 +217,9 @@ def _(k_ring, v_ring, lens, ring_index, host_k, host_v):
 _recall_store_op.register_kernel("cuda")(_recall_store_triton)
 
 
-def recall_topk_ops(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
+def _recall_topk_ops(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
                     block: int = 1) -> torch.Tensor:
-    """:func:`recall_topk` in plain torch ops (a mask, ``torch.topk``, a select; the same
-    arguments, checked by it): the CPU implementation, and the rule of blocks everywhere."""
+    """:func:`recall_topk`'s computation (the same arguments, checked by it)."""
     batch, h_kv, t_cap = mass.shape
     lens = lens[:batch]
     held = lens[:, 0] + torch.where(lens[:, 1] >= ring, ring, 0)            # (B,)
@@ -314,19 +243,6 @@ def recall_topk_ops(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
     if idx.shape[-1] < k:
         idx = torch.cat([idx, idx.new_full((batch, h_kv, k - idx.shape[-1]), -1)], dim=-1)
     return idx
-
-
-@torch.library.custom_op("minikv::recall_topk", mutates_args=())
-def _recall_topk_op(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int) -> torch.Tensor:
-    return recall_topk_ops(mass, lens, k, ring)
-
-
-@_recall_topk_op.register_fake
-def _(mass, lens, k, ring):
-    return mass.new_empty((mass.shape[0], mass.shape[1], k), dtype=torch.int32)
-
-
-_recall_topk_op.register_kernel("cuda")(_recall_topk_triton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,10 +344,10 @@ def recall_topk(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
     full (``lens[b, 1] >= ring``): the next step flushes them into the quantized region first,
     and the attention wrote their mass at the positions they take there.
 
-    No host sync, capturable in a CUDA graph. Single positions on CUDA: two Triton launches, the
-    K largest of every 2048 positions (a sort in registers) and then of those candidates: at 32k
-    tokens x 8 KV heads ``torch.topk`` took ~45 us a layer in 5 launches (H200, 1 x 32k,
-    ``perf/NOTES.md``, "SpeCache"). Blocks, and the CPU: :func:`recall_topk_ops`.
+    Plain torch ops on the device (a mask, ``torch.topk``, a select; :func:`_recall_topk_ops`): no
+    host sync, fused by ``torch.compile`` into the step, capturable in a CUDA graph. At 1 x 32k
+    tokens x 8 KV heads ``torch.topk`` costs ~45 us a layer (H200); a sort-based Triton top-k
+    was slower (``perf/NOTES.md``, "SpeCache").
 
     Args:
         mass: ``(B, H_kv, T)`` fp32, e.g. a leading slice of the ``mass`` buffer; positions
@@ -460,9 +376,7 @@ def recall_topk(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
             raise ValueError(f"{name}: expected an int >= {lo}, got {value!r}")
     if k % block:
         raise ValueError(f"k: expected a multiple of block={block}, got {k}")
-    if block == 1:
-        return torch.ops.minikv.recall_topk(mass, lens, k, ring)
-    return recall_topk_ops(mass, lens, k, ring, block)
+    return _recall_topk_ops(mass, lens, k, ring, block)
 
 
 def recall_store(store: HostStore, k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,

@@ -24,8 +24,7 @@ from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_re
                                                  decode_attention_ref)
 from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
 from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_triton,
-                                       _recall_topk_triton, recall_gather_ref, recall_topk_ops,
-                                       recall_topk_ref)
+                                       recall_gather_ref, recall_topk_ref)
 from aot import compile_for_sm90
 from test_decode_attention import Case, make_case, poisoned
 
@@ -727,32 +726,13 @@ def test_recall_topk_follows_the_rule_on_held_positions():
             assert got[b].tolist() == expected.tolist()
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize("batch,h_kv,t_cap,k", [
-    (2, 1, 2100, 64),   # two chunks of 2048, a partial last one
-    (2, 1, 300, 20),    # one chunk, K not a power of two, a slot holding fewer than K
-    (1, 1, 70, 128),    # K > T: -1 padding
-])
-def test_triton_topk_matches_the_torch_ops(batch, h_kv, t_cap, k):
-    """The CUDA implementation (interpreter) against recall_topk_ops on held positions: the
-    region, a full ring's tokens, stale values past them; fp32 masses with no ties."""
-    g = torch.Generator().manual_seed(t_cap)
-    mass = torch.rand(batch + 1, h_kv, t_cap + 16, generator=g)[:batch]
-    lens = torch.tensor([[t_cap - 16, 16], [min(5, t_cap), 3], [t_cap // 2, 1]][:batch],
-                        dtype=torch.int32)
-    got = _recall_topk_triton(mass, lens, k, 16)
-    assert got.dtype == torch.int32 and got.shape == (batch, h_kv, k)
-    assert got.tolist() == recall_topk_ops(mass, lens, k, 16).tolist()
-
-
 def test_recall_kernels_compile_for_sm90():
-    # The top-k's two kernels and the store, for an H100/H200, without a GPU (tests/aot.py).
+    # The store and the gather, for an H100/H200, without a GPU (tests/aot.py).
     compile_for_sm90("""
 from minikv_compile.ops import recall as r
-build(r._topk_chunk_kernel, {"mass": "*fp32", "lens": "*i32", "cand": "*i64", "H": "i32",
-      "T": "i32", "T_MASS": "i32", "RING": "i32", "K": "i32"}, dict(KP=64, CHUNK=2048))
-build(r._topk_merge_kernel, {"cand": "*i64", "idx": "*i32", "N": "i32", "K": "i32"},
-      dict(NP=2048, KP=64))
+build(r._recall_gather_kernel, {"host_k": "*bf16", "host_v": "*bf16", "idx": "*i32",
+      "recall_k": "*bf16", "recall_v": "*bf16", "T_cap": "i32", "K": "i32", "D": "i32"},
+      dict(BLOCK_K=8, BLOCK_D=128))
 build(r._recall_store_kernel, {"k_ring": "*bf16", "v_ring": "*bf16", "lens": "*i32",
       "ring_index": "*i32", "host_k": "*bf16", "host_v": "*bf16", "H": "i32", "T_cap": "i32",
       "D": "i32"}, dict(ROWS=129, BLOCK_H=8, BLOCK_D=128))
@@ -998,17 +978,6 @@ def test_gpu_store_writes_pinned_rows_in_a_cuda_graph():
         torch.cuda.synchronize()
         _assert_same(store.k, expected[0])
         _assert_same(store.v, expected[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,t_cap", [(1, 32768 + 129), (8, 4096 + 129)])
-def test_gpu_topk_matches_the_torch_ops(batch, t_cap):
-    mass = torch.rand(batch, 8, t_cap, device="cuda")
-    lens = torch.tensor([[t_cap - 129 - 16 * b, 128 - b] for b in range(batch)],
-                        dtype=torch.int32, device="cuda")
-    for k in (64, 48, 256):
-        got = recall_topk(mass, lens, k, ring=128)
-        assert got.tolist() == recall_topk_ops(mass, lens, k, 128).tolist()
 
 
 @pytest.mark.gpu
