@@ -89,6 +89,10 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             recall_top_k=256, **_KEEP_ALL),
     _method("kivi2_g64_spec64_hadamard", "KIVI-2, group 64, Hadamard + SpeCache K 64",
             group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    _method("kivi2_spec64_b16", "KIVI-2 + SpeCache K 64 in blocks of 16", recall_top_k=64,
+            recall_block=16, **_KEEP_ALL),
+    _method("kivi2_g64_spec64_hadamard_b16", "KIVI-2, group 64, Hadamard + SpeCache K 64, blocks of 16",
+            group_size=64, rotation="hadamard", recall_top_k=64, recall_block=16, **_KEEP_ALL),
     _method("snapkv_block_sink_spec64", "MiniKV + snapkv k15, blocks, 4 sinks + SpeCache K 64",
             recall_top_k=64, **SELECTIONS["snapkv_block_sink"]),
 )}
