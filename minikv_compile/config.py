@@ -79,7 +79,8 @@ class MiniKVConfig:
         Keep the first ``sink_tokens`` positions (attention sinks) whatever their score; they
         count against the heavy budget. 0 (the paper) protects nothing.
     bits:
-        2 or 4 (quantized cache), or 16 (the model's own dtype, no quantization).
+        1, 2 or 4 (quantized cache), or 16 (the model's own dtype, no quantization). 1 bit
+        (groups of 32 and up) puts its two levels at the midpoints of each group's half-ranges.
     group_size:
         Quantization group: keys per channel over this many tokens, values per token over this
         many channels.
@@ -99,7 +100,7 @@ class MiniKVConfig:
         by the attention of a speculative next token one step ahead. The prompt's and the
         generated tokens' K/V are kept in (pinned) host memory besides the low-bit cache; each
         step feeds two rows per slot (the token and the speculation). Recall is among the
-        tokens the quantized cache holds (budgets of 1.0 keep them all). Needs bits 2 or 4.
+        tokens the quantized cache holds (budgets of 1.0 keep them all). Needs bits below 16.
     recall_block:
         Recall granularity: 1 (single positions) or aligned blocks of this many positions,
         ranked by their summed attention (fewer, larger host reads). ``recall_top_k`` must be
@@ -162,11 +163,14 @@ class MiniKVConfig:
             raise ValueError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection: expected one of {SELECTIONS}, got {self.selection!r}")
-        for name, allowed in (("bits", (2, 4, 16)), ("group_size", (16, 32, 64, 128))):
+        for name, allowed in (("bits", (1, 2, 4, 16)), ("group_size", (16, 32, 64, 128))):
             value = check_int(name, getattr(self, name))
             if value not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {value!r}")
             store(name, value)
+        if self.bits == 1 and self.group_size < 32:
+            raise ValueError(f"group_size: expected 32, 64 or 128 with bits=1 (one int32 packs 32 "
+                             f"tokens of a key group), got {self.group_size}")
         for name in ("residual_length", "pyramid_depth", "snapkv_window", "snapkv_kernel",
                      "selection_block", "max_batch_size", "max_prompt_len", "max_new_tokens"):
             store(name, _positive_int(name, getattr(self, name)))

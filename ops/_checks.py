@@ -54,14 +54,23 @@ def check_choice(name: str, value, choices: Iterable) -> None:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
 
 
+QUANT_BITS = (1, 2, 4)
+GROUP_SIZES = (16, 32, 64, 128)
+
+
 def check_quant_params(bits: int, group_size: int) -> None:
-    """bits in {2, 4}; group_size in {16, 32, 64, 128} (a multiple of the codes per int32)."""
-    check_choice("bits", bits, (2, 4))
-    check_choice("group_size", group_size, (16, 32, 64, 128))
+    """bits in QUANT_BITS; group_size in GROUP_SIZES and a multiple of the codes per int32
+    (keys pack P consecutive tokens of one group into a word): 1 bit needs groups of >= 32."""
+    check_choice("bits", bits, QUANT_BITS)
+    check_choice("group_size", group_size, GROUP_SIZES)
+    if group_size % codes_per_word(bits):
+        raise ValueError(f"group_size: expected a multiple of {codes_per_word(bits)} (the codes "
+                         f"one int32 packs at bits={bits}), got {group_size}")
 
 
 def codes_per_word(bits: int) -> int:
-    """Codes packed into one int32: 16 for 2-bit, 8 for 4-bit (least-significant bits first)."""
+    """Codes packed into one int32: 32 for 1-bit, 16 for 2-bit, 8 for 4-bit (least-significant
+    bits first)."""
     return 32 // bits
 
 

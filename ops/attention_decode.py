@@ -126,7 +126,7 @@ def _shift_tree(words, BITS: tl.constexpr):
     threads."""
     H: tl.constexpr = 32 // BITS // 2
     x = words
-    for level in tl.static_range(3):
+    for level in tl.static_range(4):
         if (1 << level) < H:
             x = tl.interleave(x, x >> ((H // 2 >> level) * BITS))
     return x
@@ -135,7 +135,7 @@ def _shift_tree(words, BITS: tl.constexpr):
 @triton.jit
 def _per_pair(x, G: tl.constexpr):
     """(R, C * P / G) -> (R, C * P / 2): one scale or zero per element of ``_shift_tree``'s
-    output (a word never spans two groups: G >= 16 >= P)."""
+    output (a word never spans two groups: G is a multiple of P)."""
     for level in tl.static_range(7):
         if (1 << level) < G // 2:
             x = tl.interleave(x, x)
@@ -199,6 +199,7 @@ def _half2_asm(mask: int) -> tl.constexpr:
 }}""")
 
 
+_HALF2_ASM_1BIT = _half2_asm(0x00010001)
 _HALF2_ASM_2BIT = _half2_asm(0x00030003)
 _HALF2_ASM_4BIT = _half2_asm(0x000F000F)
 
@@ -214,6 +215,9 @@ def _code_pairs_to_half(x, s, z, BITS: tl.constexpr, INTERPRET: tl.constexpr):
         zf = z.to(tl.float32)
         lo = ((x & mask).to(tl.float32) * sf + zf).to(tl.float16)
         hi = (((x >> 16) & mask).to(tl.float32) * sf + zf).to(tl.float16)
+    elif BITS == 1:
+        lo, hi = tl.inline_asm_elementwise(_HALF2_ASM_1BIT, "=h,=h,r,h,h", [x, s, z],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
     elif BITS == 2:
         lo, hi = tl.inline_asm_elementwise(_HALF2_ASM_2BIT, "=h,=h,r,h,h", [x, s, z],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
@@ -1165,12 +1169,12 @@ def decode_attention(
     Args:
         q: ``(B, H_q, D)`` fp16/bf16/fp32, any strides; ``B <= Bmax``, ``D`` in {16, 32, 64, 128,
             256}, ``H_q % H_kv == 0``.
-        k_cache: bits 2/4: ``(Bmax, H_kv, T_cap * bits / 32, D)`` int32, token ``t`` in row
+        k_cache: bits 1/2/4: ``(Bmax, H_kv, T_cap * bits / 32, D)`` int32, token ``t`` in row
             ``t // (32 / bits)`` at bit offset ``(t % (32 / bits)) * bits``;
             bits 16: ``(Bmax, H_kv, T_cap, D)`` in q's dtype.
         k_scale, k_zero: ``(Bmax, H_kv, T_cap / G, D)`` fp16 (one group = one channel over G
             tokens); empty when bits == 16.
-        v_cache: bits 2/4: ``(Bmax, H_kv, T_cap, D * bits / 32)`` int32, channel ``c`` in column
+        v_cache: bits 1/2/4: ``(Bmax, H_kv, T_cap, D * bits / 32)`` int32, channel ``c`` in column
             ``c // (32 / bits)`` at bit offset ``(c % (32 / bits)) * bits``;
             bits 16: ``(Bmax, H_kv, T_cap, D)`` in q's dtype.
         v_scale, v_zero: ``(Bmax, H_kv, T_cap, D / G)`` fp16 (one group = G channels of one
@@ -1181,7 +1185,7 @@ def decode_attention(
             hold at least one token. Values outside these ranges are not checked (that would
             sync); the kernel clamps them to the buffers.
         scale: softmax scale, usually ``D ** -0.5``.
-        bits: 2 or 4 (quantized) or 16 (no quantization).
+        bits: 1, 2 or 4 (quantized) or 16 (no quantization).
         group_size: G in {16, 32, 64, 128}; ``T_cap``, ``R`` and ``D`` are multiples of it
             (ignored when bits == 16).
         All cache buffers and ``lens`` are contiguous and on q's device.

@@ -27,9 +27,8 @@ from typing import List, NamedTuple, Sequence
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_choice, check_tensor, codes_per_word
-
-GROUP_SIZES = (16, 32, 64, 128)
+from ._checks import (FLOAT_DTYPES, GROUP_SIZES, QUANT_BITS, check_choice, check_quant_params,
+                      check_tensor, codes_per_word)
 TABLE_COLS = 10  # the nine buffers' addresses, then T_cap
 
 
@@ -140,8 +139,10 @@ def check_layer(bufs: Sequence[torch.Tensor], bits: int, group_size: int, whole:
     ``R`` the ring's length (:func:`ring_length`: its rows less a spare row).
 
     ``whole``: each buffer must be a whole allocation, not a view (ops that write it)."""
-    check_choice("bits", bits, (2, 4, 16))
+    check_choice("bits", bits, QUANT_BITS + (16,))
     check_choice("group_size", group_size, GROUP_SIZES)
+    if bits != 16:
+        check_quant_params(bits, group_size)
     k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens = bufs
     G = group_size
     check_tensor("k_ring", k_ring, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)

@@ -7,9 +7,12 @@ Layout (``P = 32 / bits`` codes per int32, least-significant bits first; ``G`` =
     values v (B, H, T, D) -> codes (B, H, T, D / P) int32   channel c: col c // P, bit (c % P) * B
                              scale, zero (B, H, T, D / G) fp16  a group: G channels, one token
 
-Per group, in fp32: ``scale = (max - min) / (2^B - 1)``, stored ``scale_h = fp16(scale)``,
-``zero_h = fp16(min)``; codes are computed from the *stored* fp16 values so that dequantization
-``code * scale_h + zero_h`` uses exactly what was rounded against:
+Per group, in fp32: ``scale = (max - min) / (2^B - 1)`` and ``zero = min`` for B = 2 and 4; for
+B = 1 ``scale = (max - min) / 2`` and ``zero = min + (max - min) / 4`` (SpeCache's rule: the two
+levels are the midpoints of the range's halves, half the squared error of {min, max} for
+uniformly spread values). Stored ``scale_h = fp16(scale)``, ``zero_h = fp16(zero)``; codes are
+computed from the *stored* fp16 values so that dequantization ``code * scale_h + zero_h`` uses
+exactly what was rounded against:
 ``code = clamp(floor((x - zero_h) / scale_h + 0.5), 0, 2^B - 1)``, and ``code = 0`` where
 ``scale_h == 0`` (a constant group dequantizes to ``zero_h`` exactly, never NaN).
 
@@ -49,6 +52,8 @@ _TILE_ELEMENTS = 8192
 def _scale_zero(mn, mx, BITS: tl.constexpr):
     """fp32 group min/max -> (scale_h, zero_h) fp16, same shape."""
     span = mx - mn
+    if BITS == 1:  # span / 2 and span / 4 are exact: one rounding, in the add
+        return (span * 0.5).to(tl.float16), (mn + span * 0.25).to(tl.float16)
     qmax = tl.full(span.shape, (1 << BITS) - 1, tl.float32)
     scale = tl.math.div_rn(span, qmax)
     return scale.to(tl.float16), mn.to(tl.float16)
@@ -348,10 +353,13 @@ def _quantize_groups_ref(x: torch.Tensor, dim: int, bits: int):
     mn = x.amin(dim=dim, keepdim=True)
     mx = x.amax(dim=dim, keepdim=True)
     qmax = (1 << bits) - 1
-    # Divide by a tensor, not a Python number: CUDA torch turns `t / 3.0` into `t * (1 / 3.0)`,
-    # which is not the correctly rounded quotient the kernels compute.
-    scale_h = ((mx - mn) / torch.full_like(mx, qmax)).to(torch.float16)
-    zero_h = mn.to(torch.float16)
+    if bits == 1:
+        scale_h, zero_h = ((mx - mn) * 0.5).to(torch.float16), (mn + (mx - mn) * 0.25).to(torch.float16)
+    else:
+        # Divide by a tensor, not a Python number: CUDA torch turns `t / 3.0` into
+        # `t * (1 / 3.0)`, which is not the correctly rounded quotient the kernels compute.
+        scale_h = ((mx - mn) / torch.full_like(mx, qmax)).to(torch.float16)
+        zero_h = mn.to(torch.float16)
     s, z = scale_h.float(), zero_h.float()
     constant = s == 0
     y = (x - z) / torch.where(constant, torch.ones_like(s), s) + 0.5
@@ -500,8 +508,8 @@ def quantize_keys(k: torch.Tensor, bits: int = 2, group_size: int = 16):
 
     Args:
         k: ``(B, H, T, D)`` fp16/bf16/fp32, any strides; ``T % group_size == 0``.
-        bits: 2 or 4.
-        group_size: 16, 32, 64 or 128.
+        bits: 1, 2 or 4.
+        group_size: 16, 32, 64 or 128 (32 and up at 1 bit).
 
     Returns:
         codes: ``(B, H, T * bits / 32, D)`` int32; token ``t`` in row ``t // (32 / bits)`` at bit
@@ -521,8 +529,8 @@ def quantize_values(v: torch.Tensor, bits: int = 2, group_size: int = 16):
 
     Args:
         v: ``(B, H, T, D)`` fp16/bf16/fp32, any strides; ``D % group_size == 0``.
-        bits: 2 or 4.
-        group_size: 16, 32, 64 or 128.
+        bits: 1, 2 or 4.
+        group_size: 16, 32, 64 or 128 (32 and up at 1 bit).
 
     Returns:
         codes: ``(B, H, T, D * bits / 32)`` int32; channel ``c`` in column ``c // (32 / bits)`` at

@@ -32,8 +32,10 @@ PROG = "python -m minikv_compile.perf"
 ALL_METHODS = ("hf-eager", "hf-static", "full", "kivi", "minikv", "minikv-pyramid")
 PREFILL_METHODS = ALL_METHODS + ("hf-eager-attn",)
 ENGINE_ONLY = ("full", "kivi", "minikv", "minikv-pyramid")
+# engine-vs-hf only (harness.py): SpeCache, and the GPU copies it runs on
 SPECACHE_METHODS = ("kivi-specache", "minikv-specache", "kivi-specache-b16",
-                    "kivi-g64-hadamard-specache")  # engine-vs-hf only (harness.py)
+                    "kivi-g64-hadamard-specache", "kivi-g64", "kivi-g64-hadamard", "kivi1-g64",
+                    "kivi1-g64-hadamard-specache")
 MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
 NO_GPU = "no CUDA device: this measurement needs a GPU (--tiny runs the plumbing on the CPU)"
 

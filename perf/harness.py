@@ -176,9 +176,14 @@ ENGINE_METHODS: Dict[str, Dict[str, object]] = {
     # the most accurate recall configuration of the accuracy harness (15.6% of fp16's bytes)
     "kivi-g64-hadamard-specache": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, group_size=64,
                                        rotation="hadamard", recall_top_k=64),
+    # its GPU copy without recall, with and without the rotation, and the 1-bit copy
+    "kivi-g64": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, group_size=64),
+    "kivi-g64-hadamard": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, group_size=64,
+                              rotation="hadamard"),
+    "kivi1-g64": dict(bits=1, heavy_budget=1.0, recent_budget=1.0, group_size=64),
+    "kivi1-g64-hadamard-specache": dict(bits=1, heavy_budget=1.0, recent_budget=1.0,
+                                        group_size=64, rotation="hadamard", recall_top_k=64),
 }
-SPECACHE_METHODS = ("kivi-specache", "minikv-specache", "kivi-specache-b16",
-                    "kivi-g64-hadamard-specache")
 HF_METHODS = ("hf-eager", "hf-static")
 # Prefill-only comparator (the paper's Table 3): eager attention materializes L x L scores.
 PREFILL_ONLY_METHODS = ("hf-eager-attn",)
@@ -195,6 +200,10 @@ METHOD_LABELS = {
     "minikv-specache": "engine, library default + SpeCache (K 64)",
     "kivi-specache-b16": "engine, KIVI + SpeCache (K 64 in blocks of 16)",
     "kivi-g64-hadamard-specache": "engine, KIVI group 64 + Hadamard + SpeCache (K 64)",
+    "kivi-g64": "engine, KIVI group 64",
+    "kivi-g64-hadamard": "engine, KIVI group 64 + Hadamard",
+    "kivi1-g64": "engine, KIVI 1 bit, group 64",
+    "kivi1-g64-hadamard-specache": "engine, KIVI 1 bit, group 64 + Hadamard + SpeCache (K 64)",
 }
 
 

@@ -11,11 +11,14 @@ import torch
 
 
 def _quant_dequant(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Asymmetric uniform quantization of each row of x (groups along the last dim), then back."""
+    """Asymmetric uniform quantization of each row of x (groups along the last dim), then back;
+    1 bit: the two levels at the midpoints of the lower and upper half of [min, max]."""
     x = x.float()
     mn, mx = x.min(dim=-1, keepdim=True).values, x.max(dim=-1, keepdim=True).values
-    scale = ((mx - mn) / (2**bits - 1)).half().float()
-    zero = mn.half().float()
+    if bits == 1:
+        scale, zero = ((mx - mn) / 2).half().float(), ((3 * mn + mx) / 4).half().float()
+    else:
+        scale, zero = ((mx - mn) / (2**bits - 1)).half().float(), mn.half().float()
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     code = torch.floor((x - zero) / safe + 0.5).clamp(0, 2**bits - 1)
     code = torch.where(scale == 0, torch.zeros_like(code), code)

@@ -209,7 +209,8 @@ def test_full_ring_without_room_is_left_alone(bits):
 @pytest.mark.interpret
 @pytest.mark.parametrize("bits,D,G", [(b, D, G) for b in (2, 4, 16)
                                        for D, G in [(64, 16), (64, 32), (16, 16), (80, 16)]
-                                       if not (b == 4 and D == 80)])  # D=80 once is enough
+                                       if not (b == 4 and D == 80)]  # D=80 once is enough
+                         + [(1, 64, 32)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_triton_matches_reference(bits, dtype, D, G):
     Bmax, B, H, R, T_cap = 4, 3, 3, 32, 96

@@ -58,8 +58,10 @@ def _quantize_groups(x: torch.Tensor, dim: int, bits: int):
     """The contract's math; x fp32 with each group's members along ``dim``."""
     mn = x.amin(dim, keepdim=True)
     mx = x.amax(dim, keepdim=True)
-    scale_h = ((mx - mn) / (2 ** bits - 1)).half()
-    zero_h = mn.half()
+    if bits == 1:  # the levels at the midpoints of the range's two halves
+        scale_h, zero_h = ((mx - mn) / 2).half(), (mn + (mx - mn) / 4).half()
+    else:
+        scale_h, zero_h = ((mx - mn) / (2 ** bits - 1)).half(), mn.half()
     s, z = scale_h.float(), zero_h.float()
     codes = torch.floor((x - z) / s + 0.5).clamp(0, 2 ** bits - 1)
     codes = torch.where(s == 0, 0.0, codes)  # constant group: 0/0 above
@@ -227,6 +229,16 @@ def test_reference_matches_fp64(batch, b_max, h_kv, gqa, d, capacity, ring, n_qu
     torch.testing.assert_close(out.double(), oracle, rtol=ULP[dtype], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reference_matches_fp64_one_bit(dtype):
+    # groups of 32 (1 bit packs 32 tokens a word): lengths are multiples of 32
+    case = make_case(3, 4, 2, 64, 128, 32, 1, 32, dtype, [96, 0, 128], [3, 32, 0])
+    q = torch.randn(3, 6, 64).to(dtype)
+    out = decode_attention_ref(q, *case.bufs, 0.125, 1, 32)
+    oracle = attention_fp64(q, case.keys, case.values, 0.125)
+    torch.testing.assert_close(out.double(), oracle, rtol=ULP[dtype], atol=1e-5)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,b_max,h_kv,gqa,d,capacity,ring,n_quant,n_ring", SHAPES)
@@ -252,7 +264,7 @@ def test_triton_split_and_block_configs(num_splits, block_n, bits, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_triton_group_sizes(bits, group_size, dtype):
     case = make_case(2, 2, 1, 64, 128, 64, bits, group_size, dtype, [64, 128], [64, 9])
@@ -262,9 +274,10 @@ def test_triton_group_sizes(bits, group_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("bits", [2, 4])
-def test_triton_outlier_key_channels(bits, dtype):
-    case = make_case(2, 2, 2, 64, 64, 16, bits, 16, dtype, [64, 32], [16, 2], outliers=True)
+@pytest.mark.parametrize("bits,group_size", [(2, 16), (4, 16), (1, 32)])
+def test_triton_outlier_key_channels(bits, group_size, dtype):
+    case = make_case(2, 2, 2, 64, 64, 32, bits, group_size, dtype, [64, 32], [16, 2],
+                     outliers=True)
     q = torch.randn(2, 4, 64).to(dtype)
     out = run_triton(q, case, 0.125, num_splits=2, block_n=32)
     assert_within_2x(out, q, case, 0.125)
@@ -487,7 +500,7 @@ def test_gpu_smollm_gqa(bits, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 4])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_gpu_group_sizes(bits, group_size, dtype):
     # G = 128 makes the key block 128 tokens (8 warps); lengths are multiples of G.

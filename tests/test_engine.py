@@ -61,6 +61,7 @@ def test_full_cache_reproduces_hf_greedy(kind):
     dict(budget_policy="pyramid"),                  # MiniKV-pyramid
     dict(heavy_budget=1.0, recent_budget=1.0),      # KIVI: no eviction, 2 bit
     dict(bits=4),
+    dict(bits=1, group_size=32),                    # SpeCache's 1-bit rule
     dict(bits=16),                                  # H2O-style eviction at 16 bit
 ])
 def test_minikv_matches_plain_reference(mode):

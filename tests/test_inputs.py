@@ -418,9 +418,11 @@ def test_config_stores_python_numbers(kw, want):
     (dict(bits=2.0), r"bits: expected an int, got 2\.0 \(float\)"),
     (dict(bits="2"), r"bits: expected an int, got '2' \(str\)"),
     (dict(bits=True), r"bits: expected an int, got True"),
-    (dict(bits=np.int64(3)), r"bits: expected one of \(2, 4, 16\), got 3"),
+    (dict(bits=np.int64(3)), r"bits: expected one of \(1, 2, 4, 16\), got 3"),
     (dict(group_size=16.0), r"group_size: expected an int, got 16\.0 \(float\)"),
     (dict(group_size=8), r"group_size: expected one of \(16, 32, 64, 128\), got 8"),
+    (dict(bits=1), r"group_size: expected 32, 64 or 128 with bits=1 \(one int32 packs 32 tokens "
+                   r"of a key group\), got 16"),
     (dict(max_batch_size=True), r"max_batch_size: expected an int >= 1, got True \(bool\)"),
     (dict(max_batch_size=0), r"max_batch_size: expected an int >= 1, got 0"),
     (dict(max_new_tokens=16.0), r"max_new_tokens: expected an int >= 1, got 16\.0"),

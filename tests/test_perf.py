@@ -83,6 +83,14 @@ def test_engine_vs_hf_tiny(tmp_path):
     assert data["environment"]["nvml"] == {"available": False, "reason": "no CUDA device"}
 
 
+def test_every_engine_vs_hf_method_has_a_config_and_a_label():
+    from minikv_compile.perf.__main__ import ALL_METHODS, SPECACHE_METHODS
+    for method in ALL_METHODS + SPECACHE_METHODS:
+        assert method in H.METHOD_LABELS
+        assert method in H.HF_METHODS or isinstance(H.engine_config(method), H.MiniKVConfig)
+    assert set(H.ENGINE_METHODS) <= set(ALL_METHODS + SPECACHE_METHODS)
+
+
 def test_latency_tiny(tmp_path):
     data = run_cli(tmp_path, "latency", "--tiny")
     lat = rows(data, "latency")

@@ -19,6 +19,8 @@ from minikv_compile.ops.quant import (_dequantize_keys_triton, _dequantize_value
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (B, H, T, D): odd batch and head counts; T a multiple of 16 (and of 32 for the 64-token shape).
 SHAPES = [(3, 5, 48, 64), (1, 3, 16, 16), (2, 1, 64, 64)]
+# (bits, G): 1 bit packs 32 tokens of one key group into a word, so its groups start at 32.
+BITS_G = [(2, 16), (2, 32), (4, 16), (4, 32), (1, 32), (1, 64)]
 
 
 def kv(shape, dtype, seed=0, device="cpu"):
@@ -45,8 +47,13 @@ def np_quantize_group(x: np.ndarray, bits: int):
     """x: the G float32 members of one group -> (codes list, scale fp16, zero fp16)."""
     qmax = np.float32(2**bits - 1)
     mn, mx = x.min(), x.max()
-    scale_h = np.float16(np.float32(mx - mn) / qmax)
-    zero_h = np.float16(mn)
+    if bits == 1:  # levels at the midpoints of the two halves of [min, max]
+        span = np.float32(mx - mn)
+        scale_h = np.float16(span / np.float32(2))
+        zero_h = np.float16(np.float32(mn + span / np.float32(4)))
+    else:
+        scale_h = np.float16(np.float32(mx - mn) / qmax)
+        zero_h = np.float16(mn)
     s, z = np.float32(scale_h), np.float32(zero_h)
     if s == 0:
         return [0] * len(x), scale_h, zero_h
@@ -113,10 +120,9 @@ def assert_same(got, want):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("G", [16, 32])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits,G", BITS_G)
 def test_reference_matches_group_math(bits, G, dtype):
-    shape = (3, 5, 32, 64) if G == 32 else (3, 5, 48, 16)
+    shape = {16: (3, 5, 48, 16), 32: (3, 5, 32, 64), 64: (2, 3, 64, 64)}[G]
     x = kv(shape, dtype)
     assert_same(quantize_keys_ref(x, bits, G), np_quantize_keys(x, bits, G))
     assert_same(quantize_values_ref(x, bits, G), np_quantize_values(x, bits, G))
@@ -135,6 +141,18 @@ def test_packing_layout_by_hand():
     assert v_codes.item() == codes.item() and v_scale.item() == 5.0
 
 
+def test_one_bit_levels_by_hand():
+    # 1 bit, G = 32: a ramp 0..31 has scale (31 - 0) / 2 = 15.5 and zero 0 + 31 / 4 = 7.75, so
+    # the levels are 7.75 and 23.25 (the midpoints of each half) and the code flips at 15.5:
+    # tokens 0..15 -> 0, 16..31 -> 1, i.e. the word 0xFFFF0000.
+    k = torch.arange(32, dtype=torch.float32).view(1, 1, 32, 1)
+    codes, scale, zero = quantize_keys(k, bits=1, group_size=32)
+    assert codes.item() == np_pack([0] * 16 + [1] * 16, 1) == -65536
+    assert scale.item() == 15.5 and zero.item() == 7.75
+    k_hat = dequantize_keys(codes, scale, zero, bits=1, group_size=32, dtype=torch.float32)
+    assert k_hat.flatten().tolist() == [7.75] * 16 + [23.25] * 16
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton (interpreter on CPU) vs reference
 # ----------------------------------------------------------------------------------------------
@@ -150,10 +168,9 @@ def _assert_dequant_same(got, want):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("shape", SHAPES + [(1, 2, 32, 80)])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("G", [16, 32])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits,G,dtype,shape", [
+    (bits, G, dtype, shape) for bits, G in BITS_G for dtype in DTYPES
+    for shape in SHAPES + [(1, 2, 32, 80)] if fits(shape, G, "keys") or fits(shape, G, "values")])
 def test_triton_matches_reference(bits, G, dtype, shape):
     x = kv(shape, dtype, seed=1)
     if fits(shape, G, "keys"):
@@ -185,10 +202,10 @@ def test_triton_strided_input(bits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("G", [16, 32])
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits,G", BITS_G)
 def test_error_bound(bits, G, dtype):
-    """|x - x_hat| <= scale_h / 2 plus what fp16 storage of scale and zero moves the grid by."""
+    """|x - x_hat| <= scale_h / 2 plus what fp16 storage of scale and zero moves the grid by
+    (at 1 bit the grid's exact levels are min + span / 4 and min + 3 span / 4)."""
     x = kv((2, 3, 64, 64), dtype, seed=2)
     qmax = 2**bits - 1
     for what in ("keys", "values"):
@@ -205,34 +222,38 @@ def test_error_bound(bits, G, dtype):
             scale, zero = q[1].float().unsqueeze(4), q[2].float().unsqueeze(4)
             gdim = 4
         mn = groups.amin(gdim, keepdim=True)
-        exact_scale = (groups.amax(gdim, keepdim=True) - mn) / qmax
-        bound = (scale / 2 + (zero - mn).abs() + qmax * (scale - exact_scale).abs()
-                 + 1e-6 * groups.abs())                                # fp32 rounding slack
+        span = groups.amax(gdim, keepdim=True) - mn
+        exact_scale, exact_zero = (span / 2, mn + span / 4) if bits == 1 else (span / qmax, mn)
+        # at 1 bit the values beyond the two levels sit up to exact_scale / 2 from them, half a
+        # scale error more than scale_h / 2
+        steps = qmax + 0.5 if bits == 1 else qmax
+        bound = (scale / 2 + (zero - exact_zero).abs() + steps * (scale - exact_scale).abs()
+                 + 1e-6 * (groups.abs() + span))                       # fp32 rounding slack
         err = (x_hat.reshape(groups.shape) - groups).abs()
         assert torch.isfinite(x_hat).all()
         assert (err <= bound).all(), f"{what}: worst excess {(err - bound).max().item()}"
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits,G", [(2, 16), (4, 16), (1, 32)])
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_constant_groups_round_trip(bits, impl):
-    x = kv((1, 2, 32, 32), torch.float16, seed=3)
+def test_constant_groups_round_trip(bits, G, impl):
+    x = kv((1, 2, 64, 32), torch.float16, seed=3)
     if impl == "triton" and torch.cuda.is_available():
         x = x.cuda()                          # no interpreter on a GPU machine
-    x[:, :, :16, :] = 0.0                     # constant key groups (all channels, tokens 0..15)
-    x[:, :, :16, 5] = -2.5
-    x[:, 0, 20, :] = 0.125                    # constant value groups (one token, every group)
+    x[:, :, :G, :] = 0.0                      # constant key groups (all channels, tokens 0..G-1)
+    x[:, :, :G, 5] = -2.5
+    x[:, 0, 40, :] = 0.125                    # constant value groups (one token, every group)
     qk, dk, qv, dv = ((quantize_keys_ref, dequantize_keys_ref, quantize_values_ref,
                        dequantize_values_ref) if impl == "ref" else
                       (_quantize_keys_triton, _dequantize_keys_triton, _quantize_values_triton,
                        _dequantize_values_triton))
-    k_hat = dk(*qk(x, bits, 16), bits, 16, torch.float16)
-    v_hat = dv(*qv(x, bits, 16), bits, 16, torch.float16)
+    k_hat = dk(*qk(x, bits, G), bits, G, torch.float16)
+    v_hat = dv(*qv(x, bits, G), bits, G, torch.float16)
     assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
-    assert torch.equal(k_hat[:, :, :16], x[:, :, :16])
-    assert torch.equal(v_hat[:, 0, 20], x[:, 0, 20])
-    codes, scale, _ = qk(x, bits, 16)
-    assert (scale[:, :, 0] == 0).all() and (codes[:, :, : 16 * bits // 32] == 0).all()
+    assert torch.equal(k_hat[:, :, :G], x[:, :, :G])
+    assert torch.equal(v_hat[:, 0, 40], x[:, 0, 40])
+    codes, scale, _ = qk(x, bits, G)
+    assert (scale[:, :, 0] == 0).all() and (codes[:, :, : G * bits // 32] == 0).all()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,16 +261,16 @@ def test_constant_groups_round_trip(bits, impl):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_opcheck(bits):
+@pytest.mark.parametrize("bits,G", [(2, 16), (4, 16), (1, 32)])
+def test_opcheck(bits, G):
     x = kv((2, 3, 32, 32), torch.bfloat16)
-    qk = quantize_keys(x, bits, 16)
-    qv = quantize_values(x, bits, 16)
-    torch.library.opcheck(torch.ops.minikv.quantize_keys.default, (x, bits, 16))
-    torch.library.opcheck(torch.ops.minikv.quantize_values.default, (x, bits, 16))
-    torch.library.opcheck(torch.ops.minikv.dequantize_keys.default, (*qk, bits, 16, torch.bfloat16))
+    qk = quantize_keys(x, bits, G)
+    qv = quantize_values(x, bits, G)
+    torch.library.opcheck(torch.ops.minikv.quantize_keys.default, (x, bits, G))
+    torch.library.opcheck(torch.ops.minikv.quantize_values.default, (x, bits, G))
+    torch.library.opcheck(torch.ops.minikv.dequantize_keys.default, (*qk, bits, G, torch.bfloat16))
     torch.library.opcheck(torch.ops.minikv.dequantize_values.default,
-                          (*qv, bits, 16, torch.float32))
+                          (*qv, bits, G, torch.float32))
 
 
 def test_compile_fullgraph():
@@ -284,6 +305,9 @@ def test_bad_inputs():
         quantize_keys(x, bits=3)
     with pytest.raises(ValueError, match="group_size: expected one of"):
         quantize_values(x, group_size=8)
+    with pytest.raises(ValueError, match=r"group_size: expected a multiple of 32 \(the codes "
+                                         r"one int32 packs at bits=1\), got 16"):
+        quantize_keys(x, bits=1, group_size=16)
     codes, scale, zero = quantize_keys(x)
     with pytest.raises(ValueError, match="codes: expected shape"):
         dequantize_keys(codes[:, :, :1], scale, zero)
@@ -309,18 +333,18 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [2, 4])
-def test_triton_matches_reference_gpu(bits, dtype):
+@pytest.mark.parametrize("bits,G", [(2, 16), (4, 16), (1, 32), (1, 64)])
+def test_triton_matches_reference_gpu(bits, G, dtype):
     x = kv((4, 8, 4096, 128), dtype, device="cuda")
     for quant, dequant, quant_ref, dequant_ref in (
             (quantize_keys, dequantize_keys, quantize_keys_ref, dequantize_keys_ref),
             (quantize_values, dequantize_values, quantize_values_ref, dequantize_values_ref)):
-        q = quant(x, bits, 16)                       # CUDA: the Triton kernel
-        assert_same(q, quant_ref(x, bits, 16))       # the reference on CUDA
-        assert_same([t.cpu() for t in q], quant_ref(x.cpu(), bits, 16))  # and on CPU
+        q = quant(x, bits, G)                        # CUDA: the Triton kernel
+        assert_same(q, quant_ref(x, bits, G))        # the reference on CUDA
+        assert_same([t.cpu() for t in q], quant_ref(x.cpu(), bits, G))  # and on CPU
         for out_dtype in (torch.float32, dtype):
-            torch.testing.assert_close(dequant(*q, bits, 16, out_dtype),
-                                       dequant_ref(*q, bits, 16, out_dtype), rtol=0, atol=0)
+            torch.testing.assert_close(dequant(*q, bits, G, out_dtype),
+                                       dequant_ref(*q, bits, G, out_dtype), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -542,6 +542,16 @@ def test_triton_recall_matches_oracle(bits, dtype, gqa, rows):
     assert_recall_within_2x(out, lse, rc, 0.25)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_triton_recall_one_bit_matches_oracle(dtype):
+    # groups of 32: lengths and blocks in multiples of 32
+    rc = recall_case(2, 3, 2, 3, 2, 32, 64, 32, 1, dtype, [32, 64], [3, 32], k=20,
+                     group_size=32)
+    out, lse = run_recall_kernel(rc, 0.25, num_splits=2, block_n=32)
+    assert_recall_within_2x(out, lse, rc, 0.25)
+
+
 @pytest.mark.parametrize("bits,dtype,gqa,rows", [(2, torch.float32, 3, 2), (4, torch.float16, 1, 1),
                                                  (16, torch.bfloat16, 2, 2)])
 def test_reference_matches_oracle(bits, dtype, gqa, rows):
@@ -1004,14 +1014,15 @@ def test_gpu_gather_never_syncs_with_the_host():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits,group_size", [(2, 16), (4, 16), (1, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("h_kv,gqa,d", [(8, 4, 128), (3, 3, 64)], ids=["llama3", "smollm2"])
-def test_gpu_recall_matches_oracle(h_kv, gqa, d, bits, dtype):
+def test_gpu_recall_matches_oracle(h_kv, gqa, d, bits, group_size, dtype):
     # R = 2 (Llama-3-8B: 2 x 4 = 8 rows per KV group); 64 recall rows, partly unused
-    rc = recall_case(4, 5, h_kv, gqa, 2, d, 4096, 128, bits, dtype, [4096, 1024, 16, 2048],
-                     [128, 2, 65, 7], k=64, device="cuda")
-    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, d ** -0.5, bits, 16)
+    rc = recall_case(4, 5, h_kv, gqa, 2, d, 4096, 128, bits, dtype, [4096, 1024, 32, 2048],
+                     [128, 2, 65, 7], k=64, group_size=group_size, device="cuda")
+    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, d ** -0.5, bits,
+                                       group_size)
     assert_recall_within_2x(out, lse, rc, d ** -0.5)
 
 

@@ -528,7 +528,7 @@ def test_bad_flags_exit_with_the_message(model_dir, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--model", str(model_dir), "--bits", "3"])
     assert exc.value.code == 2
-    assert "bits: expected one of (2, 4, 16), got 3" in capsys.readouterr().err
+    assert "bits: expected one of (1, 2, 4, 16), got 3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--model", str(model_dir / "missing")])
     assert "--model: expected a local HF model directory or 'smollm2'" in capsys.readouterr().err

@@ -24,15 +24,17 @@ KIVI = dict(bits=2, heavy_budget=1.0, recent_budget=1.0, residual_length=32, max
 EVERYTHING = 128  # >= T_cap = 64 + 48
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
-@pytest.mark.parametrize("block", [1, 16])
-def test_recalling_every_token_reproduces_hf_greedy(kind, block):
+@pytest.mark.parametrize("kind,block,bits", [
+    ("llama", 1, 2), ("llama", 16, 2), ("qwen3", 1, 2), ("qwen3", 16, 2), ("qwen2", 1, 2),
+    ("qwen2", 16, 2), ("llama", 1, 1)])
+def test_recalling_every_token_reproduces_hf_greedy(kind, block, bits):
     model = tiny(kind)
     prompts = [prompt_of(37), prompt_of(5, seed=1), prompt_of(64, seed=2)]
     want = [hf_greedy(model, p, 48) for p in prompts]
-    plain = minikv_compile(model, MiniKVConfig(**KIVI)).generate(prompts, max_new_tokens=48)
-    assert plain.sequences != want  # 2 bits alone do change the tokens here
-    cm = minikv_compile(model, MiniKVConfig(**KIVI, recall_top_k=EVERYTHING, recall_block=block))
+    kivi = {**KIVI, "bits": bits, "group_size": 16 if bits > 1 else 32}
+    plain = minikv_compile(model, MiniKVConfig(**kivi)).generate(prompts, max_new_tokens=48)
+    assert plain.sequences != want  # the low-bit cache alone does change the tokens here
+    cm = minikv_compile(model, MiniKVConfig(**kivi, recall_top_k=EVERYTHING, recall_block=block))
     out = cm.generate(prompts, max_new_tokens=48)
     assert out.sequences == want
     assert out.decode_steps == 48  # 47 tokens after the first, and the pre-decoding step

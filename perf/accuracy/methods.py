@@ -93,6 +93,13 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             recall_block=16, **_KEEP_ALL),
     _method("kivi2_g64_spec64_hadamard_b16", "KIVI-2, group 64, Hadamard + SpeCache K 64, blocks of 16",
             group_size=64, rotation="hadamard", recall_top_k=64, recall_block=16, **_KEEP_ALL),
+    # 1 bit (SpeCache's rule: levels at the midpoints of each half-range), group 64: 9.4% of
+    # fp16's bytes by formula (SmolLM2's head dim 64 is the largest value group it allows)
+    _method("kivi1_g64", "KIVI-1, group 64", bits=1, group_size=64, **_KEEP_ALL),
+    _method("kivi1_g64_spec64", "KIVI-1, group 64 + SpeCache K 64", bits=1, group_size=64,
+            recall_top_k=64, **_KEEP_ALL),
+    _method("kivi1_g64_spec64_hadamard", "KIVI-1, group 64, Hadamard + SpeCache K 64", bits=1,
+            group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
     _method("snapkv_block_sink_spec64", "MiniKV + snapkv k15, blocks, 4 sinks + SpeCache K 64",
             recall_top_k=64, **SELECTIONS["snapkv_block_sink"]),
 )}
