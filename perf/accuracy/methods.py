@@ -100,6 +100,10 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             recall_top_k=64, **_KEEP_ALL),
     _method("kivi1_g64_spec64_hadamard", "KIVI-1, group 64, Hadamard + SpeCache K 64", bits=1,
             group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    _method("kivi1_g64_spec256_hadamard", "KIVI-1, group 64, Hadamard + SpeCache K 256", bits=1,
+            group_size=64, rotation="hadamard", recall_top_k=256, **_KEEP_ALL),
+    _method("kivi1_g32_spec64_hadamard", "KIVI-1, group 32, Hadamard + SpeCache K 64", bits=1,
+            group_size=32, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
     _method("snapkv_block_sink_spec64", "MiniKV + snapkv k15, blocks, 4 sinks + SpeCache K 64",
             recall_top_k=64, **SELECTIONS["snapkv_block_sink"]),
 )}
