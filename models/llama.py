@@ -250,8 +250,11 @@ class LlamaFamilyAdapter:
             # FLOPs (8B: 40 heads x 128^2 x 2 = 1.3 MFLOP vs ~0.4 GFLOP of weights) and H's D^2
             # fp32 (64 KB at D = 128, L2-resident) read; in fp32 so that H stays orthonormal
             # (1/sqrt(128) is not a bf16 number: a bf16 H would scale every score by ~1 +- 0.4%).
+            # As one (rows, D) @ (D, D) product each: a (B, H, S, D) view times H ran as a
+            # batched GEMM per head on the H100, 54 us per layer for q at batch 1 (4 us this way).
             H = self.hadamard
-            q, k = (q.float() @ H).to(q.dtype), (k.float() @ H).to(k.dtype)
+            q, k = [(x.float().reshape(-1, x.shape[-1]) @ H).view(x.shape).to(x.dtype)
+                    for x in (q, k)]
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

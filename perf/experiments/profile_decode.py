@@ -1,7 +1,7 @@
 """Where a decode step's time goes: kernels of replayed steps, grouped, by total time (GPU).
 
     python perf/experiments/profile_decode.py [--batch 1] [--prompt 32768] [--steps 20]
-        [--kivi] [--recall K]
+        [--kivi] [--recall K] [--group-size G] [--rotation hadamard]
 
 Builds the Llama-3.1-8B shape with random bf16 weights on the GPU, compiles MiniKV for one
 request, prefills it, then profiles ``--steps`` CUDA-graph replays with ``torch.profiler`` and
@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--kivi", action="store_true", help="budgets 1.0: nothing evicted")
     p.add_argument("--recall", type=int, default=0, help="SpeCache's recall_top_k (0: off)")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--rotation", default="none", choices=("none", "hadamard"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: needs CUDA", file=sys.stderr)
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
     budgets = dict(heavy_budget=1.0, recent_budget=1.0) if args.kivi else {}
     cm = minikv_compile(model, MiniKVConfig(max_batch_size=args.batch, max_prompt_len=args.prompt,
                                             max_new_tokens=args.steps + 8,
-                                            recall_top_k=args.recall, **budgets))
+                                            recall_top_k=args.recall, group_size=args.group_size,
+                                            rotation=args.rotation, **budgets))
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt)).tolist()
     from minikv_compile.graphs.runtime import Request
 
