@@ -218,15 +218,17 @@ class LlamaFamilyAdapter:
         attn = block.self_attn
         B, S, _ = h.shape
         nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        rotated = False
+        roped = spun = False  # RoPE / the Hadamard rotation already applied
         if self._fused_rows(h):
             weight, bias = w.qkv
             # RoPE of q and k in the same launch, unless a q/k norm (Qwen3) comes before it.
-            rotated = not self.has_qk_norm
+            roped = not self.has_qk_norm
             rope = (dict(rope_cos=cos[:, 0], rope_sin=sin[:, 0], rope_rows=nq + nkv)
-                    if rotated else {})
+                    if roped else {})
             x, norm = _norm_prologue(block.input_layernorm, h[:, 0], normed)
             qkv = ops.fused_linear(x, weight, bias, **norm, **rope)
+            if roped and self.hadamard is not None:  # q and k rotated in one launch
+                qkv, spun = ops.rotate_heads(qkv, self.hadamard, nq + nkv), True
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
         elif w.qkv is not None:
             q, k, v = F.linear(block.input_layernorm(h), *w.qkv).split([nq, nkv, nkv], dim=-1)
@@ -240,21 +242,16 @@ class LlamaFamilyAdapter:
         if self.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if not rotated:
+        if not roped:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if self.hadamard is not None:
-            # The one place both paths (fused and HF modules) go through. RoPE sits between
-            # k_proj and here, so this cannot be folded: per layer and token 2 (H_q + H_kv) D^2
-            # FLOPs (8B: 40 heads x 128^2 x 2 = 1.3 MFLOP vs ~0.4 GFLOP of weights) and H's D^2
-            # fp32 (64 KB at D = 128, L2-resident) read; in fp32 so that H stays orthonormal
+        if self.hadamard is not None and not spun:
+            # After RoPE, which sits between k_proj and here, so this cannot be folded: per layer
+            # and token 2 (H_q + H_kv) D^2 FLOPs (8B: 1.3 MFLOP vs ~0.4 GFLOP of weights) and H's
+            # D^2 fp32 (64 KB at D = 128, L2-resident) read; in fp32 so that H stays orthonormal
             # (1/sqrt(128) is not a bf16 number: a bf16 H would scale every score by ~1 +- 0.4%).
-            # As one (rows, D) @ (D, D) product each: a (B, H, S, D) view times H ran as a
-            # batched GEMM per head on the H100, 54 us per layer for q at batch 1 (4 us this way).
-            H = self.hadamard
-            q, k = [(x.float().reshape(-1, x.shape[-1]) @ H).view(x.shape).to(x.dtype)
-                    for x in (q, k)]
+            q, k = _rotate_each_head(q, self.hadamard), _rotate_each_head(k, self.hadamard)
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -379,6 +376,13 @@ def _concat_linears(linears):
             m.bias.data = bias[row: row + n]
         row += n
     return weight, bias
+
+
+def _rotate_each_head(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x (B, H, S, D) -> x with every head times h (D, D), in x's layout."""
+    B, H, S, D = x.shape
+    y = ops.rotate_heads(x.transpose(1, 2).reshape(B * S, H * D), h)
+    return y.view(B, S, H, D).transpose(1, 2)
 
 
 def hadamard_matrix(n: int, device=None) -> torch.Tensor:
