@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minikv_compile import ops
+from minikv_compile.ops.rotation import hadamard_matrix
 
 # Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``).
 FUSED_MAX_ROWS = 8
@@ -228,7 +229,7 @@ class LlamaFamilyAdapter:
             x, norm = _norm_prologue(block.input_layernorm, h[:, 0], normed)
             qkv = ops.fused_linear(x, weight, bias, **norm, **rope)
             if roped and self.hadamard is not None:  # q and k rotated in one launch
-                qkv, spun = ops.rotate_heads(qkv, self.hadamard, nq + nkv), True
+                qkv, spun = ops.hadamard_heads(qkv, self.head_dim, nq + nkv), True
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
         elif w.qkv is not None:
             q, k, v = F.linear(block.input_layernorm(h), *w.qkv).split([nq, nkv, nkv], dim=-1)
@@ -251,7 +252,7 @@ class LlamaFamilyAdapter:
             # and token 2 (H_q + H_kv) D^2 FLOPs (8B: 1.3 MFLOP vs ~0.4 GFLOP of weights) and H's
             # D^2 fp32 (64 KB at D = 128, L2-resident) read; in fp32 so that H stays orthonormal
             # (1/sqrt(128) is not a bf16 number: a bf16 H would scale every score by ~1 +- 0.4%).
-            q, k = _rotate_each_head(q, self.hadamard), _rotate_each_head(k, self.hadamard)
+            q, k = _rotate_each_head(q), _rotate_each_head(k)
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -378,24 +379,11 @@ def _concat_linears(linears):
     return weight, bias
 
 
-def _rotate_each_head(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """x (B, H, S, D) -> x with every head times h (D, D), in x's layout."""
+def _rotate_each_head(x: torch.Tensor) -> torch.Tensor:
+    """x (B, H, S, D) -> x with every head times the Hadamard matrix, in x's layout."""
     B, H, S, D = x.shape
-    y = ops.rotate_heads(x.transpose(1, 2).reshape(B * S, H * D), h)
+    y = ops.hadamard_heads(x.transpose(1, 2).reshape(B * S, H * D), D)
     return y.view(B, S, H, D).transpose(1, 2)
-
-
-def hadamard_matrix(n: int, device=None) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix (n, n) fp32: entries +-1/sqrt(n), symmetric.
-
-    ``n`` must be a power of two (a head dim of 64, 128, 256); other sizes raise ValueError.
-    """
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"rotation='hadamard': expected a head_dim that is a power of two, got {n}")
-    H = torch.ones(1, 1, dtype=torch.float64)
-    while H.shape[0] < n:
-        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
-    return (H / n ** 0.5).to(device=device, dtype=torch.float32)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

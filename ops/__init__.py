@@ -11,7 +11,7 @@ from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
 from .recall import HostStore, recall_gather, recall_store, recall_topk
-from .rotation import rotate_heads
+from .rotation import hadamard_heads
 
 __all__ = [
     "quantize_keys",
@@ -29,5 +29,5 @@ __all__ = [
     "fused_linear",
     "rms_norm",
     "HostStore", "recall_gather", "recall_store", "recall_topk",
-    "rotate_heads",
+    "hadamard_heads",
 ]

@@ -162,77 +162,88 @@ def test_unfused_after_rotation_computes_what_the_fused_did(kind):
         assert torch.equal(a.self_attn.v_proj.weight, b.self_attn.v_proj.weight)
 
 
-# -- minikv::rotate_heads -------------------------------------------------------------------------
+# -- minikv::hadamard_heads ------------------------------------------------------------------------
 
-from minikv_compile.ops import rotate_heads  # noqa: E402
-from minikv_compile.ops.rotation import _rotate_heads_triton, rotate_heads_ref  # noqa: E402
+from minikv_compile.ops import hadamard_heads  # noqa: E402
+from minikv_compile.ops.rotation import _hadamard_heads_triton, hadamard_heads_ref  # noqa: E402
 
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
 
 
-def _heads_oracle(x: torch.Tensor, h: torch.Tensor, rotated: int) -> torch.Tensor:
-    """float64, one head at a time."""
-    M, K = x.shape
-    D = h.shape[0]
+def _heads_oracle(x: torch.Tensor, D: int, rotated: int) -> torch.Tensor:
+    """float64, one head at a time, against the Sylvester matrix built here."""
+    S = torch.ones(1, 1, dtype=torch.float64)
+    while S.shape[0] < D:
+        S = torch.cat([torch.cat([S, S], 1), torch.cat([S, -S], 1)])
     y = x.double().clone()
-    for m in range(M):
+    for m in range(x.shape[0]):
         for i in range(rotated // D):
-            y[m, i * D:(i + 1) * D] = x[m, i * D:(i + 1) * D].double() @ h.double()
+            y[m, i * D:(i + 1) * D] = x[m, i * D:(i + 1) * D].double() @ S / D ** 0.5
     return y
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interpret)])
 @pytest.mark.parametrize("M,D,heads,rotated_heads", [(1, 16, 5, 4), (3, 32, 3, 3), (17, 64, 4, 2)])
-def test_rotate_heads_matches_the_oracle(impl, dtype, M, D, heads, rotated_heads):
+def test_hadamard_heads_matches_the_oracle(impl, dtype, M, D, heads, rotated_heads):
     # a column slice of wider rows (the [q; k] of a fused [q; k; v] row) as the input
     wide = torch.randn(M, heads * D + 24, generator=torch.Generator().manual_seed(M)).to(dtype)
     x = wide[:, 8: 8 + heads * D]
-    h = hadamard_matrix(D)
     rotated = rotated_heads * D
-    y = (rotate_heads_ref if impl == "ref" else _rotate_heads_triton)(x, h, rotated)
+    y = (hadamard_heads_ref if impl == "ref" else _hadamard_heads_triton)(x, D, rotated)
     assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
-    want = _heads_oracle(x, h, rotated)
-    # one rounding to the output dtype after fp32 sums of D products
+    want = _heads_oracle(x, D, rotated)
+    # one rounding to the output dtype after fp32 sums of D exact products
     torch.testing.assert_close(y[:, :rotated].double(), want[:, :rotated], rtol=ULP[dtype],
                                atol=ULP[dtype] * D ** 0.5)
     assert torch.equal(y[:, rotated:], x[:, rotated:])  # the rest copied bit for bit
 
 
-def test_rotate_heads_twice_with_hadamard_is_identity():
+def test_hadamard_heads_twice_is_identity():
     x = torch.randn(4, 256)
-    h = hadamard_matrix(128)
-    torch.testing.assert_close(rotate_heads(rotate_heads(x, h), h), x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(hadamard_heads(hadamard_heads(x, 128), 128), x, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("args,match", [
-    ((torch.randn(2, 64).t(), hadamard_matrix(16)), "x: expected unit stride"),
-    ((torch.randn(2, 64), torch.ones(24, 24)), r"h: expected a \(D, D\) matrix with D a power"),
-    ((torch.randn(2, 64), hadamard_matrix(16).double()), "h: expected dtype"),
-    ((torch.randn(2, 64), hadamard_matrix(16), 24), r"rotated: expected a multiple of D=16 in "
-                                                   r"\[16, 64\] \(x's columns\), got 24"),
-    ((torch.randn(2, 64), hadamard_matrix(16), 80), "got 80"),
-    ((torch.randn(2, 64).int(), hadamard_matrix(16)), "x: expected dtype"),
+    ((torch.randn(2, 64).t(), 16), "x: expected unit stride"),
+    ((torch.randn(2, 72), 24), r"head_dim: expected one of \(16, 32, 64, 128, 256\), got 24"),
+    ((torch.randn(2, 64), 16, 24), r"rotated: expected a multiple of head_dim=16 in "
+                                   r"\[16, 64\] \(x's columns\), got 24"),
+    ((torch.randn(2, 64), 16, 80), "got 80"),
+    ((torch.randn(2, 64).int(), 16), "x: expected dtype"),
 ])
-def test_rotate_heads_bad_inputs(args, match):
+def test_hadamard_heads_bad_inputs(args, match):
     with pytest.raises(ValueError, match=match):
-        rotate_heads(*args)
+        hadamard_heads(*args)
 
 
-def test_rotate_heads_opcheck():
-    torch.library.opcheck(torch.ops.minikv.rotate_heads.default,
-                          (torch.randn(3, 96), hadamard_matrix(32), 64))
+def test_hadamard_heads_opcheck():
+    torch.library.opcheck(torch.ops.minikv.hadamard_heads.default, (torch.randn(3, 96), 32, 64))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("M", [1, 8, 64])
-def test_gpu_rotate_heads_llama3_qkv(M, dtype):
+def test_gpu_hadamard_heads_llama3_qkv(M, dtype):
     # Llama-3-8B's fused [q; k; v] row: 32 + 8 heads rotated, 8 copied
     qkv = torch.randn(M, 48 * 128, device="cuda").to(dtype)
-    h = hadamard_matrix(128, device="cuda")
-    y = rotate_heads(qkv, h, 40 * 128)
-    want = _heads_oracle(qkv.cpu(), h.cpu(), 40 * 128)
+    y = hadamard_heads(qkv, 128, 40 * 128)
+    want = _heads_oracle(qkv.cpu(), 128, 40 * 128)
     torch.testing.assert_close(y.cpu().double(), want, rtol=ULP[dtype], atol=ULP[dtype] * 128 ** 0.5)
     assert torch.equal(y[:, 40 * 128:], qkv[:, 40 * 128:])
-    torch.library.opcheck(torch.ops.minikv.rotate_heads.default, (qkv, h, 40 * 128))
+    torch.library.opcheck(torch.ops.minikv.hadamard_heads.default, (qkv, 128, 40 * 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # RoPE in the projection's epilogue / after
+def test_gpu_rotation_changes_no_logit_at_16_bits(kind):
+    """The CUDA decode step (fused projections, the rotation of q and k in one launch) against
+    the same engine without rotation: the log-probs agree to bf16 rounding."""
+    model = tiny(kind, dtype=torch.bfloat16, device="cuda")
+    prompt, targets = prompt_of(61, seed=2), prompt_of(40, seed=5)
+    base = dict(bits=16, heavy_budget=1.0, recent_budget=1.0, residual_length=32,
+                max_prompt_len=64, max_new_tokens=40)
+    plain = minikv_compile(model, MiniKVConfig(**base)).teacher_force([prompt], [targets])[0]
+    rotated = minikv_compile(model, MiniKVConfig(**base, rotation="hadamard")
+                             ).teacher_force([prompt], [targets])[0]
+    assert (rotated - plain).abs().max() < 0.05
