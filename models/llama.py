@@ -248,10 +248,8 @@ class LlamaFamilyAdapter:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if self.hadamard is not None and not spun:
-            # After RoPE, which sits between k_proj and here, so this cannot be folded: per layer
-            # and token 2 (H_q + H_kv) D^2 FLOPs (8B: 1.3 MFLOP vs ~0.4 GFLOP of weights) and H's
-            # D^2 fp32 (64 KB at D = 128, L2-resident) read; in fp32 so that H stays orthonormal
-            # (1/sqrt(128) is not a bf16 number: a bf16 H would scale every score by ~1 +- 0.4%).
+            # After RoPE, which sits between k_proj and here, so this cannot be folded into the
+            # weights (prefill, the GEMM plan's steps, a q/k norm before RoPE).
             q, k = _rotate_each_head(q), _rotate_each_head(k)
         return q, k, v
 
