@@ -140,7 +140,7 @@ class StaticKVCache:
 
 @dataclass(frozen=True)
 class LayerBytes:
-    codes: int        # packed 2/4-bit codes (or the plain 16-bit region) of the tokens held
+    codes: int        # packed 1/2/4-bit codes (or the plain 16-bit region) of the tokens held
     scale_zero: int   # fp16 scales and zeros
     ring: int         # the full-precision residual ring
     counters: int     # per-slot lens

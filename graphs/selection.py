@@ -25,7 +25,7 @@ Two refinements apply to any rule:
 
 ``selection_block > 1``
     Whole aligned blocks of positions are kept, ranked by their best position's score. With the
-    block equal to ``group_size`` every 2/4-bit key group of the heavy hitters (one channel over
+    block equal to ``group_size`` every 1/2/4-bit key group of the heavy hitters (one channel over
     16 consecutive *kept* tokens) covers 16 neighbouring positions, as in KIVI, instead of 16
     scattered ones: after RoPE, keys of distant positions differ widely in every channel, so a
     scattered group has a wide range and a coarse 2-bit step.

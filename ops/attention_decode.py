@@ -25,7 +25,7 @@ The split launch runs one of two kernels, chosen by ``_plan`` (the only dispatch
   tensor-core M axis and the group's heads, padded to 8, on N (``scores^T = K q^T``,
   ``acc^T += V^T p^T``): padding heads to the 16 rows of M instead cost ~10% more instructions
   per cached value. K and V are dequantized in registers right before the two dots; softmax is
-  online, in fp32, with exp2. fp16/bf16 models dequantize 2/4-bit codes with packed fp16x2
+  online, in fp32, with exp2. fp16/bf16 models dequantize 1/2/4-bit codes with packed fp16x2
   integer tricks and fp16 dots (``_dequant_last_half2``: lop3 + sub.f16x2 + fma.rn.f16x2 per 2
   values), 1.55x faster than one fp32 FMA per code on the H200 (bits 2, B 8, 16k: 113 against
   175 us); fp32 models take that fp32 path (``_dequant_last``), bits 16 no dequantization.
@@ -794,7 +794,7 @@ def _fragments_pay_off(batch: int, h_kv: int, capacity: int, sm_count: int) -> b
 
 class _Plan(NamedTuple):
     """One launch of the split kernels. ``kernel``: :data:`SPLIT` or :data:`FRAGMENTS`;
-    ``half2``: the Triton kernel's packed fp16x2 dequantization (2/4-bit codes, fp16/bf16
+    ``half2``: the Triton kernel's packed fp16x2 dequantization (1/2/4-bit codes, fp16/bf16
     models); ``prefetch``: its "half2" loop loads the next block's codes into registers itself
     (``num_stages`` then does not apply: that loop is not software-pipelined); ``maxnreg``:
     registers per thread (None: no cap). The Gluon kernel uses ``num_splits``, ``num_warps``

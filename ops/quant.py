@@ -9,8 +9,8 @@ Layout (``P = 32 / bits`` codes per int32, least-significant bits first; ``G`` =
 
 Per group, in fp32: ``scale = (max - min) / (2^B - 1)`` and ``zero = min`` for B = 2 and 4; for
 B = 1 ``scale = (max - min) / 2`` and ``zero = min + (max - min) / 4`` (SpeCache's rule: the two
-levels are the midpoints of the range's halves, half the squared error of {min, max} for
-uniformly spread values). Stored ``scale_h = fp16(scale)``, ``zero_h = fp16(zero)``; codes are
+levels are the midpoints of the range's halves: for evenly spread values a quarter of the squared
+error of the levels {min, max}, half the largest error). Stored ``scale_h = fp16(scale)``, ``zero_h = fp16(zero)``; codes are
 computed from the *stored* fp16 values so that dequantization ``code * scale_h + zero_h`` uses
 exactly what was rounded against:
 ``code = clamp(floor((x - zero_h) / scale_h + 0.5), 0, 2^B - 1)``, and ``code = 0`` where
@@ -52,7 +52,7 @@ _TILE_ELEMENTS = 8192
 def _scale_zero(mn, mx, BITS: tl.constexpr):
     """fp32 group min/max -> (scale_h, zero_h) fp16, same shape."""
     span = mx - mn
-    if BITS == 1:  # span / 2 and span / 4 are exact: one rounding, in the add
+    if BITS == 1:  # span / 2 and span / 4 are exact; the reference rounds the same way
         return (span * 0.5).to(tl.float16), (mn + span * 0.25).to(tl.float16)
     qmax = tl.full(span.shape, (1 << BITS) - 1, tl.float32)
     scale = tl.math.div_rn(span, qmax)

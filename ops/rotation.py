@@ -6,12 +6,13 @@ One launch for a decode layer's q and k (and the copy of its v), on tensor cores
 ``x @ S`` in the model's dtype with fp32 accumulation has exact products, and the
 ``1 / sqrt(D)`` is applied in fp32 before the one rounding. Inside a compiled step the rotation
 as ``x.float() @ H`` was five launches a layer (casts, cuBLAS GEMMs, a split-K reduce) that also
-broke the PDL chain, 2.1 ms of a 6.6 ms step on the Llama-3.1-8B shape at batch 1 (H100,
+broke the PDL chain, +2.2 ms on a 6.6 ms step on the Llama-3.1-8B shape at batch 1 (H100,
 ``perf/results/h100/specache_9f29641``); an fp32 ``tl.dot`` with ``H`` loaded from memory was
 slower still (``rotation_f0683e7``).
 """
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Optional
 
@@ -42,31 +43,33 @@ def hadamard_matrix(n: int, device=None) -> torch.Tensor:
 
 @triton.jit
 def _hadamard_heads_kernel(x_ptr, y_ptr, M, K, ROT, stride_xm, inv_sqrt_d,
-                           D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                           PDL: tl.constexpr, INTERPRET: tl.constexpr):
+                           D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
     # Rotated part: row r of the (M * ROT / D, D) head view is head r % (ROT / D) of token
-    # r // (ROT / D).
+    # r // (ROT / D); the output columns in tiles of BLOCK_N (one tile up to D = 128).
     gdc.launch_dependents_then_wait(PDL)
     heads = ROT // D
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
-    m, j = r // heads, r % heads
+    m, j = (r // heads).to(tl.int64), r % heads
     r_ok = r < M * heads
     x = tl.load(x_ptr + m[:, None] * stride_xm + j[:, None] * D + d[None, :],
                 mask=r_ok[:, None], other=0.0)
-    p = d[:, None] & d[None, :]  # parity of popcount(i & j), D <= 256: 8 bits
-    p ^= p >> 4
-    p ^= p >> 2
-    p ^= p >> 1
-    s = 1 - 2 * (p & 1)
-    if INTERPRET or x.dtype == tl.float32:  # (the interpreter's bf16 dot is not one)
-        acc = tl.dot(x.to(tl.float32), s.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(x, s.to(x.dtype))  # exact products, fp32 sums
-    tl.store(y_ptr + m[:, None] * K + j[:, None] * D + d[None, :],
-             (acc * inv_sqrt_d).to(y_ptr.dtype.element_ty), mask=r_ok[:, None])
+    for n0 in tl.static_range(0, D, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        p = d[:, None] & n[None, :]  # parity of popcount(i & j), D <= 256: 8 bits
+        p ^= p >> 4
+        p ^= p >> 2
+        p ^= p >> 1
+        s = 1 - 2 * (p & 1)
+        if INTERPRET or x.dtype == tl.float32:  # (the interpreter's bf16 dot is not one)
+            acc = tl.dot(x.to(tl.float32), s.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(x, s.to(x.dtype))  # exact products, fp32 sums
+        tl.store(y_ptr + m[:, None] * K + j[:, None] * D + n[None, :],
+                 (acc * inv_sqrt_d).to(y_ptr.dtype.element_ty), mask=r_ok[:, None])
     # Copied part: columns [ROT, K) of row program_id, by the first M programs.
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     if row < M:
         c = ROT + tl.arange(0, BLOCK_C)
         c_ok = c < K
@@ -90,7 +93,7 @@ def _hadamard_heads_triton(x: torch.Tensor, head_dim: int, rotated: int) -> torc
     grid = (max(triton.cdiv(rows, _BLOCK_R), M),)  # a program per row for the copied columns
     pdl = gdc.supported(x.device)
     _hadamard_heads_kernel[grid](x, y, M, K, rotated, x.stride(0), head_dim ** -0.5, D=head_dim,
-                                 BLOCK_R=_BLOCK_R,
+                                 BLOCK_N=min(head_dim, 128), BLOCK_R=_BLOCK_R,
                                  BLOCK_C=triton.next_power_of_2(max(K - rotated, 16)), PDL=pdl,
                                  INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
                                  num_warps=4, launch_pdl=pdl)
@@ -122,8 +125,10 @@ def hadamard_heads(x: torch.Tensor, head_dim: int, rotated: Optional[int] = None
             copied unchanged.
 
     Returns:
-        ``(M, K)`` in x's dtype, contiguous: ``y[m, i*D:(i+1)*D] = x[m, i*D:(i+1)*D] @ H``
-        (exact products, fp32 sums, one rounding) for the rotated heads.
+        ``(M, K)`` in x's dtype, contiguous: ``y[m, i*D:(i+1)*D] = x[m, i*D:(i+1)*D] @ H`` for
+        the rotated heads, in fp32 and rounded once to x's dtype (on CUDA the products by the
+        +-1 entries are exact and 1/sqrt(D) is applied to the sum; the CPU multiplies by the
+        fp32 H).
 
     Raises:
         ValueError: inconsistent shapes, dtypes or arguments.
@@ -135,6 +140,8 @@ def hadamard_heads(x: torch.Tensor, head_dim: int, rotated: Optional[int] = None
         raise ValueError(f"head_dim: expected one of {HEAD_DIMS}, got {head_dim!r}")
     K = x.shape[1]
     rotated = K if rotated is None else rotated
+    if isinstance(rotated, numbers.Integral) and not isinstance(rotated, bool):
+        rotated = int(rotated)
     if not isinstance(rotated, int) or rotated % head_dim or not 0 < rotated <= K:
         raise ValueError(f"rotated: expected a multiple of head_dim={head_dim} in "
                          f"[{head_dim}, {K}] (x's columns), got {rotated!r}")

@@ -8,7 +8,7 @@ Tolerance rule for the kernel (flash-attention's): its max abs error against the
 most twice the max abs error of the same computation done with PyTorch in the model dtype (q, K, V,
 scores, probabilities and output rounded to that dtype), plus 1e-6 for fp32 rounding noise. Every
 kernel test runs over fp16, bf16 and fp32 models, which covers each path of the Triton kernel
-(bits 16; "half2" for 2/4-bit fp16/bf16 models; fp32 dequantization for fp32 models): the "half2"
+(bits 16; "half2" for 1/2/4-bit fp16/bf16 models; fp32 dequantization for fp32 models): the "half2"
 path rounds differently from the reference (fp16 dots also for bf16 models), so it is held to
 this rule, never to bit-exactness.
 """

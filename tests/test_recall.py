@@ -1019,7 +1019,8 @@ def test_gpu_gather_never_syncs_with_the_host():
 @pytest.mark.parametrize("h_kv,gqa,d", [(8, 4, 128), (3, 3, 64)], ids=["llama3", "smollm2"])
 def test_gpu_recall_matches_oracle(h_kv, gqa, d, bits, group_size, dtype):
     # R = 2 (Llama-3-8B: 2 x 4 = 8 rows per KV group); 64 recall rows, partly unused
-    rc = recall_case(4, 5, h_kv, gqa, 2, d, 4096, 128, bits, dtype, [4096, 1024, 32, 2048],
+    # slot 2 holds a single group
+    rc = recall_case(4, 5, h_kv, gqa, 2, d, 4096, 128, bits, dtype, [4096, 1024, group_size, 2048],
                      [128, 2, 65, 7], k=64, group_size=group_size, device="cuda")
     out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, d ** -0.5, bits,
                                        group_size)

@@ -184,7 +184,8 @@ def _heads_oracle(x: torch.Tensor, D: int, rotated: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interpret)])
-@pytest.mark.parametrize("M,D,heads,rotated_heads", [(1, 16, 5, 4), (3, 32, 3, 3), (17, 64, 4, 2)])
+@pytest.mark.parametrize("M,D,heads,rotated_heads", [(1, 16, 5, 4), (3, 32, 3, 3), (17, 64, 4, 2),
+                                                     (2, 256, 2, 1)])  # 256: two column tiles
 def test_hadamard_heads_matches_the_oracle(impl, dtype, M, D, heads, rotated_heads):
     # a column slice of wider rows (the [q; k] of a fused [q; k; v] row) as the input
     wide = torch.randn(M, heads * D + 24, generator=torch.Generator().manual_seed(M)).to(dtype)
@@ -215,6 +216,15 @@ def test_hadamard_heads_twice_is_identity():
 def test_hadamard_heads_bad_inputs(args, match):
     with pytest.raises(ValueError, match=match):
         hadamard_heads(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_hadamard_heads_head_dim_256(dtype):
+    x = torch.randn(5, 4 * 256, device="cuda").to(dtype)
+    y = hadamard_heads(x, 256, 3 * 256)
+    torch.testing.assert_close(y.cpu().double(), _heads_oracle(x.cpu(), 256, 3 * 256),
+                               rtol=ULP[dtype], atol=ULP[dtype] * 16)
 
 
 def test_hadamard_heads_opcheck():
