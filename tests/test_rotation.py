@@ -257,3 +257,15 @@ def test_gpu_rotation_changes_no_logit_at_16_bits(kind):
     rotated = minikv_compile(model, MiniKVConfig(**base, rotation="hadamard")
                              ).teacher_force([prompt], [targets])[0]
     assert (rotated - plain).abs().max() < 0.05
+
+
+def test_hadamard_heads_kernel_compiles_for_sm90():
+    # tensor-core dot in bf16 / fp16 at D 64 / 128 (one column tile), 256 (two), fp32 (ieee)
+    from aot import compile_for_sm90
+    compile_for_sm90("""
+from minikv_compile.ops import rotation as r
+for dt, D in (("bf16", 128), ("fp16", 64), ("bf16", 256), ("fp32", 128)):
+    build(r._hadamard_heads_kernel, {"x_ptr": "*" + dt, "y_ptr": "*" + dt, "M": "i32", "K": "i32",
+          "ROT": "i32", "stride_xm": "i32", "inv_sqrt_d": "fp32"},
+          dict(D=D, BLOCK_N=min(D, 128), BLOCK_R=16, BLOCK_C=1024, PDL=True, INTERPRET=False))
+""")
