@@ -45,6 +45,10 @@ PHASES = ("single", "sweep", "half", "long", "offline")
 # Shares of a backend's time left given to each phase still to run (what one does not use
 # flows to the next).
 _WEIGHTS = {"single": 1.0, "sweep": 4.0, "half": 1.5, "long": 1.5, "offline": 3.0}
+# Our server's /metrics counters, read before and after each phase (the part's "engine" deltas).
+ENGINE_COUNTERS = {"steps": "minikv_decode_steps_total",
+                   "replays": "minikv_cuda_graph_replays_total",
+                   "compiles": "minikv_compiled_graphs_total", "captures": "minikv_cuda_graphs"}
 
 # "full" is the issue's load on the Llama-3.1-8B shape; "tiny" a CPU plumbing run (tests).
 PRESETS: Dict[str, Dict[str, object]] = {
@@ -262,6 +266,21 @@ class Worker:
                 total += int(float(value))
         return total
 
+    def counters(self) -> Optional[Dict[str, int]]:
+        """The engine's counters from /metrics (``ENGINE_COUNTERS``); None for a server without
+        them (HF's) or one that does not answer."""
+        import httpx
+
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            return None
+        values = dict(line.partition(" ")[::2] for line in text.splitlines()
+                      if line and not line.startswith("#"))
+        if not all(name in values for name in ENGINE_COUNTERS.values()):
+            return None
+        return {key: int(float(values[name])) for key, name in ENGINE_COUNTERS.items()}
+
     def wait_idle(self, timeout: float = 30.0) -> bool:
         end = time.perf_counter() + timeout
         while time.perf_counter() < end:
@@ -455,8 +474,13 @@ class _Context:
             if self.worker.proc.poll() is not None:
                 raise WorkerFailed(f"the {self.worker.backend} worker exited with status "
                                    f"{self.worker.proc.returncode}: {self.worker.tail()}")
+            before = self.worker.counters()
             getattr(self, f"_{phase}")(part, box_end)
             part.setdefault("status", "ok")
+            after = self.worker.counters()
+            if before is not None and after is not None:
+                # what the phase cost the engine: every step replayed, nothing compiled or captured
+                part["engine"] = {key: after[key] - before[key] for key in ENGINE_COUNTERS}
         except _Skip as e:
             part.update(status="skipped", reason=str(e))
             self.say(f"phase {phase} skipped: {e}")

@@ -341,6 +341,16 @@ def render(data: Dict[str, object], by_model, plot_message: str) -> str:
                     lines.append(f"- {b}: cut by the time budget after {window} s: throughput "
                                  "is over that window")
             lines.append("")
+        engine = [(b, ph, p["engine"]) for (b, ph), p in _ordered(parts) if p.get("engine")]
+        if engine:
+            lines += ["### The engine during each phase", "",
+                      "From its /metrics before and after the phase: on a GPU every decode step "
+                      "is a CUDA-graph replay and nothing is compiled or captured while serving.",
+                      ""]
+            lines += _table(["backend", "phase", "decode steps", "replayed", "compiles",
+                             "captures"],
+                            [[b, ph, e["steps"], e["replays"], e["compiles"], e["captures"]]
+                             for b, ph, e in engine])
         pngs = [f for f in data.get("plots", []) if f.startswith(f"serve-{model}-")]
         if pngs:
             lines += [f"![{f}]({f})" for f in pngs] + [""]

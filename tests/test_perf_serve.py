@@ -87,6 +87,16 @@ def test_serve_tiny_both_backends_every_phase(tiny_run):
         assert (tiny_run / part["worker_log"]).is_file()
         for run in part["runs"]:
             _check_run(run, phase)
+        # our server's counters over the phase; HF's server has none
+        if backend == "minikv":
+            e = part["engine"]
+            # a step gives each live slot one token; the first comes with the prefill
+            assert e["steps"] >= sum(r["tokens"] - 1 for run in part["runs"]
+                                     for r in run["per_request"]) / TINY["max_batch_size"] > 0
+            # the CPU runs eagerly: nothing compiled, captured or replayed, before or during
+            assert e["compiles"] == e["captures"] == e["replays"] == 0
+        else:
+            assert "engine" not in part
     ours = parts[("minikv", "single")]["server"]
     assert ours["config"]["max_batch_size"] == TINY["max_batch_size"]
     assert ours["config"]["max_prompt_len"] == TINY["long_prompt"] and ours["kv_bytes"] > 0
@@ -124,7 +134,8 @@ def test_serve_tiny_both_backends_every_phase(tiny_run):
     assert offline["status"] == ("met" if ratio >= 10 else "missed")
     md = (tiny_run / "serve.md").read_text()
     for heading in ("### Targets", "### Servers", "### Batch 1", "### Poisson sweep",
-                    "### At half the saturation rate", "### Offline"):
+                    "### At half the saturation rate", "### Offline",
+                    "### The engine during each phase"):
         assert heading in md
     assert "| minikv |" in md and "| hf |" in md
 
