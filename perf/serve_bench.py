@@ -251,35 +251,33 @@ class Worker:
 
         return httpx.get(self.url + "/info", timeout=30.0).json()
 
+    def metrics(self) -> Optional[Dict[str, float]]:
+        """The server's /metrics samples by name (labels included), None if it does not answer."""
+        import httpx
+
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            return None
+        samples = (line.partition(" ") for line in text.splitlines()
+                   if line and not line.startswith("#"))
+        return {name: float(value) for name, _, value in samples}
+
     def busy(self) -> Optional[int]:
         """Requests the server still holds (its /metrics gauges), None if it cannot tell."""
-        import httpx
-
-        try:
-            text = httpx.get(self.url + "/metrics", timeout=5.0).text
-        except httpx.HTTPError:
+        values = self.metrics()
+        if values is None:
             return None
-        total = 0
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("minikv_slots_in_use", "minikv_queue_depth", "hf_requests_in_flight"):
-                total += int(float(value))
-        return total
+        return int(sum(values.get(name, 0.0) for name in
+                       ("minikv_slots_in_use", "minikv_queue_depth", "hf_requests_in_flight")))
 
     def counters(self) -> Optional[Dict[str, int]]:
-        """The engine's counters from /metrics (``ENGINE_COUNTERS``); None for a server without
-        them (HF's) or one that does not answer."""
-        import httpx
-
-        try:
-            text = httpx.get(self.url + "/metrics", timeout=5.0).text
-        except httpx.HTTPError:
+        """The engine's counters (``ENGINE_COUNTERS``); None for a server without them (HF's)
+        or one that does not answer."""
+        values = self.metrics()
+        if values is None or not all(name in values for name in ENGINE_COUNTERS.values()):
             return None
-        values = dict(line.partition(" ")[::2] for line in text.splitlines()
-                      if line and not line.startswith("#"))
-        if not all(name in values for name in ENGINE_COUNTERS.values()):
-            return None
-        return {key: int(float(values[name])) for key, name in ENGINE_COUNTERS.items()}
+        return {key: int(values[name]) for key, name in ENGINE_COUNTERS.items()}
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         end = time.perf_counter() + timeout
