@@ -520,3 +520,24 @@ def test_on_delta_receives_what_iteration_would():
     assert ("".join(d.text for d in got), got[-1].finish_reason) == (text, reason) == (
         text, "length")
     assert [d.finish_reason for d in got[:-1]] == [None] * (len(got) - 1)
+
+
+@pytest.mark.parametrize("recall", [dict(recall_top_k=16), dict(recall_top_k=64, recall_block=16,
+                                                                heavy_budget=1.0, recent_budget=1.0)])
+def test_serving_with_recall_gives_each_request_its_tokens_alone(recall):
+    """SpeCache under continuous batching: requests joining and leaving a running batch (each
+    admission pre-decodes its slot) get the tokens ``generate`` gives each alone."""
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG, **recall))
+    prompts = [prompt_of(n, seed=n) for n in (90, 17, 60, 33, 120)]
+    sizes = [40, 12, 31, 25, 8]
+    want = [_alone(cm, [p], n)[0] for p, n in zip(prompts, sizes)]
+    sched = Scheduler(cm, CharTokenizer(), max_queue=8)
+    sched.start()
+    try:
+        handles = [sched.submit(ServeRequest(p, n)) for p, n in zip(prompts[:3], sizes[:3])]
+        time.sleep(0.05)  # the last two join while the first three are generating
+        handles += [sched.submit(ServeRequest(p, n)) for p, n in zip(prompts[3:], sizes[3:])]
+        for h, w, n in zip(handles, want, sizes):
+            assert h.result() == (w, "length") and h.completion_tokens == n
+    finally:
+        sched.shutdown()
