@@ -63,11 +63,11 @@ class RecallBuffers:
         """Bytes of the device buffers (every slot)."""
         return self.mass.nbytes + sum(t.nbytes for layer in self.layers for t in layer)
 
-    def reset_slot(self, slot: int) -> None:
-        """A new request in ``slot``: nothing recalled yet (eager; between replays)."""
+    def empty_slots(self, start: int, stop: int) -> None:
+        """Slots ``[start, stop)``: nothing recalled (eager; between replays)."""
         for layer in self.layers:
-            layer.idx[slot].fill_(-1)
-            layer.lse_ref[slot].fill_(0.0)
+            layer.idx[start:stop].fill_(-1)
+            layer.lse_ref[start:stop].fill_(0.0)
 
 
 def host_available_bytes() -> Optional[int]:
@@ -134,8 +134,7 @@ class StaticKVCache:
             layer.lens[start:stop, 0].fill_(0)
             layer.lens[start:stop, 1].fill_(1)
         if self.recall is not None:
-            for slot in range(start, stop):
-                self.recall.reset_slot(slot)
+            self.recall.empty_slots(start, stop)
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,8 @@ class RecallDecodeStep(DecodeStep):
                  compile_part: Optional[Callable[[Callable], Callable]]):
         super().__init__(adapter, cache, state, compile_part)
         self.recall = cache.recall
-        self.layers = [(w, kv, rec) for (w, kv), rec in zip(self.layers, self.recall.layers)]
+        self.layers = [(w, kv, rec, store) for (w, kv), rec, store
+                       in zip(self.layers, self.recall.layers, self.recall.stores)]
         cuda = cache.device.type == "cuda"
         self._side = torch.cuda.Stream(device=cache.device) if cuda else None
         # + one ring token for the attention: the speculative row's
@@ -271,8 +272,7 @@ class RecallDecodeStep(DecodeStep):
         h, cos, sin, ring_index, undo = self._begin(slots)
         normed: Optional[tuple] = None
         main, side = torch.cuda.current_stream() if self._side else None, self._side
-        rows = zip(self.layers, self.recall.stores, ring_index.unbind(0))
-        for (weights, kv, rec), store, ring in rows:
+        for (weights, kv, rec, store), ring in zip(self.layers, ring_index.unbind(0)):
             mark(h, cos, sin, ring, undo, *(normed or ()))
             h, normed = self._layer(weights, kv, rec, self.recall.mass, ring, undo, h, cos, sin,
                                     normed)

@@ -234,9 +234,8 @@ class SlotRuntime:
             st.positions[s] = len(request.prompt) - 1  # the last prompt token, which prefill fed
             st.record(first, rows, live)
             if self.cache.recall is not None:  # SpeCache: the slot's next step pre-decodes
-                st.spec[s] = st.tokens[s]
+                st.spec[s] = st.tokens[s]  # (its recall state was reset when it was emptied)
                 st.pre[s] = True
-                self.cache.recall.reset_slot(s)
         for s, request in zip(slots, requests):
             st.active[s] = True
             self._requests[s] = request

@@ -6,9 +6,9 @@ question can only be answered from that verse. SmolLM2-135M-Instruct answers it 
 through the engine: with the ``"specache"`` preset (every prompt token kept at 2 bits on the GPU,
 and each step the 64 positions per KV head it attends to most recalled in full precision from
 host memory), with the library's default cache (25% heavy hitters + 25% recent window at 2 bits,
-no recall), and with the uncompressed cache (16 bit, everything kept). For each run the demo prints the answer,
-whether it holds the expected words, the KV bytes on the GPU against an fp16 cache (and the
-host copy's), the prefill time and the decode rate.
+no recall), and with the uncompressed cache (16 bit, everything kept). For each run the demo
+prints the answer, whether it holds the expected words, the KV bytes on the GPU against an fp16
+cache (and the host copy's), the prefill time and the decode rate.
 """
 from __future__ import annotations
 

@@ -1226,16 +1226,16 @@ def decode_attention_recall(
 
     The last row also writes, for every quantized position ``t < lens[b, 0]`` and every ring
     token (ring row j at ``t = lens[b, 0] + j``, the position a flush will give it), the
-    attention its KV group pays it: ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the
-    group's query heads ``i``, ``s`` the scaled score (from the recalled key where ``t`` is
+    attention its KV group pays it: ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])``
+    over the group's query heads ``i``, ``s`` the scaled score (from the recalled key where ``t`` is
     recalled). ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second
     pass: the previous step's (returned here as ``lse``) scales the masses of a head by one
     factor, so the ranking by one head is exact and only the weights of a group's heads in the
     sum that :func:`.recall.recall_topk` ranks are off. ``mass`` is fp32:
     4 bytes per position against the ~128 bytes of codes, scales and zeros read per position
     and head at bits 2, D 128, and no ties among close masses as bf16's 8-bit mantissa would
-    make them. Positions ``>= lens[b, 0] + lens[b, 1]`` and slots ``>= B`` keep what they held. A reference
-    far below this step's scores (by more than ~83 nats) saturates the mass instead of
+    make them. Positions ``>= lens[b, 0] + lens[b, 1]`` and slots ``>= B`` keep what they held.
+    A reference far below this step's scores (by more than ~83 nats) saturates the mass instead of
     overflowing.
 
     Reads ``lens`` and ``recall_idx`` on the device (no host sync); safe to capture in a CUDA

@@ -190,8 +190,8 @@ def _flush_layers_kernel(
     table, live, L, batch, H, D,
     RING: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr,
-    BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr, RING_DT: tl.constexpr, CODE_DT: tl.constexpr, BLOCK_P: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr, RING_DT: tl.constexpr, CODE_DT: tl.constexpr,
+    BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
     # Launch 1 of cache_begin_step: every full ring of every layer, as one list of work items.
     # A (layer, live slot) pair whose ring is full brings H * CHUNKS items (``_flush_tiles``);

@@ -10,9 +10,9 @@ Layout (``P = 32 / bits`` codes per int32, least-significant bits first; ``G`` =
 Per group, in fp32: ``scale = (max - min) / (2^B - 1)`` and ``zero = min`` for B = 2 and 4; for
 B = 1 ``scale = (max - min) / 2`` and ``zero = min + (max - min) / 4`` (SpeCache's rule: the two
 levels are the midpoints of the range's halves: for evenly spread values a quarter of the squared
-error of the levels {min, max}, half the largest error). Stored ``scale_h = fp16(scale)``, ``zero_h = fp16(zero)``; codes are
-computed from the *stored* fp16 values so that dequantization ``code * scale_h + zero_h`` uses
-exactly what was rounded against:
+error of the levels {min, max}, half the largest error). Stored ``scale_h = fp16(scale)``,
+``zero_h = fp16(zero)``; codes are computed from the *stored* fp16 values so that
+dequantization ``code * scale_h + zero_h`` uses exactly what was rounded against:
 ``code = clamp(floor((x - zero_h) / scale_h + 0.5), 0, 2^B - 1)``, and ``code = 0`` where
 ``scale_h == 0`` (a constant group dequantizes to ``zero_h`` exactly, never NaN).
 
@@ -354,7 +354,8 @@ def _quantize_groups_ref(x: torch.Tensor, dim: int, bits: int):
     mx = x.amax(dim=dim, keepdim=True)
     qmax = (1 << bits) - 1
     if bits == 1:
-        scale_h, zero_h = ((mx - mn) * 0.5).to(torch.float16), (mn + (mx - mn) * 0.25).to(torch.float16)
+        span = mx - mn
+        scale_h, zero_h = (span * 0.5).to(torch.float16), (mn + span * 0.25).to(torch.float16)
     else:
         # Divide by a tensor, not a Python number: CUDA torch turns `t / 3.0` into
         # `t * (1 / 3.0)`, which is not the correctly rounded quotient the kernels compute.

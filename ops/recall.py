@@ -315,14 +315,8 @@ def recall_gather(store: HostStore, idx: torch.Tensor, recall_k: torch.Tensor,
     Raises:
         ValueError: a shape, dtype or device inconsistent with the above.
     """
-    if not isinstance(store, HostStore):
-        raise ValueError(f"store: expected a HostStore, got {type(store).__name__}")
-    Bmax, H, _, D = store.k.shape
-    check_tensor("recall_k", recall_k, shape=(Bmax, H, None, D), dtypes=(store.k.dtype,),
-                 device=store.device, contiguous=True)
+    Bmax, H = _check_store_and_pair(store, ("recall_k", recall_k), ("recall_v", recall_v))
     K = recall_k.shape[2]
-    check_tensor("recall_v", recall_v, shape=(Bmax, H, K, D), dtypes=(store.k.dtype,),
-                 device=store.device, contiguous=True)
     for name, t in (("recall_k", recall_k), ("recall_v", recall_v)):
         check_base(name, t)
     check_tensor("idx", idx, shape=(None, H, K), dtypes=(torch.int32,), device=store.device,
@@ -379,6 +373,20 @@ def recall_topk(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
     return _recall_topk_ops(mass, lens, k, ring, block)
 
 
+def _check_store_and_pair(store, first: tuple, second: tuple) -> tuple:
+    """``store`` a :class:`HostStore`; ``first`` / ``second`` (name, tensor) contiguous
+    ``(Bmax, H_kv, any, D)`` buffers in the store's dtype on its device, the second shaped as
+    the first. Returns ``(Bmax, H_kv)``."""
+    if not isinstance(store, HostStore):
+        raise ValueError(f"store: expected a HostStore, got {type(store).__name__}")
+    Bmax, H, _, D = store.k.shape
+    check_tensor(*first, shape=(Bmax, H, None, D), dtypes=(store.k.dtype,), device=store.device,
+                 contiguous=True)
+    check_tensor(*second, shape=tuple(first[1].shape), dtypes=(store.k.dtype,),
+                 device=store.device, contiguous=True)
+    return Bmax, H
+
+
 def recall_store(store: HostStore, k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
                  ring_index: torch.Tensor) -> None:
     """Copy each slot's newest ring token to its host row: ``store.k[b, :, lens[b, 0] + i] =
@@ -401,13 +409,7 @@ def recall_store(store: HostStore, k_ring: torch.Tensor, v_ring: torch.Tensor, l
     Raises:
         ValueError: a shape, dtype or device inconsistent with the above.
     """
-    if not isinstance(store, HostStore):
-        raise ValueError(f"store: expected a HostStore, got {type(store).__name__}")
-    Bmax, H, _, D = store.k.shape
-    check_tensor("k_ring", k_ring, shape=(Bmax, H, None, D), dtypes=(store.k.dtype,),
-                 device=store.device, contiguous=True)
-    check_tensor("v_ring", v_ring, shape=tuple(k_ring.shape), dtypes=(store.k.dtype,),
-                 device=store.device, contiguous=True)
+    Bmax, _ = _check_store_and_pair(store, ("k_ring", k_ring), ("v_ring", v_ring))
     check_tensor("lens", lens, shape=(Bmax, 2), dtypes=(torch.int32,), device=store.device,
                  contiguous=True)
     check_tensor("ring_index", ring_index, ndim=1, dtypes=(torch.int32,), device=store.device,

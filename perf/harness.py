@@ -31,6 +31,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.config import PRESETS
 from minikv_compile.graphs import budget
 
 from .measure import NvmlSampler, Skip
@@ -168,21 +169,17 @@ ENGINE_METHODS: Dict[str, Dict[str, object]] = {
     "minikv-pyramid": dict(budget_policy="pyramid", selection="h2o", snapkv_kernel=7,
                            selection_block=1, sink_tokens=0),
     # SpeCache: the same GPU copies, 64 positions per KV head recalled from host memory
-    "kivi-specache": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, recall_top_k=64),
+    "kivi-specache": PRESETS["specache"],
     "minikv-specache": dict(recall_top_k=64),
     # the same 64 positions ranked and read in blocks of 16 (a 16x shorter top-k)
-    "kivi-specache-b16": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, recall_top_k=64,
-                              recall_block=16),
-    # the most accurate recall configuration of the accuracy harness (15.6% of fp16's bytes)
-    "kivi-g64-hadamard-specache": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, group_size=64,
-                                       rotation="hadamard", recall_top_k=64),
-    # its GPU copy without recall, with and without the rotation, and the 1-bit copy
-    "kivi-g64": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, group_size=64),
-    "kivi-g64-hadamard": dict(bits=2, heavy_budget=1.0, recent_budget=1.0, group_size=64,
-                              rotation="hadamard"),
-    "kivi1-g64": dict(bits=1, heavy_budget=1.0, recent_budget=1.0, group_size=64),
-    "kivi1-g64-hadamard-specache": dict(bits=1, heavy_budget=1.0, recent_budget=1.0,
-                                        group_size=64, rotation="hadamard", recall_top_k=64),
+    "kivi-specache-b16": {**PRESETS["specache"], "recall_block": 16},
+    # group 64 + Hadamard + recall: the most accurate of the accuracy harness
+    "kivi-g64-hadamard-specache": PRESETS["accurate"],
+    # its GPU copy without recall, with and without the rotation, and the 1-bit copies
+    "kivi-g64": {**PRESETS["kivi"], "group_size": 64},
+    "kivi-g64-hadamard": {**PRESETS["kivi"], "group_size": 64, "rotation": "hadamard"},
+    "kivi1-g64": {**PRESETS["kivi"], "bits": 1, "group_size": 64},
+    "kivi1-g64-hadamard-specache": {**PRESETS["accurate"], "bits": 1},
 }
 HF_METHODS = ("hf-eager", "hf-static")
 # Prefill-only comparator (the paper's Table 3): eager attention materializes L x L scores.
@@ -677,10 +674,10 @@ def kv_bytes_read(model, method: str, prompt_len: int, generated: int, batch: in
 def host_link_bytes(model, method: str, prompt_len: int, generated: int, batch: int) -> int:
     """Bytes a SpeCache step moves over the host link: per layer and slot, the K recalled
     rows of k and v per KV head read, and the new token's k and v written; 0 without recall."""
-    if not is_engine(method) or not engine_config(method).recall_top_k:
+    cfg = engine_config(method) if is_engine(method) else None
+    if cfg is None or not cfg.recall_top_k:
         return 0
     s = model_summary(model)
-    cfg = engine_config(method)
     elt = 2 if s["dtype"] in ("bfloat16", "float16") else 4
     kept = [sum(budget.kept_tokens(cfg, prompt_len, layer, s["layers"]))
             for layer in range(s["layers"])]
