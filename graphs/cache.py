@@ -18,22 +18,29 @@ class RecallLayer(NamedTuple):
     """One layer's device buffers of SpeCache's recall (``K`` = ``recall_top_k``)::
 
         k, v      (Bmax, H_kv, K, D) model dtype  the recalled full-precision rows
-        idx       (Bmax, H_kv, K) int32           their quantized positions; -1 = unused
+        idx       (Bmax, H_kv, K) int32           their quantized positions; -1 = unused (a
+                                                  plane of ``RecallBuffers.idx``)
         lse_ref   (Bmax, H_q) fp32                the speculative row's log-sum-exp of the
                                                   step before (the scale of its mass)
+        layer     (1,) int32                      the layer's index: its plane of ``mass``
     """
 
     k: torch.Tensor
     v: torch.Tensor
     idx: torch.Tensor
     lse_ref: torch.Tensor
+    layer: torch.Tensor
 
 
 class RecallBuffers:
     """SpeCache's buffers: per layer the full-precision K/V of every token the quantized cache
     holds, in host memory (``stores``, a :class:`HostStore` of ``(Bmax, H_kv, T_cap, D)``,
-    pinned on CUDA), the device buffers of ``RecallLayer``, and one ``mass (Bmax, H_kv,
-    max T_cap + ring rows)`` fp32 that every layer's attention writes and its top-k reads.
+    pinned on CUDA), the device buffers of ``RecallLayer``, and the two that one ranking of
+    every layer at the step's end needs: ``mass (Bmax, L, H_kv, max T_cap + ring rows)`` fp32,
+    which each layer's attention writes (its plane; -inf = not held), and ``idx (L, Bmax, H_kv,
+    K)`` int32, which the ranking writes and each layer's gather and attention read (its plane).
+    The mass is 4 bytes per token, layer and KV head: 1/64 of a bf16 cache's bytes at D 128,
+    the price of ranking 32 layers in one ``torch.topk`` instead of 32 (1.5 ms a step at 1 x 32k).
 
     The pinned bytes are checked against the host's available memory before anything is
     allocated: pinned memory cannot be swapped, and an allocation that takes the last of it
@@ -50,23 +57,29 @@ class RecallBuffers:
         self.stores = [HostStore.allocate(max_batch_size=B, num_kv_heads=H, capacity=cap,
                                           head_dim=D, dtype=dtype, device=device)
                        for cap in capacities]
+        L = len(capacities)
+        self.idx = torch.full((L, B, H, K), -1, dtype=torch.int32, device=device)
+        self.mass = torch.full((B, L, H, max(capacities) + ring_rows), float("-inf"),
+                               dtype=torch.float32, device=device)
+        layer_ids = torch.arange(L, dtype=torch.int32, device=device)
         self.layers = [RecallLayer(torch.zeros(B, H, K, D, dtype=dtype, device=device),
                                    torch.zeros(B, H, K, D, dtype=dtype, device=device),
-                                   torch.full((B, H, K), -1, dtype=torch.int32, device=device),
-                                   torch.zeros(B, num_q_heads, dtype=torch.float32, device=device))
-                       for _ in capacities]
-        self.mass = torch.zeros(B, H, max(capacities) + ring_rows, dtype=torch.float32,
-                                device=device)
+                                   self.idx[i],
+                                   torch.zeros(B, num_q_heads, dtype=torch.float32, device=device),
+                                   layer_ids[i:i + 1])
+                       for i in range(L)]
 
     @property
     def device_bytes(self) -> int:
         """Bytes of the device buffers (every slot)."""
-        return self.mass.nbytes + sum(t.nbytes for layer in self.layers for t in layer)
+        return (self.mass.nbytes + self.idx.nbytes + 4 * len(self.layers)
+                + sum(t.nbytes for layer in self.layers for t in (layer.k, layer.v, layer.lse_ref)))
 
     def empty_slots(self, start: int, stop: int) -> None:
-        """Slots ``[start, stop)``: nothing recalled (eager; between replays)."""
+        """Slots ``[start, stop)``: nothing recalled, nothing ranked (eager; between replays)."""
+        self.idx[:, start:stop].fill_(-1)
+        self.mass[start:stop].fill_(float("-inf"))
         for layer in self.layers:
-            layer.idx[start:stop].fill_(-1)
             layer.lse_ref[start:stop].fill_(0.0)
 
 
@@ -249,6 +262,12 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
     layers, allocated = [], 0
     rec = cache.recall
     per_slot = lambda ts: sum(nbytes(t) for t in ts) // Bmax  # noqa: E731
+
+    def recall_slot(i: int) -> int:
+        """A slot's recall bytes in layer i: its recalled rows, indices, lse and mass plane."""
+        r = rec.layers[i]
+        return per_slot((r.k, r.v, r.idx, r.lse_ref)) + per_slot([rec.mass]) // len(kept)
+
     for i, (layer, n_kept) in enumerate(zip(cache.layers, kept)):
         allocated += sum(nbytes(t) for t in layer)
         cap = layer.capacity
@@ -261,8 +280,7 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
                                  ring=(nbytes(layer.k_ring) + nbytes(layer.v_ring)) // Bmax * batch,
                                  counters=nbytes(layer.lens) // Bmax * batch,
                                  padding=(held - need) * (codes_tok + sz_tok) * batch,
-                                 recall=0 if rec is None else batch * (
-                                     per_slot(rec.layers[i]) + per_slot([rec.mass]) // len(kept)),
+                                 recall=0 if rec is None else batch * recall_slot(i),
                                  host=0 if rec is None else batch * need * 2 * H * D
                                  * cache.dtype.itemsize))
     if rec is not None:

@@ -233,18 +233,22 @@ class RecallDecodeStep(DecodeStep):
     attention takes them as ``(B, 2)`` query rows::
 
         begin: cache_begin_step (T_t's ring row, every layer), embed and RoPE of the 2B rows
+        then, on a side stream (CUDA; at capture), every layer's recalled rows for this step
+               from the host copy (minikv::recall_gather, by the indices the step before chose),
+               one event per layer: each layer waits for its own gather only, and the gathers
+               of later layers overlap the layers before them
         layer: q/k/v; T_t's k/v to its ring row and T'_{t+1}'s to the row after it (the spare
                row when T_t fills the ring), attended with one ring token more than ``lens``
                counts (row 1 sees itself, row 0 does not); attention over the low-bit cache with
-               this layer's recalled rows in place of theirs (minikv::decode_attention_recall);
-               from the speculative row's mass, the top-k this layer recalls at the next step,
-               and its lse as that step's mass reference
-        then, per layer at capture (a side stream on CUDA, joined at the end of the step, so
-               that the host reads overlap the remaining layers): T_t's k/v to the host copy
-               (minikv::recall_store), the next step's rows from it (minikv::recall_gather)
-        choose: row 0's logits -> T_{t+1} by the mode's rule, recorded; row 1's argmax ->
-               T'_{t+2} (greedy whatever the mode: it only steers the recall; teacher mode
-               takes the forced token instead, see ``choose``)
+               this layer's recalled rows in place of theirs (minikv::decode_attention_recall),
+               which writes the speculative row's mass into this layer's plane; its lse becomes
+               the next step's mass reference; then, on the side stream, T_t's k/v to the host
+               copy (minikv::recall_store)
+        choose: every layer's top-k from its mass plane in one ranking (recall_topk over
+               ``(B, L, H_kv, T)``: one ``torch.topk`` instead of one per layer); row 0's
+               logits -> T_{t+1} by the mode's rule, recorded; row 1's argmax -> T'_{t+2}
+               (greedy whatever the mode: it only steers the recall; teacher mode takes the
+               forced token instead, see ``choose``)
 
     Pre-decoding (``state.pre``: a slot's first step after admission): nothing is recalled yet
     (``idx`` -1), both rows feed the first token at its position ``p`` (row 1 sees its own k/v
@@ -270,9 +274,19 @@ class RecallDecodeStep(DecodeStep):
         mark(slots)
         batch = slots.shape[0]
         h, cos, sin, ring_index, undo = self._begin(slots)
-        normed: Optional[tuple] = None
         main, side = torch.cuda.current_stream() if self._side else None, self._side
-        for (weights, kv, rec, store), ring in zip(self.layers, ring_index.unbind(0)):
+        gathered = []  # per layer: an event on the side stream (None without one)
+        if side is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for _, _, rec, store in self.layers:
+                ops.recall_gather(store, rec.idx[:batch], rec.k, rec.v)
+                gathered.append(side.record_event() if side is not None else None)
+        normed: Optional[tuple] = None
+        for (weights, kv, rec, store), ring, done in zip(self.layers, ring_index.unbind(0),
+                                                         gathered):
+            if done is not None:
+                main.wait_event(done)
             mark(h, cos, sin, ring, undo, *(normed or ()))
             h, normed = self._layer(weights, kv, rec, self.recall.mass, ring, undo, h, cos, sin,
                                     normed)
@@ -280,11 +294,10 @@ class RecallDecodeStep(DecodeStep):
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 ops.recall_store(store, kv.k_ring, kv.v_ring, kv.lens, ring)
-                ops.recall_gather(store, rec.idx[:batch], rec.k, rec.v)
         if side is not None:
             main.wait_stream(side)
         mark(h)
-        self._choose(slots, h, mode)
+        self._choose(slots, h, mode, self.recall.mass, self.recall.idx)
 
     def begin(self, slots: torch.Tensor) -> tuple:
         """``DecodeStep.begin`` for the two rows of each slot: ``h (2B, 1, hidden)``, ``cos, sin
@@ -306,8 +319,8 @@ class RecallDecodeStep(DecodeStep):
               undo: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               normed: Optional[tuple]) -> tuple:
         """One layer of the two-row step (the same code for every layer). rec: the layer's
-        ``RecallLayer``; mass: the shared ``(Bmax, H_kv, T)`` buffer; undo ``(B,)`` int32 from
-        ``begin``; the rest as ``DecodeStep.layer``, with ``2B`` rows."""
+        ``RecallLayer``; mass: the ``(Bmax, L, H_kv, T)`` buffer (this layer writes its plane);
+        undo ``(B,)`` int32 from ``begin``; the rest as ``DecodeStep.layer``, with ``2B`` rows."""
         a, n_rows = self.adapter, h.shape[0]
         batch = n_rows // 2
         q, k, v = a.qkv(weights, h, cos, sin, normed)  # q (2B, H_q, 1, D), k/v (2B, H_kv, 1, D)
@@ -319,27 +332,30 @@ class RecallDecodeStep(DecodeStep):
                              torch.where(live, ring_index + 1, -1))
         o, lse = ops.decode_attention_recall(
             q2, *kv[:8], kv.lens + self._spec_ring, rec.k, rec.v, rec.idx[:batch],
-            rec.lse_ref[:batch], mass, a.scale, self.cache.bits, self.cache.group_size)
+            rec.lse_ref[:batch], mass, rec.layer, a.scale, self.cache.bits,
+            self.cache.group_size)
         kv.lens[:batch, 1] -= undo
-        idx = ops.recall_topk(mass[:batch], kv.lens, rec.idx.shape[2], self.cache.ring,
-                              self.recall.block)
-        rec.idx[:batch] = torch.where(live[:, None, None], idx, rec.idx[:batch])
         rec.lse_ref[:batch] = torch.where(live[:, None], lse[:, 1], rec.lse_ref[:batch])
         return a.finish_layer_normed(weights, h, o.reshape(n_rows, 1, -1))
 
-    def choose(self, slots: torch.Tensor, h: torch.Tensor, mode: str) -> None:
-        """Row 0 of each slot: its next token by ``mode`` (recorded unless it pre-decodes);
-        row 1 (row 0 when pre-decoding): the next speculation, greedy. Teacher mode speculates
-        the forced token the next step feeds after the one it feeds: what greedy generation's
-        speculation is whenever the step before guessed right (its row 1 runs the token row 0
-        will choose), so that perplexity measures the cache, not a guess of a text the model
-        would not have written."""
+    def choose(self, slots: torch.Tensor, h: torch.Tensor, mode: str, mass: torch.Tensor,
+               idx: torch.Tensor) -> None:
+        """Every layer's next recall: the top-k of each (slot, layer, KV head)'s mass, written
+        to ``idx (L, Bmax, H_kv, K)`` for the live slots. Row 0 of each slot: its next token by
+        ``mode`` (recorded unless it pre-decodes); row 1 (row 0 when pre-decoding): the next
+        speculation, greedy. Teacher mode speculates the forced token the next step feeds after
+        the one it feeds: what greedy generation's speculation is whenever the step before
+        guessed right (its row 1 runs the token row 0 will choose), so that perplexity measures
+        the cache, not a guess of a text the model would not have written."""
         st = self.state
         batch = slots.shape[0]
         rows = slice(0, batch)
         live = slots & ~st.done[rows]
         pre = st.pre[rows]
         real = live & ~pre
+        top = ops.recall_topk(mass[:batch], idx.shape[3], self.recall.block)  # (B, L, H_kv, K)
+        idx[:, :batch] = torch.where(live[None, :, None, None], top.transpose(0, 1),
+                                     idx[:, :batch])
         logits = self.adapter.logits(h[:, 0]).view(batch, 2, -1)             # (B, 2, V) fp32
         st.record(st.choose(logits[:, 0], rows, mode, real), rows, real)
         if mode == "teacher":  # (count has moved on for the slots that recorded)

@@ -56,8 +56,10 @@ compiled kernels it leaves as they are):
    Query rows: ``q (B, R, H_q, D)``, R in {1, 2}; the R rows of a KV group share the dots' N
    axis (``R * GQA <= 8``), so K/V are read once for all of them; row ``r`` sees the ring up to
    ``lens[b, 1] - (R - 1 - r)`` (each row sees itself, not the rows after it). The programs of
-   the last row's heads also write the attention mass of every quantized position they attend
-   to (the recall split at the recalled positions, from their full-precision scores).
+   the last row's heads also write, into the layer's plane of the ``(Bmax, L, H_kv, T)`` mass
+   buffer, the attention mass of every position the next step holds quantized (the recall split
+   at the recalled positions, from their full-precision scores; -inf for ring tokens the next
+   step does not flush), so that one top-k ranks every layer's plane at the step's end.
 2. the combine, which also writes each row's log-sum-exp.
 
 ``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
@@ -79,7 +81,7 @@ from . import _gdc as gdc
 from ._checks import (FLOAT_DTYPES, check_choice, check_tensor,
                       codes_per_word, compiled_major, sm_count as sm_count_of)
 from . import attention_decode_gluon as dag
-from .cache_layout import check_base, check_layer
+from .cache_layout import check_base, check_layer, ring_length
 from .quant import dequantize_keys_ref, dequantize_values_ref
 
 _LOG2E = 1.4426950408889634
@@ -440,17 +442,20 @@ def _kept(bm_plane, tokens, hi, RECALL: tl.constexpr):
 
 
 @triton.jit
-def _store_mass(mass_plane, tokens, keep, p, m_i, lse2):
+def _store_mass(mass_plane, tokens, keep, p, m_i, lse2, held):
     """The attention mass of a block's kept tokens, ``sum_n exp2(s[t, n] - lse2[n])`` over the
     columns n, computed as ``sum_n p[t, n] * exp2(m_i[n] - lse2[n])`` (p = exp2(s - m_i)).
 
     tokens, keep: (BLOCK_N,); p: (BLOCK_N, BLOCK_H) fp32; m_i: (BLOCK_H,) the running max p was
     taken against; lse2: (BLOCK_H,) the reference log-sum-exp (log2 domain) of the last row's
-    columns, +inf in the others (weight 0). The exponent is capped at 120: a reference far below
-    this step's scores saturates the mass near 2^120 instead of making inf * 0 = NaN.
+    columns, +inf in the others (weight 0); held: (BLOCK_N,) or a scalar, False for a token the
+    next step does not hold quantized: -inf (never ranked). The exponent is capped at 120: a
+    reference far below this step's scores saturates the mass near 2^120 instead of making
+    inf * 0 = NaN.
     """
     w = tl.exp2(tl.minimum(m_i - lse2, 120.0))
-    tl.store(mass_plane + tokens, tl.sum(p * w[None, :], axis=1), mask=keep)
+    mass = tl.where(held, tl.sum(p * w[None, :], axis=1), float("-inf"))
+    tl.store(mass_plane + tokens, mass, mask=keep)
 
 
 @triton.jit
@@ -485,10 +490,10 @@ def _recall_bitmap_kernel(idx_ptr, lens_ptr, bm_ptr, H_KV, T_CAP, K, W,
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
     m_ptr, l_ptr, acc_ptr,
-    bm_ptr, rk_ptr, rv_ptr, ridx_ptr, lse_ref_ptr, mass_ptr,
+    bm_ptr, rk_ptr, rv_ptr, ridx_ptr, lse_ref_ptr, mass_ptr, layer_ptr,
     qk_scale,
     stride_qb, stride_qr, stride_qh, stride_qd, stride_lb, stride_lh,
-    H_KV, T_CAP, R, NUM_SPLITS, K_REC, T_MASS,
+    H_KV, T_CAP, R, NUM_SPLITS, K_REC, T_MASS, N_LAYERS, R_FLUSH,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     RECALL: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
@@ -529,7 +534,9 @@ def _decode_attention_split_kernel(
         last = (heads >= (ROWS - 1) * GQA) & head_ok
         lse2 = tl.load(lse_ref_ptr + b * stride_lb + (h * GQA + heads - (ROWS - 1) * GQA)
                        * stride_lh, mask=last, other=float("inf")) * 1.4426950408889634
-        mass_plane = mass_ptr + plane * T_MASS
+        # mass (Bmax, L, H_kv, T_MASS): this layer's plane of slot b, head h (clamped like lens)
+        layer = tl.minimum(tl.maximum(tl.load(layer_ptr), 0), N_LAYERS - 1)
+        mass_plane = mass_ptr + ((b.to(tl.int64) * N_LAYERS + layer) * H_KV + h) * T_MASS
     else:
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     bm_plane = bm_ptr + plane * tl.cdiv(T_CAP, 32)  # (read only with RECALL)
@@ -607,7 +614,7 @@ def _decode_attention_split_kernel(
                     m_i, alpha, p, l_rows = _keys_step_half2(
                         kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
                     if RECALL:
-                        _store_mass(mass_plane, tokens, keep, p, m_i, lse2)
+                        _store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
                     acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, G, INTERPRET)
                     kw, ks, kz, vw, vs, vz = kw_n, ks_n, kz_n, vw_n, vs_n, vz_n
             else:
@@ -620,7 +627,7 @@ def _decode_attention_split_kernel(
                     m_i, alpha, p, l_rows = _keys_step_half2(
                         kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
                     if RECALL:
-                        _store_mass(mass_plane, tokens, keep, p, m_i, lse2)
+                        _store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
                     # Values after the softmax: their registers are not live across it.
                     v_tokens = start + tl.arange(0, BLOCK_N)
                     vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
@@ -651,7 +658,7 @@ def _decode_attention_split_kernel(
                     m_i, l_i, acc, p = _attend_block_masked(
                         q_d, k_t, v, keep[:, None], m_i, l_i, acc, qk_scale, elem_ty, DOT_DTYPE,
                         INPUT_PRECISION, BF16_BY_HAND)
-                    _store_mass(mass_plane, tokens, keep, p, m_i, lse2)
+                    _store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
                 else:
                     m_i, l_i, acc = _attend_block(q_d, k_t, v, valid, m_i, l_i, acc, qk_scale,
                                                   elem_ty, DOT_DTYPE, INPUT_PRECISION,
@@ -674,7 +681,7 @@ def _decode_attention_split_kernel(
                 m_i, l_i, acc, p = _attend_block_masked(
                     q_d, k_t, v, ok[:, None], m_i, l_i, acc, qk_scale, elem_ty, DOT_DTYPE,
                     INPUT_PRECISION, BF16_BY_HAND)
-                _store_mass(mass_plane, pos, ok, p, m_i, lse2)
+                _store_mass(mass_plane, pos, ok, p, m_i, lse2, True)
             # -- then the ring, causal across rows: row r sees n_ring - (ROWS - 1 - r) tokens
             seen = tl.minimum(n_ring - (ROWS - 1 - heads // GQA), n_ring)       # (BLOCK_H,)
             for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
@@ -684,8 +691,11 @@ def _decode_attention_split_kernel(
                 m_i, l_i, acc, p = _attend_block_masked(
                     q_d, k_t, v, tokens[:, None] < seen[None, :], m_i, l_i, acc, qk_scale,
                     elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
-                # ring token t is quantized position n_quant + t once flushed
-                _store_mass(mass_plane + n_quant, tokens, tokens < n_ring, p, m_i, lse2)
+                # ring token t is quantized position n_quant + t once flushed: the next step
+                # holds it when its flush runs, i.e. when row 0's R_FLUSH ring tokens are there
+                flushes = n_ring - (ROWS - 1) >= R_FLUSH
+                _store_mass(mass_plane + n_quant, tokens, tokens < n_ring, p, m_i, lse2,
+                            flushes & (tokens < R_FLUSH))
         else:
             for start in tl.range(0, n_ring, BLOCK_N, num_stages=1):
                 tokens = start + tl.arange(0, BLOCK_N)
@@ -886,7 +896,7 @@ def _decode_attention_triton(
 
 def _decode_attention_recall_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    recall_k, recall_v, recall_idx, lse_ref, mass,
+    recall_k, recall_v, recall_idx, lse_ref, mass, layer,
     scale: float, bits: int, group_size: int, plan: Optional[_Plan] = None,
 ):
     """The CUDA implementation of :func:`decode_attention_recall` (same conditions as
@@ -895,7 +905,8 @@ def _decode_attention_recall_triton(
     out = q.new_empty(q.shape)                                              # (B, R, H_q, D)
     lse = torch.empty(batch, rows, h_q, dtype=torch.float32, device=q.device)
     _launch(q, (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens),
-            (recall_k, recall_v, recall_idx, lse_ref, mass), out.view(batch * rows, h_q, d), lse,
+            (recall_k, recall_v, recall_idx, lse_ref, mass, layer), out.view(batch * rows, h_q, d),
+            lse,
             scale, bits, group_size, plan)
     return out, lse
 
@@ -903,7 +914,7 @@ def _decode_attention_recall_triton(
 def _launch(q, bufs, recall, out, lse, scale: float, bits: int, group_size: int,
             plan: Optional[_Plan]) -> None:
     """The launches of both ops. q: (B, R, H_q, D), any strides; bufs: the layer's nine
-    buffers; recall: None, or (recall_k, recall_v, recall_idx, lse_ref, mass) as
+    buffers; recall: None, or (recall_k, recall_v, recall_idx, lse_ref, mass, layer) as
     :func:`decode_attention_recall` takes them; out: (B * R, H_q, D), written; lse: None, or
     (B, R, H_q) fp32, written (with recall)."""
     k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens = bufs
@@ -943,11 +954,12 @@ def _launch(q, bufs, recall, out, lse, scale: float, bits: int, group_size: int,
     regs = {"maxnreg": plan.maxnreg} if plan.maxnreg else {}
     if recall is None:
         # never read (RECALL off): stand-ins of one dtype, so the kernel compiles once
-        bitmap = recall_k = recall_v = recall_idx = lse_ref = mass = lens
-        k_rec, t_mass, stride_lse = 0, 0, (0, 0)
+        bitmap = recall_k = recall_v = recall_idx = lse_ref = mass = layer = lens
+        k_rec, t_mass, n_layers, r_flush, stride_lse = 0, 0, 0, 0, (0, 0)
     else:
-        recall_k, recall_v, recall_idx, lse_ref, mass = recall
-        k_rec, t_mass, stride_lse = recall_k.shape[2], mass.shape[2], lse_ref.stride()
+        recall_k, recall_v, recall_idx, lse_ref, mass, layer = recall
+        k_rec, n_layers, t_mass = recall_k.shape[2], mass.shape[1], mass.shape[3]
+        r_flush, stride_lse = ring_length(ring_cap, bits, group_size), lse_ref.stride()
         words = triton.cdiv(capacity, 32)
         bitmap = torch.empty(batch, h_kv, words, dtype=torch.int32, device=q.device)
         block_k = triton.next_power_of_2(k_rec)
@@ -969,10 +981,10 @@ def _launch(q, bufs, recall, out, lse, scale: float, bits: int, group_size: int,
         _decode_attention_split_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
             m, l, acc,
-            bitmap, recall_k, recall_v, recall_idx, lse_ref, mass,
+            bitmap, recall_k, recall_v, recall_idx, lse_ref, mass, layer,
             scale * _LOG2E,
             q.stride(0), q.stride(1) if rows > 1 else 0, q.stride(2), q.stride(3), *stride_lse,
-            h_kv, capacity, ring_cap, plan.num_splits, k_rec, t_mass,
+            h_kv, capacity, ring_cap, plan.num_splits, k_rec, t_mass, n_layers, r_flush,
             GQA=gqa, BLOCK_H=MAX_GQA, D=d, ROWS=rows, RECALL=recall is not None,
             BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=plan.half2,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
@@ -1031,7 +1043,8 @@ def decode_attention_ref(
 
 def decode_attention_recall_ref(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    recall_k, recall_v, recall_idx, lse_ref, mass, scale: float, bits: int, group_size: int,
+    recall_k, recall_v, recall_idx, lse_ref, mass, layer, scale: float, bits: int,
+    group_size: int,
 ):
     """Reference for :func:`decode_attention_recall`, in fp32 (same arguments; mutates ``mass``).
 
@@ -1039,15 +1052,17 @@ def decode_attention_recall_ref(
     ``0 <= recall_idx[b, h, j] < lens[b, 0]`` replaces position ``recall_idx[b, h, j]`` of head
     ``h`` by ``recall_k[b, h, j]`` / ``recall_v[b, h, j]``, and query row ``r`` attends to it
     followed by the first ``lens[b, 1] - (R - 1 - r)`` ring tokens. The last row's scores give
-    ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the query heads ``i`` of KV
-    group ``h``, for ``t < lens[b, 0] + lens[b, 1]`` (ring token j at ``lens[b, 0] + j``); the
-    rest of ``mass`` is left as it is.
+    ``mass[b, layer, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the query heads ``i``
+    of KV group ``h``, for ``t < lens[b, 0]`` and for the ring's first R tokens (ring token j at
+    ``lens[b, 0] + j``) when row 0 sees R of them (R: the ring's length, ``ring_length``); -inf
+    for its other ring tokens; the rest of ``mass`` is left as it is.
 
     Returns ``(out, lse)``: ``(B, R, H_q, D)`` in q's dtype, ``(B, R, H_q)`` fp32.
     """
     batch, rows, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     gqa = h_q // h_kv
+    ring = ring_length(k_ring.shape[2], bits, group_size)
     out = q.new_empty(q.shape)
     lse = torch.empty(batch, rows, h_q, dtype=torch.float32, device=q.device)
     for b, (n_quant, n_ring) in enumerate(lens[:batch].tolist()):
@@ -1067,8 +1082,10 @@ def decode_attention_recall_ref(
             out[b, r] = (torch.softmax(scores, dim=-1) @ vr).view(h_q, d).to(q.dtype)
             lse[b, r] = torch.logsumexp(scores, dim=-1).view(h_q)
         ref = lse_ref[b].float().view(h_kv, gqa, 1)
-        n = scores.shape[-1]  # the last row sees every ring token
-        mass[b, :, :n] = torch.exp(scores - ref).sum(1).to(mass.dtype)
+        got = torch.exp(scores - ref).sum(1)        # (H_kv, T_b): the last row sees every token
+        flush = ring if n_ring - (rows - 1) >= ring else 0     # ring tokens the next step holds
+        got[:, n_quant + flush:] = float("-inf")
+        mass[b, int(layer[0]), :, :got.shape[1]] = got.to(mass.dtype)
     return out, lse
 
 
@@ -1103,17 +1120,17 @@ def _decode_attention_recall_op(
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
-    lse_ref: torch.Tensor, mass: torch.Tensor,
+    lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor,
     scale: float, bits: int, group_size: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     return decode_attention_recall_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                                        k_ring, v_ring, lens, recall_k, recall_v, recall_idx,
-                                       lse_ref, mass, scale, bits, group_size)
+                                       lse_ref, mass, layer, scale, bits, group_size)
 
 
 @_decode_attention_recall_op.register_fake
 def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      recall_k, recall_v, recall_idx, lse_ref, mass, scale, bits, group_size):
+      recall_k, recall_v, recall_idx, lse_ref, mass, layer, scale, bits, group_size):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -1209,7 +1226,7 @@ def decode_attention_recall(
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
-    lse_ref: torch.Tensor, mass: torch.Tensor,
+    lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor,
     scale: float, bits: int = 2, group_size: int = 16,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Decode attention with recall (SpeCache): R query rows per sequence over one layer's
@@ -1224,17 +1241,24 @@ def decode_attention_recall(
     all in the ring already: each row sees itself, not the rows after it). K/V are read once
     for the R rows. With no valid recall row and R = 1 it is :func:`decode_attention`.
 
-    The last row also writes, for every quantized position ``t < lens[b, 0]`` and every ring
-    token (ring row j at ``t = lens[b, 0] + j``, the position a flush will give it), the
-    attention its KV group pays it: ``mass[b, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])``
-    over the group's query heads ``i``, ``s`` the scaled score (from the recalled key where ``t`` is
-    recalled). ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second
+    The last row also writes, into this layer's plane ``mass[b, layer]``, for every position
+    ``t`` the next step holds quantized, the attention its KV group pays it: ``mass[b, layer, h,
+    t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the group's query heads ``i``, ``s`` the
+    scaled score (from the recalled key where ``t`` is recalled). The next step holds every
+    ``t < lens[b, 0]`` and, when the ring is full (row 0 sees its R tokens, R its length), the
+    ring's tokens, which its flush moves to ``t = lens[b, 0] + j`` (ring row j); the ring's
+    tokens it does not hold get -inf (the speculative row's, and all while the ring fills), so
+    that :func:`.recall.recall_topk` ranks the buffer as it is, every layer at once. ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second
     pass: the previous step's (returned here as ``lse``) scales the masses of a head by one
     factor, so the ranking by one head is exact and only the weights of a group's heads in the
     sum that :func:`.recall.recall_topk` ranks are off. ``mass`` is fp32:
     4 bytes per position against the ~128 bytes of codes, scales and zeros read per position
     and head at bits 2, D 128, and no ties among close masses as bf16's 8-bit mantissa would
-    make them. Positions ``>= lens[b, 0] + lens[b, 1]`` and slots ``>= B`` keep what they held.
+    make them. Positions ``>= lens[b, 0] + lens[b, 1]``, other layers and slots ``>= B`` keep
+    what they held (-inf for an emptied slot: the caller's reset). A caller that gives a ring
+    token back after the call (``lens[b, 1]`` lowered: SpeCache's pre-decoding) may leave a full
+    ring's positions ranked one step early; the next attention ignores them (they are not below
+    its ``lens[b, 0]``), they only take recall rows of that step.
     A reference far below this step's scores (by more than ~83 nats) saturates the mass instead of
     overflowing.
 
@@ -1253,10 +1277,11 @@ def decode_attention_recall(
             KV head) must be distinct (not checked: that would sync); top-k positions are.
         lse_ref: ``(B, H_q)`` fp32, any strides: the reference log-sum-exp of the last row's
             heads (natural log, of the scaled scores).
-        mass: ``(Bmax, H_kv, T_mass)`` fp32, ``T_mass >= T_cap + ring rows``, contiguous, the
-            whole buffer;
-            mutated. One buffer of the largest capacity can serve every layer: the step reads
-            it (:func:`.recall.recall_topk`) before the next layer's attention writes it.
+        mass: ``(Bmax, L, H_kv, T_mass)`` fp32, ``T_mass >= T_cap + ring rows``, contiguous,
+            the whole buffer (one plane per layer and slot, the largest capacity's length);
+            mutated.
+        layer: ``(1,)`` int32 on q's device: which of the L planes (a tensor, so that one
+            compiled step serves every layer; read on the device, clamped to ``[0, L)``).
         scale, bits, group_size: as :func:`decode_attention`.
         All on q's device.
 
@@ -1288,13 +1313,14 @@ def decode_attention_recall(
     check_tensor("lse_ref", lse_ref, shape=(batch, h_q), dtypes=(torch.float32,),
                  device=q.device)
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    check_tensor("mass", mass, shape=(b_max, h_kv, None), dtypes=(torch.float32,),
+    check_tensor("mass", mass, shape=(b_max, None, h_kv, None), dtypes=(torch.float32,),
                  device=q.device, contiguous=True)
-    if mass.shape[2] < capacity + k_ring.shape[2]:
+    if mass.shape[3] < capacity + k_ring.shape[2]:
         raise ValueError(f"mass: expected at least T_cap + ring rows = "
-                         f"{capacity + k_ring.shape[2]} positions (dim 2), got shape "
+                         f"{capacity + k_ring.shape[2]} positions (dim 3), got shape "
                          f"{tuple(mass.shape)}")
     check_base("mass", mass)
+    check_tensor("layer", layer, shape=(1,), dtypes=(torch.int32,), device=q.device)
     return torch.ops.minikv.decode_attention_recall(
         q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-        recall_k, recall_v, recall_idx, lse_ref, mass, float(scale), bits, group_size)
+        recall_k, recall_v, recall_idx, lse_ref, mass, layer, float(scale), bits, group_size)

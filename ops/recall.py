@@ -19,8 +19,9 @@ Attention with recall is attention over the quantized region in which every posi
 value, followed by the ring as usual. Ring tokens are full precision already and never recalled.
 That attention is ``minikv::decode_attention_recall`` (:mod:`.attention_decode`, the decode
 attention kernels with recall on), which also writes the statistic the next step's recall is
-chosen from: ``mass (Bmax, H_kv, >= T_cap + ring rows)`` fp32, the attention a KV group pays
-each position (the ring's tokens at the positions a flush will give them).
+chosen from: ``mass (Bmax, L, H_kv, >= T_cap + ring rows)`` fp32, one plane per slot and layer,
+the attention a KV group pays each position the next step holds (a full ring's tokens at the
+positions its flush gives them), -inf at the others.
 
 The ops here:
 
@@ -31,9 +32,10 @@ The ops here:
   with no host synchronization and no copy issued from Python.
 * ``minikv::recall_store``: each slot's newest ring token to the host row it takes in the
   quantized order (the host copy grows as tokens are generated, not at flushes).
-* :func:`recall_topk`: the positions to recall next, the top-k by ``mass`` per (slot, KV head),
-  in plain torch ops (``torch.topk``) that the compiled step fuses, with no host sync;
-  :func:`recall_topk_ref` is its rule on attention probabilities.
+* :func:`recall_topk`: the positions to recall next, the top-k by ``mass`` per (slot, layer,
+  KV head), every layer in one call at the step's end, in plain torch ops (``torch.topk``) that
+  the compiled step fuses, with no host sync; :func:`recall_topk_ref` is its rule on attention
+  probabilities.
 
 How the host store crosses the op boundary: the op takes the two host tensors as CPU tensors
 and runs on the device of the others (CUDA's dispatch key outranks CPU's, so ``idx`` and the
@@ -217,31 +219,25 @@ def _(k_ring, v_ring, lens, ring_index, host_k, host_v):
 _recall_store_op.register_kernel("cuda")(_recall_store_triton)
 
 
-def _recall_topk_ops(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
-                    block: int = 1) -> torch.Tensor:
+def _recall_topk_ops(mass: torch.Tensor, k: int, block: int = 1) -> torch.Tensor:
     """:func:`recall_topk`'s computation (the same arguments, checked by it)."""
-    batch, h_kv, t_cap = mass.shape
-    lens = lens[:batch]
-    held = lens[:, 0] + torch.where(lens[:, 1] >= ring, ring, 0)            # (B,)
-    pos = torch.arange(t_cap, device=mass.device)
-    score = torch.where(pos < held[:, None, None], mass, float("-inf"))     # (B, H_kv, T)
+    inf = float("-inf")
+    score = mass
     if block > 1:
-        pad = -t_cap % block
-        score = torch.nn.functional.pad(score, (0, pad), value=float("-inf"))
+        held = torch.nn.functional.pad(mass > inf, (0, -mass.shape[-1] % block))  # (..., T')
+        blocks = torch.nn.functional.pad(mass, (0, -mass.shape[-1] % block), value=inf)
+        blocks = blocks.unflatten(-1, (-1, block))                         # (..., T' / blk, blk)
         # a block's mass: the sum of its held positions (-inf for a block with none)
-        blocks = score.view(batch, h_kv, -1, block)
-        finite = blocks > float("-inf")
-        score = torch.where(finite.any(-1), torch.where(finite, blocks, 0.0).sum(-1),
-                            float("-inf"))                                  # (B, H_kv, T / blk)
-    n = min(k // block, score.shape[-1])
-    top = torch.topk(score, n, dim=-1)
-    idx = torch.where(top.values == float("-inf"), -1, top.indices)         # (B, H_kv, n)
+        score = torch.where(held.unflatten(-1, (-1, block)).any(-1),
+                            torch.where(blocks > inf, blocks, 0.0).sum(-1), inf)
+    top = torch.topk(score, min(k // block, score.shape[-1]), dim=-1)
+    idx = torch.where(top.values == inf, -1, top.indices)                  # (..., n)
     if block > 1:
-        idx = (idx[..., None] * block + torch.arange(block, device=mass.device)).flatten(2)
-        idx = torch.where((idx >= 0) & (idx < held[:, None, None]), idx, -1)
+        pos = (idx[..., None] * block + torch.arange(block, device=mass.device)).flatten(-2)
+        idx = torch.where((pos >= 0) & held.gather(-1, pos.clamp(min=0)), pos, -1)
     idx = idx.to(torch.int32)
     if idx.shape[-1] < k:
-        idx = torch.cat([idx, idx.new_full((batch, h_kv, k - idx.shape[-1]), -1)], dim=-1)
+        idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], k - idx.shape[-1]), -1)], dim=-1)
     return idx
 
 
@@ -327,50 +323,43 @@ def recall_gather(store: HostStore, idx: torch.Tensor, recall_k: torch.Tensor,
     torch.ops.minikv.recall_gather(store.k, store.v, idx, recall_k, recall_v)
 
 
-def recall_topk(mass: torch.Tensor, lens: torch.Tensor, k: int, ring: int,
-                block: int = 1) -> torch.Tensor:
-    """The positions to recall at the next step: per (slot, KV head), the ``k`` positions with
-    the most attention mass among those the next step holds quantized (:func:`recall_topk_ref`'s
-    rule on the group sums that ``decode_attention_recall`` writes), or the ``k / block``
-    aligned blocks of ``block`` positions with the most mass (larger host reads).
+def recall_topk(mass: torch.Tensor, k: int, block: int = 1) -> torch.Tensor:
+    """The positions to recall at the next step: per row of ``mass`` (a slot, layer and KV
+    head), the ``k`` positions with the most attention mass (:func:`recall_topk_ref`'s rule on
+    the group sums that ``decode_attention_recall`` writes), or the ``k / block`` aligned blocks
+    of ``block`` positions with the most mass (larger host reads). -inf marks a position the
+    next step does not hold (the attention writes it for ring tokens that stay in the ring; the
+    cache resets an emptied slot's planes to it); it is never chosen.
 
-    The next step holds ``[0, lens[b, 0])``, plus the ring's ``ring`` tokens when the ring is
-    full (``lens[b, 1] >= ring``): the next step flushes them into the quantized region first,
-    and the attention wrote their mass at the positions they take there.
-
-    Plain torch ops on the device (a mask, ``torch.topk``, a select; :func:`_recall_topk_ops`): no
-    host sync, fused by ``torch.compile`` into the step, capturable in a CUDA graph. At 1 x 32k
-    tokens x 8 KV heads ``torch.topk`` costs ~45 us a layer (H200); a sort-based Triton top-k
-    was slower (``perf/NOTES.md``, "SpeCache").
+    One call ranks every layer of a step (``(B, L, H_kv, T)``): plain torch ops on the device (a
+    select, ``torch.topk``), no host sync, fused by ``torch.compile`` into the step, capturable
+    in a CUDA graph. One ``torch.topk`` per layer cost ~45 us at 1 x 32k tokens x 8 KV heads
+    (H100), 1.5 ms a step of 32 layers; a sort-based Triton top-k was slower (``perf/NOTES.md``,
+    "SpeCache").
 
     Args:
-        mass: ``(B, H_kv, T)`` fp32, e.g. a leading slice of the ``mass`` buffer; positions
-            the next step does not hold are ignored (they hold stale values).
-        lens: ``(B' >= B, 2)`` int32 on mass's device: the layer's counters after this step.
-        k: positions per (slot, KV head), ``k >= 0``, a multiple of ``block``.
-        ring: R, the ring's length (tokens a flush moves), ``>= 1``.
+        mass: ``(..., T)`` fp32, contiguous: the masses, -inf where not held.
+        k: positions per row, ``k >= 0``, a multiple of ``block``.
         block: 1 (single positions) or the block size, ``>= 1``.
 
     Returns:
-        ``(B, H_kv, k)`` int32: positions by decreasing mass (of their block; ties in
-        ``torch.topk``'s order), -1 where the slot holds fewer than ``k`` (blocks: the
-        positions of a chosen block past what the slot holds).
+        ``(..., k)`` int32: positions by decreasing mass (of their block; ties in
+        ``torch.topk``'s order), -1 where a row holds fewer than ``k`` (blocks: the positions
+        of a chosen block that are not held).
 
     Raises:
-        ValueError: a shape, dtype or device inconsistent with the above.
+        ValueError: a shape, dtype or value inconsistent with the above.
     """
-    check_tensor("mass", mass, ndim=3, dtypes=(torch.float32,), contiguous=True)
-    batch, h_kv, t_cap = mass.shape
-    check_tensor("lens", lens, shape=(None, 2), dtypes=(torch.int32,), device=mass.device)
-    if lens.shape[0] < batch:
-        raise ValueError(f"lens: expected at least B={batch} rows (mass.shape[0]), got shape "
-                         f"{tuple(lens.shape)}")
-    for name, value, lo in (("k", k, 0), ("ring", ring, 1), ("block", block, 1)):
+    check_tensor("mass", mass, dtypes=(torch.float32,), contiguous=True)
+    if mass.ndim < 1:
+        raise ValueError(f"mass: expected at least 1 dim (positions last), got shape "
+                         f"{tuple(mass.shape)}")
+    for name, value, lo in (("k", k, 0), ("block", block, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {value!r}")
     if k % block:
         raise ValueError(f"k: expected a multiple of block={block}, got {k}")
-    return _recall_topk_ops(mass, lens, k, ring, block)
+    return _recall_topk_ops(mass, k, block)
 
 
 def _check_store_and_pair(store, first: tuple, second: tuple) -> tuple:

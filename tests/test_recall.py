@@ -280,9 +280,10 @@ def _recall_ref_one_row(q, bufs, rk, rv, idx, scale, bits):
     """The reference with one query row (q (B, H_q, D)); its lse and mass are left out."""
     b_max, h_kv = bufs[6].shape[:2]
     lse_ref = torch.zeros(q.shape[0], q.shape[1])
-    mass = torch.zeros(b_max, h_kv, bufs[3].shape[2] + bufs[6].shape[2])
-    out, _ = decode_attention_recall_ref(q[:, None], *bufs, rk, rv, idx, lse_ref, mass, scale,
-                                         bits, 16)
+    mass = torch.zeros(b_max, 1, h_kv, bufs[3].shape[2] + bufs[6].shape[2])
+    layer = torch.zeros(1, dtype=torch.int32)
+    out, _ = decode_attention_recall_ref(q[:, None], *bufs, rk, rv, idx, lse_ref, mass, layer,
+                                         scale, bits, 16)
     return out[:, 0]
 
 
@@ -410,7 +411,16 @@ class RecallCase:
 
     cache: Case
     q: torch.Tensor               # (B, R, H_q, D)
-    recall: List[torch.Tensor]    # recall_k, recall_v, recall_idx, lse_ref, mass
+    recall: List[torch.Tensor]    # recall_k, recall_v, recall_idx, lse_ref, mass, layer
+
+    @property
+    def plane(self) -> torch.Tensor:
+        """The mass plane of the case's layer, (Bmax, H_kv, T): mass has two layers, the
+        case is layer 1 (layer 0 must stay untouched)."""
+        return self.recall[4][:, LAYER]
+
+
+LAYER = 1  # the layer of every recall case (of 2)
 
 
 def _recall_indices(b_max, h_kv, k, t_cap, lens, batch):
@@ -442,8 +452,9 @@ def recall_case(batch, b_max, h_kv, gqa, rows, d, capacity, ring, bits, dtype, n
     rk = (torch.randn(b_max, h_kv, k, d) * 2).to(dtype)
     rv = torch.randn(b_max, h_kv, k, d).to(dtype)
     q = torch.randn(batch, rows, h_kv * gqa, d).to(dtype)
-    mass = torch.full((b_max, h_kv, capacity + ring), float("nan"))
-    rc = RecallCase(cache, q, [rk, rv, idx, torch.zeros(batch, h_kv * gqa), mass])
+    mass = torch.full((b_max, 2, h_kv, capacity + ring), float("nan"))
+    layer = torch.tensor([LAYER], dtype=torch.int32)
+    rc = RecallCase(cache, q, [rk, rv, idx, torch.zeros(batch, h_kv * gqa), mass, layer])
     # lse_ref: the last row's own log-sum-exp, off by up to a nat per head (a stale one)
     rc.recall[3] = (recall_truth(rc, d ** -0.5, torch.float64)[1][:, -1].float()
                     + 2 * torch.rand(batch, h_kv * gqa) - 1)
@@ -457,10 +468,14 @@ def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
     """Attention with recall computed from the cache's fp64 truth, every tensor and product in
     ``dtype`` (float64: the oracle; q's dtype: the same-precision baseline of the 2x rule).
     Returns out (B, R, H_q, D), lse (B, R, H_q) and, per slot, mass (H_kv, n_quant + n_ring:
-    the quantized positions, then the ring's tokens, which the last row all sees) and the last
-    row's probabilities of the quantized positions (H_kv, gqa, n_quant)."""
+    the quantized positions, then the ring's tokens, which the last row all sees; -inf for the
+    ring's tokens unless row 0 sees a full ring, R = its rows less a spare row, and then for
+    the speculative rows past R) and the last row's probabilities of the quantized positions
+    (H_kv, gqa, n_quant)."""
     q, cache = rc.q, rc.cache
-    rk, rv, idx, lse_ref, _ = rc.recall
+    rk, rv, idx, lse_ref = rc.recall[:4]
+    ring_rows, g = cache.bufs[6].shape[2], cache.group_size
+    ring = ring_rows if cache.bits == 16 else ring_rows - ring_rows % g
     batch, rows, h_q, d = q.shape
     h_kv = rk.shape[1]
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -481,7 +496,10 @@ def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
             out[b, r] = (torch.softmax(s, -1) @ vb).reshape(h_q, d)
             lse[b, r] = torch.logsumexp(s, -1).reshape(h_q)
         ref = lse_ref[b].to(dtype).view(h_kv, -1, 1)
-        masses.append(torch.exp(s - ref).sum(1))
+        mass = torch.exp(s - ref).sum(1)
+        held = n_quant + (ring if n_ring - (rows - 1) >= ring else 0)
+        mass[:, held:] = float("-inf")
+        masses.append(mass)
         probs.append(torch.softmax(s, -1)[..., :n_quant])
     return out, lse, masses, probs
 
@@ -489,17 +507,21 @@ def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
 def assert_recall_within_2x(out, lse, rc: RecallCase, scale: float) -> None:
     """The 2x rule (test_decode_attention's) for out, lse and the written mass (plus 1e-5 of
     the largest mass: the kernel takes it through exp2 of log2-domain differences, a few more
-    fp32 roundings than exp(s - lse)); the mass past each slot's region and of the slots >= B
-    is untouched (NaN)."""
+    fp32 roundings than exp(s - lse)), -inf exactly where the oracle has it; the mass past each
+    slot's tokens, of the slots >= B and of the other layer is untouched (NaN)."""
     oracle = recall_truth(rc, scale, torch.float64)
     base = recall_truth(rc, scale, rc.q.dtype)
-    mass = rc.recall[4]
+    mass = rc.plane
     got = [mass[b, :, :m.shape[1]] for b, m in enumerate(oracle[2])]
+    inf = float("-inf")
+    for g, o in zip(got, oracle[2]):
+        assert torch.equal(g == inf, o == inf)
+    finite = lambda ms: [m.masked_fill(m == inf, 0.0) for m in ms]  # noqa: E731
     for name, x, o, y, atol in [
         ("out", [out], [oracle[0]], [base[0]], 1e-6),
         ("lse", [lse], [oracle[1]], [base[1]], 1e-5),
-        ("mass", got, oracle[2], base[2],
-         1e-5 * max(m.abs().max().item() for m in oracle[2] if m.numel())),
+        ("mass", finite(got), finite(oracle[2]), finite(base[2]),
+         1e-5 * max(m.abs().max().item() for m in finite(oracle[2]) if m.numel())),
     ]:
         err = max((a.double() - b).abs().max().item() for a, b in zip(x, o) if b.numel())
         base_err = max((a.double() - b).abs().max().item() for a, b in zip(y, o) if b.numel())
@@ -508,6 +530,7 @@ def assert_recall_within_2x(out, lse, rc: RecallCase, scale: float) -> None:
         assert not mass[b, :, :m.shape[1]].isnan().any()
         assert mass[b, :, m.shape[1]:].isnan().all()
     assert mass[len(oracle[2]):].isnan().all()
+    assert rc.recall[4][:, 1 - LAYER].isnan().all()
 
 
 def run_recall_kernel(rc: RecallCase, scale: float, bufs=None, recall=None, **fields):
@@ -534,8 +557,9 @@ RECALL_KERNEL_CASES = [
 @pytest.mark.interpret
 @pytest.mark.parametrize("bits,dtype,gqa,rows", RECALL_KERNEL_CASES)
 def test_triton_recall_matches_oracle(bits, dtype, gqa, rows):
-    # 3 splits over 64 tokens in blocks of 16 (some get none); 20 recall rows: 2 recall blocks
-    rc = recall_case(2, 3, 2, gqa, rows, 16, 64, 16, bits, dtype, [48, 64], [3, 16], k=20)
+    # 3 splits over 64 tokens in blocks of 16 (some get none); 20 recall rows: 2 recall blocks;
+    # a ring of 16 tokens and a spare row, slot 1's full (bits < 16: its tokens are held next)
+    rc = recall_case(2, 3, 2, gqa, rows, 16, 64, 17, bits, dtype, [48, 64], [3, 17], k=20)
     out, lse = run_recall_kernel(rc, 0.25, num_splits=3, block_n=16)
     assert out.shape == rc.q.shape and out.dtype == dtype
     assert lse.shape == rc.q.shape[:3] and lse.dtype == torch.float32
@@ -562,8 +586,7 @@ def test_reference_matches_oracle(bits, dtype, gqa, rows):
     torch.testing.assert_close(out.double(), oracle[0], rtol=tol, atol=tol)
     torch.testing.assert_close(lse.double(), oracle[1], rtol=1e-5, atol=1e-5)
     for b, m in enumerate(oracle[2]):
-        torch.testing.assert_close(rc.recall[4][b, :, :m.shape[1]].double(), m, rtol=1e-4,
-                                   atol=0)
+        torch.testing.assert_close(rc.plane[b, :, :m.shape[1]].double(), m, rtol=1e-4, atol=0)
 
 
 @pytest.mark.interpret
@@ -627,8 +650,8 @@ def test_triton_recall_never_reads_unused_rows_and_capacity(bits):
     batch = 2
     rc = recall_case(batch, 4, 2, 2, 2, 16, 64, 32, bits, torch.float16, [16, 48], [5, 32], k=9)
     clean_mass = rc.recall[4].clone()
-    clean = run_recall_kernel(rc, 0.25, recall=rc.recall[:4] + [clean_mass], num_splits=3,
-                              block_n=16)
+    clean = run_recall_kernel(rc, 0.25, recall=rc.recall[:4] + [clean_mass, rc.recall[5]],
+                              num_splits=3, block_n=16)
     rk, rv, idx = (t.clone() for t in rc.recall[:3])
     lens = rc.cache.bufs[-1]
     for b in range(rk.shape[0]):
@@ -638,7 +661,7 @@ def test_triton_recall_never_reads_unused_rows_and_capacity(bits):
                     rk[b, h, j] = rv[b, h, j] = float("nan")
     dirty_mass = rc.recall[4].clone()
     dirty = run_recall_kernel(rc, 0.25, bufs=poisoned(rc.cache, batch),
-                              recall=[rk, rv, idx, rc.recall[3], dirty_mass],
+                              recall=[rk, rv, idx, rc.recall[3], dirty_mass, rc.recall[5]],
                               num_splits=3, block_n=16)
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
     _assert_same(clean_mass, dirty_mass)
@@ -657,7 +680,7 @@ def test_public_recall_op_runs_reference_on_cpu():
     rc = recall_case(2, 3, 2, 3, 2, 16, 64, 16, 2, torch.bfloat16, [48, 0], [3, 16], k=7)
     expected_mass = rc.recall[4].clone()
     expected = decode_attention_recall_ref(rc.q, *rc.cache.bufs, *rc.recall[:4], expected_mass,
-                                           0.25, 2, 16)
+                                           rc.recall[5], 0.25, 2, 16)
     out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
     _assert_same(out, expected[0])
     _assert_same(lse, expected[1])
@@ -695,45 +718,38 @@ def test_public_recall_op_of_everything_is_full_precision_attention():
 def test_mass_with_own_lse_is_the_group_probability_and_topk_follows():
     """With lse_ref = the last row's own log-sum-exp, mass is the last row's attention
     probability summed over each KV group, and recall_topk on it picks recall_topk_ref's
-    positions from those probabilities."""
+    positions from those probabilities (the rings are not full: their tokens are -inf)."""
     rc = recall_case(2, 2, 2, 3, 2, 16, 64, 16, 2, torch.float32, [64, 48], [3, 16], k=5)
+    rc.recall[4].fill_(float("-inf"))  # as the cache allocates it
     _, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
     rc.recall[3] = lse[:, -1]  # a strided (B, H_q) view, as the engine will pass it
     decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
-    mass, lens = rc.recall[4], rc.cache.bufs[8]
     probs = recall_truth(rc, 0.25, torch.float64)[3]
     for b, p in enumerate(probs):                                    # p: (H_kv, gqa, n_quant)
         n_quant = p.shape[2]
-        torch.testing.assert_close(mass[b, :, :n_quant].double(), p.sum(1), rtol=1e-4, atol=1e-7)
-        # (ring=32: no ring counts as full, the region alone is held; test_recall_topk_*)
-        got = recall_topk(mass[b:b + 1], lens[b:b + 1], 9, ring=32)
+        torch.testing.assert_close(rc.plane[b, :, :n_quant].double(), p.sum(1), rtol=1e-4,
+                                   atol=1e-7)
+        got = recall_topk(rc.plane[b:b + 1], 9)
         assert got.tolist() == recall_topk_ref(p.reshape(1, 6, n_quant), 9, 2).tolist()
 
 
-def _held_next(lens, ring):
-    """Positions each slot holds quantized at the next step: its region, plus a full ring's
-    tokens (flushed first), by hand."""
-    return [n_quant + (ring if n_ring >= ring else 0) for n_quant, n_ring in lens.tolist()]
-
-
-def test_recall_topk_follows_the_rule_on_held_positions():
-    """Per slot, recall_topk_ref on the positions the next step holds (one query head per KV
-    head: the mass is the probability): the region, and a full ring's tokens (slot 4: its
-    ring of 8 is full, so positions 9..16 count); stale values past them never chosen; -1
-    padding."""
-    batch, h_kv, t_cap = 5, 3, 40
-    lens = torch.tensor([[32, 1], [17, 0], [0, 5], [3, 2], [9, 8], [1, 1]], dtype=torch.int32)
-    held = _held_next(lens[:batch], 8)
-    assert held == [32, 17, 0, 3, 17]
-    mass = torch.rand(batch, h_kv, t_cap)
+def test_recall_topk_ranks_held_positions_of_every_row():
+    """Per row (slot, layer, KV head): recall_topk_ref's rule on the positions with a mass (one
+    query head per KV head: the mass is the probability); -inf (not held) never chosen, even
+    where nothing else is; -1 padding."""
+    batch, layers, h_kv, t_cap = 3, 2, 3, 40
+    held = torch.tensor([[32, 17], [0, 3], [40, 9]])                   # (B, L)
+    mass = torch.rand(batch, layers, h_kv, t_cap)
     for b in range(batch):
-        mass[b, :, held[b]:] = 1e6  # stale
+        for l in range(layers):
+            mass[b, l, :, held[b, l]:] = float("-inf")
     for k in (0, 5, 17, 45):
-        got = recall_topk(mass, lens, k, ring=8)
-        assert got.shape == (batch, h_kv, k) and got.dtype == torch.int32
+        got = recall_topk(mass, k)
+        assert got.shape == (batch, layers, h_kv, k) and got.dtype == torch.int32
         for b in range(batch):
-            expected = recall_topk_ref(mass[b:b + 1, :, :held[b]], k, h_kv)[0]
-            assert got[b].tolist() == expected.tolist()
+            for l in range(layers):
+                expected = recall_topk_ref(mass[b:b + 1, l, :, :held[b, l]], k, h_kv)[0]
+                assert got[b, l].tolist() == expected.tolist(), (k, b, l)
 
 
 def test_recall_kernels_compile_for_sm90():
@@ -752,13 +768,15 @@ build(r._recall_store_kernel, {"k_ring": "*bf16", "v_ring": "*bf16", "lens": "*i
 def test_recall_topk_by_blocks():
     """recall_block: the k / block aligned blocks with the most summed mass over the held
     positions (a block partly held counts its held part), each as its positions in order;
-    positions past what the slot holds are -1."""
-    batch, h_kv, t_cap, block = 2, 2, 36, 4
-    lens = torch.tensor([[30, 3], [6, 0]], dtype=torch.int32)
+    positions not held are -1."""
+    batch, h_kv, t_cap, block = 2, 2, 38, 4
+    held = [33, 6]
     mass = torch.rand(batch, h_kv, t_cap)
-    got = recall_topk(mass, lens, 12, ring=16, block=block)
+    for b, n in enumerate(held):
+        mass[b, :, n:] = float("-inf")
+    got = recall_topk(mass, 12, block=block)
     assert got.shape == (batch, h_kv, 12)
-    for b, n in enumerate(_held_next(lens, 16)):
+    for b, n in enumerate(held):
         for h in range(h_kv):
             sums = [mass[b, h, i:min(i + block, n)].sum().item() for i in range(0, n, block)]
             order = sorted(range(len(sums)), key=lambda i: -sums[i])[:3]
@@ -769,23 +787,20 @@ def test_recall_topk_by_blocks():
 
 
 BAD_TOPK = [
-    ("mass dtype", lambda m, l, k: (m.half(), l, k), "mass: expected dtype"),
-    ("mass rank", lambda m, l, k: (m[0], l, k), "mass: expected 3 dims"),
-    ("lens dtype", lambda m, l, k: (m, l.long(), k), "lens: expected dtype"),
-    ("lens rows", lambda m, l, k: (m, l[:1], k), "lens: expected at least B=2"),
-    ("k", lambda m, l, k: (m, l, -1), "k: expected an int >= 0"),
-    ("ring", lambda m, l, k: (m, l, k, 0), "ring: expected an int >= 1"),
-    ("block", lambda m, l, k: (m, l, k, 16, 0), "block: expected an int >= 1"),
-    ("k by block", lambda m, l, k: (m, l, 6, 16, 4), "k: expected a multiple of block=4"),
+    ("mass dtype", lambda m: (m.half(), 4), "mass: expected dtype"),
+    ("mass 0-d", lambda m: (m[0, 0, 0], 4), "mass: expected at least 1 dim"),
+    ("mass strided", lambda m: (m.transpose(1, 2), 4), "mass: expected a contiguous"),
+    ("k", lambda m: (m, -1), "k: expected an int >= 0"),
+    ("k float", lambda m: (m, 4.0), "k: expected an int >= 0"),
+    ("block", lambda m: (m, 4, 0), "block: expected an int >= 1"),
+    ("k by block", lambda m: (m, 6, 4), "k: expected a multiple of block=4"),
 ]
 
 
 @pytest.mark.parametrize("name,make_bad,message", BAD_TOPK, ids=[b[0] for b in BAD_TOPK])
 def test_recall_topk_bad_inputs_raise(name, make_bad, message):
-    mass, lens = torch.rand(2, 2, 16), torch.full((3, 2), 16, dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
-        args = make_bad(mass, lens, 4)
-        recall_topk(*args, *((16,) if len(args) == 3 else ()))
+        recall_topk(*make_bad(torch.rand(2, 2, 16)))
 
 
 def test_recall_opcheck():
@@ -804,25 +819,28 @@ def test_compiled_recall_step_fullgraph_no_recompile():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     rc = recall_case(2, 2, 2, 2, 2, 16, 64, 16, 2, torch.float32, [64, 32], [3, 16], k=6)
-    rk, rv, idx, lse_ref, mass = rc.recall
+    rk, rv, idx, lse_ref, mass, layer = rc.recall
+    mass.fill_(float("-inf"))  # as the cache allocates it
     bufs = rc.cache.bufs
 
     @torch.compile(backend=counter, fullgraph=True)
     def step(q, lse_ref):
-        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, 0.25, 2, 16)
-        return out * 2.0, lse, recall_topk(mass[:2], bufs[8], 6, ring=16)
+        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, layer, 0.25,
+                                           2, 16)
+        return out * 2.0, lse, recall_topk(mass[:2], 6)
 
     for _ in range(2):
         expected_mass = mass.clone()
         out_ref, lse_ref_out = decode_attention_recall_ref(rc.q, *bufs, rk, rv, idx, lse_ref,
-                                                           expected_mass, 0.25, 2, 16)
+                                                           expected_mass, layer, 0.25, 2, 16)
         out, lse, nxt = step(rc.q, lse_ref)
         torch.testing.assert_close(out, out_ref * 2)
         torch.testing.assert_close(lse, lse_ref_out)
         _assert_same(mass, expected_mass)
-        assert nxt.tolist() == recall_topk(expected_mass[:2], bufs[8], 6, ring=16).tolist()
+        assert nxt.tolist() == recall_topk(expected_mass[:2], 6).tolist()
+        assert (nxt[:, 1 - LAYER] == -1).all()  # the other layer holds nothing
         # the next step: its indices, one more ring token, a new q, this step's lse
-        idx[:2].copy_(nxt)
+        idx[:2].copy_(nxt[:, LAYER])
         bufs[8][:2, 1] = torch.tensor([4, 15], dtype=torch.int32)
         rc.q.normal_()
         lse_ref = lse[:, -1].contiguous()
@@ -834,7 +852,7 @@ def _recall_valid_args():
     return [rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16]
 
 
-RQ, RK, RV, RIDX, LSE_REF, MASS = 0, 10, 11, 12, 13, 14
+RQ, RK, RV, RIDX, LSE_REF, MASS, LAYER_ARG = 0, 10, 11, 12, 13, 14, 15
 BAD_RECALL = [
     ("q rank", RQ, lambda t: t[:, 0], "q: expected 4 dims"),
     ("rows", RQ, lambda t: t.repeat(1, 2, 1, 1), r"rows \(q.shape\[1\]\)"),
@@ -853,9 +871,12 @@ BAD_RECALL = [
     ("lse_ref dtype", LSE_REF, lambda t: t.half(), "lse_ref: expected dtype"),
     ("lse_ref shape", LSE_REF, lambda t: t[:, :2], "lse_ref: expected shape"),
     ("mass dtype", MASS, lambda t: t.bfloat16(), "mass: expected dtype"),
-    ("mass short", MASS, lambda t: t[:, :, :64].contiguous(),
+    ("mass one layer", MASS, lambda t: t[:, 0].contiguous(), "mass: expected shape"),
+    ("mass short", MASS, lambda t: t[..., :64].contiguous(),
      "mass: expected at least T_cap \\+ ring rows = 80"),
-    ("mass view", MASS, lambda t: torch.zeros(4, 2, 80)[:3], "mass: expected a whole"),
+    ("mass view", MASS, lambda t: torch.zeros(4, 2, 2, 80)[:3], "mass: expected a whole"),
+    ("layer dtype", LAYER_ARG, lambda t: t.long(), "layer: expected dtype"),
+    ("layer 0-d", LAYER_ARG, lambda t: t[0], "layer: expected shape"),
 ]
 
 
@@ -1071,8 +1092,9 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
     rc = recall_case(batch, b_max, h_kv, gqa, 2, d, t_cap, 128, 2, torch.bfloat16,
                      [2048, 512, 16], [100, 3, 64], k=k, device="cuda")
     bufs, q = rc.cache.bufs, rc.q
-    rk, rv, idx, lse_ref, mass = rc.recall
+    rk, rv, idx, lse_ref, mass, layer = rc.recall
     idx.fill_(-1)
+    mass.fill_(float("-inf"))  # as the cache allocates it
     store = HostStore.allocate(max_batch_size=b_max, num_kv_heads=h_kv, capacity=t_cap,
                                head_dim=d, dtype=torch.bfloat16, device="cuda")
     store.k.copy_(torch.randn(store.k.shape).bfloat16())
@@ -1080,9 +1102,9 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
 
     def eager_step():
         recall_gather(store, idx[:batch], rk, rv)
-        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, d ** -0.5, 2,
-                                           16)
-        idx[:batch].copy_(recall_topk(mass[:batch], bufs[8], k, ring=128))
+        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, layer,
+                                           d ** -0.5, 2, 16)
+        idx[:batch].copy_(recall_topk(mass[:batch], k)[:, LAYER])
         lse_ref.copy_(lse[:, -1])
         return out, lse
 
