@@ -18,8 +18,10 @@ from torch import nn
 from minikv_compile import ops
 from minikv_compile.ops.rotation import hadamard_matrix
 
-# Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``).
-FUSED_MAX_ROWS = 8
+# Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``): one tile of 16
+# (padded) rows, so 9-16 rows cost what 8 do (H100, 16 x 2k: 6.36 ms a step against 7.15 for the
+# GEMM plan; SpeCache's 2 rows of 8 slots: 9.06 against 9.41; ``perf/NOTES.md``, "SpeCache").
+FUSED_MAX_ROWS = 16
 
 # What a several-row decode step hands from one launch to the next in place of an RMSNorm:
 # (norm weight * h, the sums of squares of h's rows in column blocks), see ``_norm_prologue``.

@@ -19,6 +19,7 @@ ROWS_AND_TILES = [
     (1, {}),
     (3, {}),
     (3, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
+    (16, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
 ]
 
 
@@ -520,7 +521,7 @@ LLAMA_LAYERS = [  # (N, K, prologue, residual)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K,prologue,residual", LLAMA_LAYERS)
-@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("M", [1, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_llama_layers(N, K, prologue, residual, M, dtype):
     rope = dict(rope_dim=128, rope_heads=40) if N == 6144 else {}  # q/k/v: 32 + 8 heads rotate
@@ -556,7 +557,7 @@ def test_gpu_fp32_bias_opcheck_and_graph_capture():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("M", [1, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_split_norm_llama_layers(M, dtype):
     # o_proj handing the post-attention norm's share to gate/up (SiLU-gate epilogue), and
