@@ -56,11 +56,15 @@ import triton.language as tl
 from ._checks import FLOAT_DTYPES, check_tensor
 from .cache_layout import check_base
 
-# Elements of one of k / v a gather program copies (8 per thread at 4 warps, 16 bytes of fp16).
-# Not tuned: no GPU was available when this was written. The issue's measurement (64 tokens x
-# 8 heads x 128 dims bf16 in 5.7 us on the H200, latency-bound) suggests many small programs,
-# so that many SMs have host reads in flight at once.
-_TILE_ELEMENTS = 1024
+# A gather program copies a plane's rows in tiles of this many elements of k (and of v): 64
+# rows of D 128, 32 KB of host reads in flight per program (8 rows: 9.07 ms a step at 8 x 4k on
+# the H100 against 8.78).
+_TILE_ELEMENTS = 8192
+# Programs along the planes, each looping over its share: a gather program waits on host reads
+# for its whole life, and each one resident takes an SM's share from the step's kernels on the
+# main stream. 8 x 4k (64 planes), H100: 8.78 ms a step with a program per plane, 8.40 with 16,
+# 7.83 with 8; 7.42 without any gather (``perf/NOTES.md``, "SpeCache in the engine").
+_GATHER_PROGRAMS = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,31 +73,34 @@ _TILE_ELEMENTS = 1024
 
 
 @triton.jit
-def _recall_gather_kernel(host_k, host_v, idx, recall_k, recall_v, T_cap, K, D,
+def _recall_gather_kernel(host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, PLANES,
                           BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b * H_kv + h, c): rows ``[c * BLOCK_K, (c + 1) * BLOCK_K)`` of plane (b, h).
+    """Program (p, c): rows ``[c * BLOCK_K, (c + 1) * BLOCK_K)`` of the planes (b * H_kv + h)
+    ``p, p + P, ...`` below ``PLANES`` (P programs along axis 0).
 
     host_k, host_v: (Bmax, H_kv, T_cap, D), possibly host memory; idx: (B, H_kv, K) int32;
     recall_k, recall_v: (Bmax, H_kv, K, D). The first B * H_kv planes of all of them are the
     planes of slots < B, so one plane index serves every tensor.
     """
-    bh = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     d = tl.arange(0, BLOCK_D)
     j_ok = j < K
     d_ok = d < D
-    # -- which host rows: -1 (and anything outside [0, T_cap), never read) gives a zero row
-    t = tl.load(idx + bh * K + j, mask=j_ok, other=-1)
-    hit = (t >= 0) & (t < T_cap)
-    src = (bh * T_cap + t)[:, None] * D + d[None, :]
-    src_mask = hit[:, None] & d_ok[None, :]
-    # -- read both host rows before storing either: two reads in flight per row
-    k = tl.load(host_k + src, mask=src_mask, other=0.0)
-    v = tl.load(host_v + src, mask=src_mask, other=0.0)
-    dst = (bh * K + j)[:, None] * D + d[None, :]
-    dst_mask = j_ok[:, None] & d_ok[None, :]
-    tl.store(recall_k + dst, k, mask=dst_mask)
-    tl.store(recall_v + dst, v, mask=dst_mask)
+    first, n_prog = tl.program_id(0), tl.num_programs(0)
+    for i in range(0, tl.cdiv(PLANES - first, n_prog)):
+        bh = first.to(tl.int64) + i * n_prog
+        # -- which host rows: -1 (and anything outside [0, T_cap), never read) gives a zero row
+        t = tl.load(idx + bh * K + j, mask=j_ok, other=-1)
+        hit = (t >= 0) & (t < T_cap)
+        src = (bh * T_cap + t)[:, None] * D + d[None, :]
+        src_mask = hit[:, None] & d_ok[None, :]
+        # -- read both host rows before storing either: two reads in flight per row
+        k = tl.load(host_k + src, mask=src_mask, other=0.0)
+        v = tl.load(host_v + src, mask=src_mask, other=0.0)
+        dst = (bh * K + j)[:, None] * D + d[None, :]
+        dst_mask = j_ok[:, None] & d_ok[None, :]
+        tl.store(recall_k + dst, k, mask=dst_mask)
+        tl.store(recall_v + dst, v, mask=dst_mask)
 
 
 @triton.jit
@@ -129,8 +136,8 @@ def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
         return
     block_d = triton.next_power_of_2(D)
     block_k = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(K)))
-    grid = (B * H, triton.cdiv(K, block_k))
-    _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D,
+    grid = (min(B * H, _GATHER_PROGRAMS), triton.cdiv(K, block_k))
+    _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, B * H,
                                 BLOCK_K=block_k, BLOCK_D=block_d)
 
 

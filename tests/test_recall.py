@@ -17,6 +17,7 @@ import torch
 
 from minikv_compile.ops import (HostStore, decode_attention, decode_attention_recall,
                                 recall_gather, recall_store, recall_topk)
+from minikv_compile.ops import recall as recall_module
 from minikv_compile.ops._checks import sm_count
 from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_recall_triton,
                                                  _decode_attention_triton, _plan,
@@ -60,7 +61,10 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     (1, 1, 1, 16, 1, 24),    # D not a power of two
     (2, 2, 3, 33, 70, 8),    # K > T_cap: several program columns, repeated rows
 ])
-def test_triton_gather_matches_reference(dtype, b_max, batch, h_kv, t_cap, k, d):
+@pytest.mark.parametrize("programs", [1 << 30, 2])  # a program per plane; 2 looping over them
+def test_triton_gather_matches_reference(dtype, b_max, batch, h_kv, t_cap, k, d, programs,
+                                         monkeypatch):
+    monkeypatch.setattr(recall_module, "_GATHER_PROGRAMS", programs)
     store, rk, rv = _gather_case(b_max, h_kv, t_cap, k, d, dtype)
     idx = _indices(batch, h_kv, k, t_cap)
     idx[0, 0, 0] = -1
@@ -757,7 +761,8 @@ def test_recall_kernels_compile_for_sm90():
     compile_for_sm90("""
 from minikv_compile.ops import recall as r
 build(r._recall_gather_kernel, {"host_k": "*bf16", "host_v": "*bf16", "idx": "*i32",
-      "recall_k": "*bf16", "recall_v": "*bf16", "T_cap": "i32", "K": "i32", "D": "i32"},
+      "recall_k": "*bf16", "recall_v": "*bf16", "T_cap": "i32", "K": "i32", "D": "i32",
+      "PLANES": "i32"},
       dict(BLOCK_K=8, BLOCK_D=128))
 build(r._recall_store_kernel, {"k_ring": "*bf16", "v_ring": "*bf16", "lens": "*i32",
       "ring_index": "*i32", "host_k": "*bf16", "host_v": "*bf16", "H": "i32", "T_cap": "i32",
