@@ -62,9 +62,11 @@ from .cache_layout import check_base
 _TILE_ELEMENTS = 8192
 # Programs along the planes, each looping over its share: a gather program waits on host reads
 # for its whole life, and each one resident takes an SM's share from the step's kernels on the
-# main stream. 8 x 4k (64 planes), H100: 8.78 ms a step with a program per plane, 8.40 with 16,
-# 7.83 with 8; 7.42 without any gather (``perf/NOTES.md``, "SpeCache in the engine").
-_GATHER_PROGRAMS = 8
+# main stream. H100, kivi-specache ms a step at 8 x 4k (64 planes) / 1 x 32k (8 planes): a
+# program per plane 8.78 / 7.6, 16 programs 8.40 / -, 8: 7.80-7.83 / 7.57-7.63, 4: 7.84 /
+# 7.42, 2: 9.87 / 7.39; no gather at all 7.42 / 7.33 (``perf/NOTES.md``, "SpeCache in the
+# engine").
+_GATHER_PROGRAMS = 4
 
 
 # ----------------------------------------------------------------------------------------------
