@@ -32,6 +32,7 @@ class Adapter(Protocol):  # what prefill and decode need of a model (see models/
     num_kv_heads: int
     head_dim: int
     scale: float
+    tp: object  # its ranks (models/parallel.py): check_same and from_rank0 at admission
 
     def embed(self, input_ids): ...
     def rope(self, h, positions): ...

@@ -136,6 +136,9 @@ class SlotRuntime:
         closing the generator early, or an error in the prefill, gives every one of them back
         empty. The requests join together, once the last layer is in.
         """
+        # tensor parallel: every rank admits the same requests (first: a rank whose requests
+        # failed the checks alone would leave the others waiting in the next collective)
+        self.adapter.tp.check_same("requests", (slots, requests))
         self._check_batch(slots, requests)
         if not (isinstance(layers_per_piece, int) and layers_per_piece >= 1):
             raise ValueError(f"layers_per_piece: expected a positive int, got {layers_per_piece!r}")
@@ -259,7 +262,8 @@ class SlotRuntime:
         if p.seed is not None:
             st.seed[s] = p.seed
         elif not p.greedy:  # greedy requests leave the caller's generator alone
-            st.seed[s] = int(torch.randint(0, 2**62, ()).item())
+            # (rank 0's draw on every rank: each process has a generator of its own)
+            st.seed[s] = self.adapter.tp.from_rank0(int(torch.randint(0, 2**62, ()).item()), dev)
         st.seen[s] = False
         st.seen[s, ids] = True
         if request.forced is not None:

@@ -116,6 +116,13 @@ class MiniKVConfig:
     cuda_graphs:
         Capture the decode step into CUDA graphs (one per batch-size bucket) and replay them.
         ``None``: on for a CUDA model; ``True`` for a CPU model is an error.
+    tensor_parallel:
+        Ranks the model is sharded over (``docs/algorithm.md``, "Tensor parallel"): 1, or the
+        world size of ``torch.distributed``'s default process group, which the caller
+        initialized (``torchrun --nproc-per-node N``, one process per device, every rank
+        calling ``minikv_compile`` and ``generate`` with the same arguments). Each rank then
+        holds ``1 / N`` of the KV heads (and their cache), the MLP and the LM head. Explicit,
+        not read off an initialized process group: data-parallel ranks each hold a whole model.
     """
 
     heavy_budget: float = 0.25
@@ -143,6 +150,7 @@ class MiniKVConfig:
     max_new_tokens: int = 256
     compile: Optional[bool] = None
     cuda_graphs: Optional[bool] = None
+    tensor_parallel: int = 1
 
     @classmethod
     def preset(cls, name: str, **fields) -> "MiniKVConfig":
@@ -175,7 +183,8 @@ class MiniKVConfig:
             raise ValueError(f"group_size: expected 32, 64 or 128 with bits=1 (one int32 packs 32 "
                              f"tokens of a key group), got {self.group_size}")
         for name in ("residual_length", "pyramid_depth", "snapkv_window", "snapkv_kernel",
-                     "selection_block", "max_batch_size", "max_prompt_len", "max_new_tokens"):
+                     "selection_block", "max_batch_size", "max_prompt_len", "max_new_tokens",
+                     "tensor_parallel"):
             store(name, _positive_int(name, getattr(self, name)))
         store("sink_tokens", check_int("sink_tokens", self.sink_tokens, lo=0))
         if self.residual_length % self.group_size:

@@ -16,7 +16,7 @@ from minikv_compile.graphs import budget
 from minikv_compile.graphs.cache import KVMemoryReport, kv_memory_report
 from minikv_compile.graphs.runtime import Request, SlotRuntime, engine_mode
 from minikv_compile.graphs.sampling import Sampling
-from minikv_compile.models import get_adapter
+from minikv_compile.models import TensorParallel, get_adapter
 
 from . import generation
 from .config import MiniKVConfig
@@ -62,6 +62,12 @@ class MiniKVModel:
     layer are concatenated in place (the model's own modules then hold views into them, and
     keep working); ``unfuse_projections()`` gives every module its own weights back.
 
+    With ``config.tensor_parallel = N > 1`` this object is one rank's engine: the model is
+    sharded in place to the rank's share (``models/parallel.py``), every rank builds it and
+    calls ``generate`` / ``teacher_force`` with the same arguments and gets the same tokens
+    (``ValueError`` on every rank if the arguments differ), and ``kv_memory`` reports the
+    rank's own shard of the cache.
+
     ``generate`` and ``teacher_force`` hold one lock, so threads sharing a model are served one
     after another. ``runtime`` (admit / release / step) is for one owner, such as a scheduler
     loop; ``generate`` refuses to run while slots it did not admit are in use.
@@ -81,7 +87,8 @@ class MiniKVModel:
         # On CUDA, q/k/v and gate/up weights are concatenated (the modules keep views into
         # them): fewer, larger GEMVs per decode step. The CPU keeps HF's exact kernels.
         self.adapter = get_adapter(model, config.max_prompt_len + config.max_new_tokens,
-                                   fuse_projections=on_cuda)
+                                   fuse_projections=on_cuda,
+                                   tp=TensorParallel.from_default_group(config.tensor_parallel))
         a = self.adapter
         a.rotate_heads(config.rotation)  # folds into the adapter's copies, never the model's
         if a.num_q_heads % a.num_kv_heads:
@@ -192,7 +199,8 @@ class MiniKVModel:
                   batch: Optional[int] = None) -> KVMemoryReport:
         """KV bytes of ``batch`` sequences of ``prompt_len + new_tokens`` tokens (the configured
         maxima by default) in this cache, against an uncompressed cache of the same batch and
-        lengths in the model's dtype; the whole allocation is reported beside."""
+        lengths in the model's dtype; the whole allocation is reported beside. With tensor
+        parallel: this rank's KV heads (its shard of the cache), against theirs uncompressed."""
         cfg = self.config
         L = cfg.max_prompt_len if prompt_len is None else check_int(
             "prompt_len", prompt_len, lo=1, hi=cfg.max_prompt_len)
@@ -200,8 +208,15 @@ class MiniKVModel:
             "new_tokens", new_tokens, lo=0, hi=cfg.max_new_tokens)
         B = cfg.max_batch_size if batch is None else check_int(
             "batch", batch, lo=1, hi=cfg.max_batch_size)
-        kept = budget.kept_per_layer(cfg, L, self.adapter.num_layers)
-        return kv_memory_report(self.runtime.cache, kept=kept, prompt_len=L, new_tokens=n, batch=B)
+        a = self.adapter
+        kept = budget.kept_per_layer(cfg, L, a.num_layers)
+        report = kv_memory_report(self.runtime.cache, kept=kept, prompt_len=L, new_tokens=n,
+                                  batch=B)
+        if a.tp.world == 1:
+            return report
+        shard = (f"tensor parallel: rank {a.tp.rank} of {a.tp.world}, its {a.num_kv_heads} of "
+                 f"{a.num_kv_heads * a.tp.world} KV heads (every figure is this rank's)")
+        return dataclasses.replace(report, notes=report.notes + [shard])
 
     def unfuse_projections(self) -> None:
         """Give the model's q/k/v and gate/up modules their own weights back (undoing the

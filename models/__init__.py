@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from .llama import LlamaFamilyAdapter
+from .parallel import TensorParallel
 
 # model_type -> adapter class. SmolLM2 is a Llama ("llama"); Mistral without a sliding window.
 ADAPTERS = {
@@ -16,10 +17,13 @@ ADAPTERS = {
 SUPPORTED_MODEL_TYPES = tuple(sorted(ADAPTERS))
 
 
-def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = False) -> LlamaFamilyAdapter:
+def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = False,
+                tp: TensorParallel = TensorParallel()) -> LlamaFamilyAdapter:
     """The adapter for ``model`` (an HF ``*ForCausalLM``), or ``NotImplementedError``.
 
-    ``fuse_projections`` concatenates q/k/v and gate/up weights in place (see ``llama.py``).
+    ``fuse_projections`` concatenates q/k/v and gate/up weights in place (see ``llama.py``);
+    ``tp`` of several ranks shards the model in place to this rank's share (``parallel.py``;
+    ``ValueError`` when its heads or features do not divide by the ranks).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -31,7 +35,8 @@ def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = F
         raise NotImplementedError(
             f"expected a *ForCausalLM with .model and .lm_head, got {type(model).__name__}"
         )
-    return ADAPTERS[model_type](model, max_positions, fuse_projections)
+    return ADAPTERS[model_type](model, max_positions, fuse_projections, tp)
 
 
-__all__ = ["ADAPTERS", "SUPPORTED_MODEL_TYPES", "get_adapter", "LlamaFamilyAdapter"]
+__all__ = ["ADAPTERS", "SUPPORTED_MODEL_TYPES", "get_adapter", "LlamaFamilyAdapter",
+           "TensorParallel"]

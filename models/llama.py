@@ -18,6 +18,8 @@ from torch import nn
 from minikv_compile import ops
 from minikv_compile.ops.rotation import hadamard_matrix
 
+from .parallel import TensorParallel, shard_rows
+
 # Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``): one tile of 16
 # (padded) rows, so 9-16 rows cost what 8 do (H100, 16 x 2k: 6.36 ms a step against 7.15 for the
 # GEMM plan; SpeCache's 2 rows of 8 slots: 9.06 against 9.41; ``perf/NOTES.md``, "SpeCache").
@@ -91,6 +93,11 @@ class LlamaFamilyAdapter:
 
     Shapes: ``h (B, S, hidden)``, ``q (B, H_q, S, D)``, ``k, v (B, H_kv, S, D)``,
     ``cos, sin (B, S, D)``; ``S`` is the prompt length in prefill and 1 in decode.
+
+    Tensor parallel (``tp`` of ``N > 1`` ranks, ``models/parallel.py``): the model's modules are
+    sharded in place (``_shard``) and ``num_q_heads`` / ``num_kv_heads`` are this rank's
+    (``H_q / N``, ``H_kv / N``); ``h`` stays whole (every rank holds the residual stream), the
+    logits are gathered to the whole ``vocab_size``.
     """
 
     # Prefill runs o_proj and the MLP over this many tokens at a time: the MLP's intermediate
@@ -98,7 +105,8 @@ class LlamaFamilyAdapter:
     # prompt otherwise, and every op there is per token, so chunking changes no result.
     prefill_chunk = 8192
 
-    def __init__(self, model: nn.Module, max_positions: int, fuse_projections: bool = False):
+    def __init__(self, model: nn.Module, max_positions: int, fuse_projections: bool = False,
+                 tp: TensorParallel = TensorParallel()):
         config = model.config
         self.model = model
         self.config = config
@@ -113,16 +121,59 @@ class LlamaFamilyAdapter:
         self.scale = float(self.layers[0].self_attn.scaling)
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         _check_no_sliding_window(config, max_positions)
+        self.tp = tp
+        if tp.world > 1:
+            self._shard()
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
         self.fused = [_fuse_layer(block) for block in self.layers] if fuse_projections else None
         # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
-        # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
-        self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
+        # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``). Not with
+        # several ranks: its epilogue adds the residual to this rank's partial product, before
+        # the all-reduce could sum them (tensor parallel runs the GEMM plan).
+        self.fused_decode = (self.fused is not None and _fusable(self.layers[0], config)
+                             and tp.world == 1)
         # ``rotate_heads("hadamard")``: H (D, D) fp32, and per layer the folded v_proj (CPU path;
         # the fused path holds it in its [q; k; v]) and o_proj weights. None: no rotation.
         self.hadamard: Optional[torch.Tensor] = None
         self.rotated_v: Optional[List[tuple]] = None
         self.rotated_o: Optional[List[tuple]] = None
+
+    def _shard(self) -> None:
+        """Keep this rank's share of every layer and of the LM head, in place (the full
+        tensors are freed; the model is this rank's shard from then on).
+
+        Attention by KV heads: k/v_proj rows of KV heads ``[r H_kv / N, (r + 1) H_kv / N)``,
+        q_proj rows of the query heads of their GQA groups (query head ``i`` reads KV head
+        ``i // (H_q / H_kv)``, so an equal split of both keeps each group on one rank), o_proj
+        columns of those query heads. MLP by intermediate features: gate/up rows, down_proj
+        columns. o_proj and down_proj give partial sums that ``_finish`` all-reduces, so their
+        biases stay on rank 0 alone (zeros elsewhere: added once, not N times). The LM head by
+        vocabulary rows (``shard_rows``: any vocabulary size), as a parameter of its own, so that
+        tied input embeddings stay whole. Embeddings and norms stay whole on every rank.
+        """
+        tp, D = self.tp, self.head_dim
+        heads = tp.split("num_key_value_heads", self.num_kv_heads)
+        q_heads = tp.split("num_attention_heads", self.num_q_heads)
+        ff = tp.split("intermediate_size", self.layers[0].mlp.gate_proj.weight.shape[0])
+        q_rows = slice(q_heads.start * D, q_heads.stop * D)
+        kv_rows = slice(heads.start * D, heads.stop * D)
+        with torch.no_grad():
+            for block in self.layers:
+                attn, mlp = block.self_attn, block.mlp
+                for lin, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows),
+                                  (attn.v_proj, kv_rows), (mlp.gate_proj, ff), (mlp.up_proj, ff)):
+                    _keep(lin, rows, None)
+                for lin, cols in ((attn.o_proj, q_rows), (mlp.down_proj, ff)):
+                    _keep(lin, None, cols)
+                    if lin.bias is not None and tp.rank != 0:
+                        lin.bias.data.zero_()
+            head = self.model.lm_head
+            for name in ("weight", "bias"):
+                p = getattr(head, name)
+                if p is not None:
+                    setattr(head, name, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
+        self.num_q_heads //= tp.world
+        self.num_kv_heads //= tp.world
 
     def decode_plan(self, rows: int, dtype: torch.dtype) -> DecodePlan:
         """What a decode step of ``rows`` rows in ``dtype`` runs (``DecodePlan``)."""
@@ -302,16 +353,21 @@ class LlamaFamilyAdapter:
                                             norm_out=w.next_norm)
                 return out[:, None], tuple(xn)
             return ops.fused_linear(act, down.weight, down.bias, residual=x)[:, None], None
-        h = h + (o(attn_out) if self.rotated_o is None else F.linear(attn_out, o_w, o_b))
+        # o_proj and down_proj: this rank's partial sums over its heads / features, summed
+        # over the ranks (``TensorParallel.all_reduce``; nothing with one rank)
+        sum_ranks = self.tp.all_reduce
+        h = h + sum_ranks(o(attn_out) if self.rotated_o is None else F.linear(attn_out, o_w, o_b))
         x = block.post_attention_layernorm(h)
         if w.gate_up is None:
-            return h + block.mlp(x), None
+            return h + sum_ranks(block.mlp(x)), None
         gate, up = F.linear(x, *w.gate_up).chunk(2, dim=-1)
-        return h + block.mlp.down_proj(block.mlp.act_fn(gate) * up), None
+        return h + sum_ranks(block.mlp.down_proj(block.mlp.act_fn(gate) * up)), None
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h (B, hidden) of the last position -> logits (B, vocab) in fp32."""
-        return self.model.lm_head(self.decoder.norm(h)).float()
+        """h (B, hidden) of the last position -> logits (B, vocab) in fp32 (with several ranks
+        each computes its vocabulary slice and every rank gets all of them)."""
+        local = self.model.lm_head(self.decoder.norm(h))                  # (B, V / N)
+        return self.tp.gather_vocab(local, self.vocab_size).float()
 
     def _fused_rows(self, h: torch.Tensor) -> bool:
         """Whether this call runs the ``ops.fused_linear`` path: a decode step (one position)
@@ -377,6 +433,16 @@ def _concat_linears(linears):
             m.bias.data = bias[row: row + n]
         row += n
     return weight, bias
+
+
+def _keep(lin: nn.Linear, rows: Optional[slice], cols: Optional[slice]) -> None:
+    """Keep ``rows`` (of weight and bias) or ``cols`` (of weight) of ``lin``, as tensors of
+    their own (a view would keep the whole tensor alive)."""
+    w = lin.weight.data
+    dense = torch.contiguous_format
+    lin.weight.data = (w[rows] if rows is not None else w[:, cols]).clone(memory_format=dense)
+    if rows is not None and lin.bias is not None:
+        lin.bias.data = lin.bias.data[rows].clone()
 
 
 def _rotate_each_head(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""Tensor parallelism: which share of a model a rank holds, and the collectives between ranks.
+
+One process per device (``torchrun --nproc-per-node N``), ``torch.distributed``'s default process
+group (NCCL on CUDA, gloo on the CPU). Rank ``r`` of ``N`` holds KV heads
+``[r H_kv / N, (r + 1) H_kv / N)`` with the query heads of their GQA groups, the same share of
+the MLP's intermediate features and the ``r``-th slice of the vocabulary (``models/llama.py``);
+the decode step and prefill then need only ``all_reduce`` (after o_proj and down_proj) and
+``gather_vocab`` (the logits). Both are ``torch.distributed._functional_collectives``, which
+``torch.compile(fullgraph=True)`` traces into the compiled step (and NCCL captures into a CUDA
+graph); with one rank they return their input and no collective runs, so a single-device engine
+runs the same code.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Rank ``rank`` of ``world`` ranks over ``group`` (None with one rank)."""
+
+    rank: int = 0
+    world: int = 1
+    group: Optional[Any] = None
+
+    @classmethod
+    def from_default_group(cls, size: int) -> "TensorParallel":
+        """``size`` ranks over ``torch.distributed``'s default process group, which the caller
+        (torchrun's script) initialized with exactly ``size`` ranks; ``size == 1``: one rank."""
+        if size == 1:
+            return cls()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"tensor_parallel: expected torch.distributed initialized with "
+                             f"{size} ranks (torchrun --nproc-per-node {size}, then "
+                             f"torch.distributed.init_process_group()), got no process group")
+        world = dist.get_world_size()
+        if world != size:
+            raise ValueError(f"tensor_parallel: expected the default process group's world "
+                             f"size, {world}, got {size}")
+        return cls(rank=dist.get_rank(), world=world, group=dist.group.WORLD)
+
+    def split(self, name: str, n: int) -> slice:
+        """This rank's share ``[r n / N, (r + 1) n / N)`` of ``n`` heads or features, or
+        ``ValueError`` naming ``name`` when ``n`` does not divide by the ranks."""
+        if n % self.world:
+            raise ValueError(f"tensor_parallel={self.world}: expected {name} divisible by "
+                             f"{self.world} (each rank holds an equal share), got {n}")
+        share = n // self.world
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (partial products of a row-parallel projection)."""
+        if self.world == 1:
+            return x
+        return funcol.all_reduce(x, "sum", self.group)
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """``(B, V_r)`` logits of this rank's vocabulary slice -> ``(B, vocab_size)``: every
+        rank's slice side by side, the last one's padding rows cut off (``shard_rows``)."""
+        if self.world == 1:
+            return logits
+        B, n = logits.shape
+        every = funcol.all_gather_single(logits, 0, self.group)          # (N * B, V_r)
+        return every.view(self.world, B, n).transpose(0, 1).reshape(B, -1)[:, :vocab_size]
+
+    def from_rank0(self, value: int, device: torch.device) -> int:
+        """Rank 0's ``value`` on every rank (eager, between steps: a seed drawn from each
+        process's own generator must be one seed)."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.broadcast(t, src=0, group=self.group)
+        return int(t.item())
+
+    def check_same(self, name: str, value: Any) -> None:
+        """``ValueError`` on every rank unless every rank passed an equal ``value`` (by the hash
+        of its pickle): ranks that admit different requests would run one step over different
+        batches and return nonsense rather than fail."""
+        if self.world == 1:
+            return
+        digest = hashlib.sha256(pickle.dumps(value)).hexdigest()
+        every = [None] * self.world
+        dist.all_gather_object(every, digest, group=self.group)
+        differ = [r for r, d in enumerate(every) if d != every[0]]
+        if differ:
+            raise ValueError(f"{name}: expected the same arguments on every rank (rank 0's), "
+                             f"got different ones on ranks {differ}")
+
+
+def shard_rows(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's ``ceil(n / N)`` rows of ``w (n, ...)``, the last rank's padded with zeros:
+    a vocabulary need not divide by the ranks (the gathered padding is cut off)."""
+    n = w.shape[0]
+    share = -(-n // tp.world)
+    part = w[tp.rank * share: (tp.rank + 1) * share]
+    out = w.new_zeros(share, *w.shape[1:])
+    out[: part.shape[0]] = part
+    return out
+
+
+__all__ = ["TensorParallel", "shard_rows"]

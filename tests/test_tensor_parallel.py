@@ -1,0 +1,244 @@
+"""Tensor parallel on the CPU: two processes over gloo, each holding half of a tiny random model.
+
+Each test's ranks run in fresh processes (``torch.multiprocessing``, a file store, gloo, a
+process-group timeout), bounded in time as a whole; a rank that raises fails the test with its
+traceback. The reference is the single-process engine on the same model (and HF's own greedy
+tokens for the uncompressed cache): fp32, greedy, so the tokens must be equal, not close.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.graphs.runtime import Request
+from minikv_compile.graphs.sampling import Sampling
+from minikv_compile.models import TensorParallel, get_adapter
+from test_engine import FULL, hf_greedy, prompt_of, tiny
+
+RANKS = 2
+DEADLINE_S = 300          # every rank of one test, start-up included
+GROUP_TIMEOUT_S = 60      # a collective waiting for a rank that is gone gives up after this
+FAILURE_TIMEOUT_S = 5     # the same in the test of failures
+
+CAP = dict(residual_length=32, max_prompt_len=128, max_new_tokens=70, max_batch_size=4)
+# name -> (tiny() arguments, MiniKVConfig fields). The tiny model: 4 query / 2 KV heads (one KV
+# head per rank), intermediate 192, vocabulary 101 (ragged over 2 ranks: 51 + 50).
+CASES = {
+    "full": ({}, dict(CAP, **FULL)),
+    "minikv": ({}, dict(CAP)),                                  # 2 bit, SnapKV eviction
+    "biases_hadamard": (dict(attention_bias=True, mlp_bias=True),  # o/down biases added once
+                        dict(CAP, rotation="hadamard")),
+    "qwen2": (dict(kind="qwen2"), dict(CAP, bits=4)),           # q/k/v biases
+    "qwen3": (dict(kind="qwen3"), dict(CAP, budget_policy="pyramid")),  # q/k norms
+    "specache": ({}, dict(CAP, heavy_budget=1.0, recent_budget=1.0, recall_top_k=16)),
+}
+# Compiled on the CPU (the ranks' collectives inside the compiled layer and choice): batch 1,
+# where a cold compile of each part takes seconds, not the minutes of every bucket and mode.
+COMPILED = dict(CAP, max_batch_size=1, compile=True)
+PROMPTS = [prompt_of(n, seed=n) for n in (37, 100, 5)]
+NEW = 70  # crosses two flushes of the 32-token ring
+SAMPLED = dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.9, seed=5)
+
+
+def _build(case: str, tp: int):
+    over, fields = CASES[case]
+    over = dict(over)
+    model = tiny(over.pop("kind", "llama"), **over)
+    _random_biases(model)
+    return minikv_compile(model, MiniKVConfig(**fields, tensor_parallel=tp))
+
+
+def _random_biases(model) -> None:
+    """HF initializes biases to zero, which would hide a bias added N times."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+
+
+def _generate_and_join(case: str, tp: int) -> dict:
+    """What the tests compare: greedy and sampled tokens of a batch, requests joining a
+    running batch through the runtime, the KV bytes per layer."""
+    cm = _build(case, tp)
+    out = {"greedy": cm.generate(PROMPTS, max_new_tokens=NEW).sequences,
+           "sampled": cm.generate(PROMPTS, max_new_tokens=NEW, **SAMPLED).sequences}
+    rt = cm.runtime
+    running = [Request(prompt_of(90, seed=1), NEW),
+               Request(prompt_of(30, seed=2), 50, sampling=Sampling(greedy=False, seed=9))]
+    for slot, r in enumerate(running):
+        rt.admit(slot, r)
+    for _ in range(20):
+        rt.step()
+    rt.admit(2, Request(prompt_of(61, seed=3), 40))          # joins: bucket 2 -> 4
+    for _ in range(10):
+        rt.step()
+    rt.release(1)                                            # leaves mid-generation
+    rt.admit(1, Request(prompt_of(12, seed=4), 30))          # and its slot is reused
+    while not all(rt.finished([0, 1, 2])):
+        rt.step()
+    out["joined"] = rt.outputs([0, 1, 2])
+    rt.release_all()
+    report = cm.kv_memory(prompt_len=100, new_tokens=NEW, batch=3)
+    out["kv"] = [[layer.codes, layer.scale_zero, layer.ring, layer.recall, layer.host]
+                 for layer in report.layers]
+    out["kv_notes"] = report.notes
+    # A sampled request without a seed, each rank's generator seeded differently: the ranks
+    # must still agree (rank 0's draw is every rank's seed).
+    torch.manual_seed(100 + (dist.get_rank() if tp > 1 else 0))
+    out["unseeded"] = cm.generate(PROMPTS[:1], max_new_tokens=30,
+                                  **dict(SAMPLED, seed=None)).sequences
+    return out
+
+
+def _every_case(tp: int) -> dict:
+    return {case: _generate_and_join(case, tp) for case in CASES}
+
+
+def _compiled(tp: int) -> dict:
+    """Greedy then sampled, compiled; the compile count after each."""
+    cm = minikv_compile(tiny(), MiniKVConfig(**COMPILED, tensor_parallel=tp))
+    out = {"greedy": [cm.generate([p], max_new_tokens=NEW).sequences[0] for p in PROMPTS]}
+    out["greedy_compiles"] = cm.stats["compiles"]
+    out["sampled"] = cm.generate(PROMPTS[1:2], max_new_tokens=NEW, **SAMPLED).sequences
+    out["compiles"] = cm.stats["compiles"]
+    return out
+
+
+def _failures(tp: int) -> dict:
+    """Ranks that disagree fail together; a rank that is stuck makes the others fail after the
+    group's timeout, and every later call at once (the group is broken): never hang."""
+    cm = _build("minikv", tp)
+    rank = dist.get_rank()
+    out = {}
+    try:
+        cm.generate([prompt_of(20 + rank)], max_new_tokens=5)  # a different prompt per rank
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    if rank == 1:  # stuck elsewhere for longer than the timeout, then gone
+        time.sleep(FAILURE_TIMEOUT_S + 3)
+        return out
+    for what in ("stuck", "after"):
+        start = time.perf_counter()
+        try:
+            cm.generate(PROMPTS[:1], max_new_tokens=5)
+        except Exception as e:  # noqa: BLE001 - whatever the transport raises, it must raise
+            out[what] = f"{type(e).__name__}: {e}"
+        out[what + "_seconds"] = time.perf_counter() - start
+    return out
+
+
+SCENARIOS = {"every_case": _every_case, "compiled": _compiled, "failures": _failures}
+
+
+def _rank_main(rank: int, world: int, store: str, out_dir: str, scenario: str):
+    torch.set_num_threads(1)  # two ranks on a small CPU machine
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=FAILURE_TIMEOUT_S
+                                                       if scenario == "failures"
+                                                       else GROUP_TIMEOUT_S))
+    torch.manual_seed(0)
+    result = SCENARIOS[scenario](world)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if scenario == "failures":
+        # gone without a word, as a crashed rank is (a group whose peer is gone aborts in
+        # its destructors at a normal exit: the result is already written)
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def run_ranks(tmp_path, scenario: str) -> list:
+    """Every rank's result of ``scenario`` (each rank a fresh process), within ``DEADLINE_S``."""
+    ctx = mp.start_processes(_rank_main, nprocs=RANKS, join=False, start_method="spawn",
+                             args=(RANKS, str(tmp_path / "store"), str(tmp_path), scenario))
+    deadline = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=5):  # raises with the rank's traceback if one fails
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{scenario}: ranks still running after {DEADLINE_S} s")
+    results = []
+    for r in range(RANKS):
+        with open(tmp_path / f"rank{r}.json") as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.fixture(scope="module")
+def every_case(tmp_path_factory):
+    """(each rank's results, the single process's) of every case, the ranks in one run."""
+    ranks = run_ranks(tmp_path_factory.mktemp("ranks"), "every_case")
+    return ranks, json.loads(json.dumps(_every_case(1)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_give_the_single_process_tokens(every_case, case):
+    ranks, alone = every_case[0], every_case[1][case]
+    ranks = [r[case] for r in ranks]
+    for key in ("greedy", "sampled", "joined"):
+        assert ranks[0][key] == ranks[1][key] == alone[key], key
+    if case == "full":  # and the uncompressed cache's tokens are HF's own
+        model = tiny()
+        assert alone["greedy"] == [hf_greedy(model, p, NEW) for p in PROMPTS]
+    # an unseeded sampled request: one seed (rank 0's draw) on both ranks
+    assert ranks[0]["unseeded"] == ranks[1]["unseeded"]
+    # each rank's cache holds one of the two KV heads: half of every per-head byte
+    for rank in ranks:
+        for mine, whole in zip(rank["kv"], alone["kv"]):
+            assert [2 * b for b in mine] == whole
+        assert any("1 of 2 KV heads" in note for note in rank["kv_notes"])
+
+
+def test_two_compiled_ranks_give_the_single_process_tokens_and_compile_as_often(tmp_path):
+    ranks = run_ranks(tmp_path, "compiled")
+    alone = json.loads(json.dumps(_compiled(1)))
+    for key in ("greedy", "sampled"):
+        assert ranks[0][key] == ranks[1][key] == alone[key], key
+    # the start, one layer (every layer's), the choice; then the sampling choice: the
+    # collectives inside the compiled parts cost no compile, and nothing recompiles over the
+    # three requests and 210 steps
+    assert alone["greedy_compiles"] == 3 and alone["compiles"] == 4
+    for rank in ranks:
+        assert (rank["greedy_compiles"], rank["compiles"]) == (3, 4)
+
+
+def test_ranks_that_disagree_or_are_gone_fail_instead_of_hanging(tmp_path):
+    ranks = run_ranks(tmp_path, "failures")
+    for rank in ranks:
+        assert "requests: expected the same arguments on every rank (rank 0's), got different " \
+               "ones on ranks [1]" in rank["mismatch"]
+    # rank 1 stuck: rank 0's collective gives up after the group's timeout, and its next call
+    # fails at once (gloo closed the pairs)
+    first, second = ranks[0]["stuck_seconds"], ranks[0]["after_seconds"]
+    assert "Timed out" in ranks[0]["stuck"] and FAILURE_TIMEOUT_S - 1 < first < FAILURE_TIMEOUT_S + 5
+    assert "after" in ranks[0] and second < 1, ranks[0]
+
+
+def test_heads_and_features_that_do_not_divide_by_the_ranks_are_refused():
+    half = TensorParallel(rank=0, world=2)  # the checks come before any collective
+    for over, name, given in ((dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=3),
+                               "num_key_value_heads", 3),
+                              (dict(intermediate_size=191), "intermediate_size", 191)):
+        model = tiny(**over)
+        before = model.model.layers[0].self_attn.q_proj.weight.clone()
+        with pytest.raises(ValueError, match=f"tensor_parallel=2: expected {name} divisible by "
+                                             f"2 .*, got {given}"):
+            get_adapter(model, 256, tp=half)
+        assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)  # untouched
+
+
+def test_tensor_parallel_needs_a_process_group_of_its_size():
+    with pytest.raises(ValueError, match="tensor_parallel: expected torch.distributed "
+                                         "initialized with 2 ranks .*, got no process group"):
+        minikv_compile(tiny(), MiniKVConfig(tensor_parallel=2))
+    with pytest.raises(ValueError, match="tensor_parallel: expected an int >= 1, got 0"):
+        MiniKVConfig(tensor_parallel=0)
