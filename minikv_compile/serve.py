@@ -737,6 +737,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               if getattr(args, f.name) is not None}
     try:
         config = MiniKVConfig(**fields)
+        if config.tensor_parallel != 1:  # docs/algorithm.md, "Tensor parallel": what it needs
+            raise ValueError(f"--tensor-parallel: expected 1 (the server does not run over "
+                             f"several ranks yet; generate() does), got {config.tensor_parallel}")
         check_int("--max-queue", args.max_queue, lo=1)
         check_int("--port", args.port, lo=0, hi=65535)
         for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):

@@ -538,6 +538,10 @@ def test_bad_flags_exit_with_the_message(model_dir, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(model_dir), "--prefill-ms", "0"])
     assert "--prefill-ms: expected a positive number, got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(model_dir), "--tensor-parallel", "2"])
+    assert "--tensor-parallel: expected 1 (the server does not run over several ranks yet" \
+        in capsys.readouterr().err
     blocker = model_dir / "config.json"  # a file: no folder can be made below it
     with pytest.raises(SystemExit):
         main(["--model", str(model_dir), "--compile-cache", str(blocker / "cache")])
