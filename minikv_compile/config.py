@@ -12,7 +12,7 @@ ROTATIONS = ("none", "hadamard")
 
 
 # Named configurations (``MiniKVConfig.preset``), chosen from the accuracy harness on SmolLM2
-# (perf/results/accuracy/specache-afe423b and specache-ppl-6921316: needle exact match over 240
+# (perf/results/accuracy/specache-afe423b, specache-ppl-6921316 and specache-39a688c: needle exact match over 240
 # prompts of 2k-7k tokens, the full cache 87.1%; perplexity x the full cache's).
 PRESETS = {
     # the MiniKV paper: H2O heavy hitters 25% + recent window 25%, 2 bit (needle 12.9%)
@@ -21,12 +21,12 @@ PRESETS = {
     # KIVI-2: 2 bit, nothing evicted (40.0%, perplexity x1.108)
     "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=0),
     # SpeCache as its paper runs it: KIVI-2's GPU copy, 64 positions per KV head recalled in
-    # full precision from host memory each step (82.1%, x1.003; 1.18x KIVI's step time on the
+    # full precision from host memory each step (83.8%, x1.004; 1.18x KIVI's step time on the
     # Llama-3.1-8B shape at 1 x 32k, 1.23x at 8 x 4k, H100)
     "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=64),
     # the full cache's quality at the fewest GPU bytes measured: KIVI-2 at group 64 with the
     # Hadamard rotation and the recall of 64 (15.6% of fp16's bytes by formula, 20% resident at
-    # 7k tokens with the ring and the recall buffers; 85.8%, x1.001; 1.17x the step of the same
+    # 7k tokens with the ring and the recall buffers; 85.8%, x1.002; 1.17x the step of the same
     # GPU copy without recall at 1 x 32k, 1.20x at 8 x 4k, H100).
     # Recall cannot bring back what eviction dropped: the library's selection + recall 64 scores
     # 85.8% too but misses the demo's question on the GPU at K 64, 128 and 256.
