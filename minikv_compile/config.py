@@ -12,8 +12,9 @@ ROTATIONS = ("none", "hadamard")
 
 
 # Named configurations (``MiniKVConfig.preset``), chosen from the accuracy harness on SmolLM2
-# (perf/results/accuracy/specache-afe423b, specache-ppl-6921316 and specache-39a688c: needle exact match over 240
-# prompts of 2k-7k tokens, the full cache 87.1%; perplexity x the full cache's).
+# (perf/results/accuracy/specache-afe423b, specache-ppl-6921316 and specache-39a688c: needle
+# exact match over 240 prompts of 2k-7k tokens, the full cache 87.1%; perplexity x the full
+# cache's).
 PRESETS = {
     # the MiniKV paper: H2O heavy hitters 25% + recent window 25%, 2 bit (needle 12.9%)
     "minikv": dict(heavy_budget=0.25, recent_budget=0.25, selection="h2o", snapkv_kernel=7,
