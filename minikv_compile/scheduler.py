@@ -26,6 +26,7 @@ from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
 
 from .engine import MiniKVModel
+from .ranks import HEARTBEAT_S, ReplicatedRuntime
 
 # Histogram bucket upper bounds (seconds) of the latency metrics.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -257,7 +258,8 @@ class Scheduler:
                  prefill_ms: Optional[float] = 50.0, prefill_layers: Optional[int] = None,
                  prefill_batch_tokens: int = 2048, prefill_batch_requests: int = 8):
         self.engine, self.tok, self.max_queue = engine, tokenizer, max_queue
-        self.rt = engine.runtime
+        # tensor parallel: rank 0 serves, each call that runs the model goes to every rank
+        self.rt = ReplicatedRuntime(engine) if engine.adapter.tp.world > 1 else engine.runtime
         if prefill_layers is not None and not (isinstance(prefill_layers, int)
                                                and not isinstance(prefill_layers, bool)
                                                and prefill_layers >= 1):
@@ -317,6 +319,9 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        stuck = self._thread is not None and self._thread.is_alive()
+        if isinstance(self.rt, ReplicatedRuntime) and not stuck:
+            self.rt.stop_followers()  # (not while the loop may still make calls)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -396,7 +401,8 @@ class Scheduler:
             with self._cv:
                 while (not self._stop and not self._waiting and not self._running
                        and self._admitting is None):
-                    self._cv.wait()
+                    if not self._cv.wait(HEARTBEAT_S) and isinstance(self.rt, ReplicatedRuntime):
+                        self.rt.heartbeat()  # idle: the other ranks are waiting for a call
                 if self._stop:
                     break
                 self._drop_cancelled()

@@ -9,6 +9,9 @@
 ``smollm2`` (the project's SmolLM2-135M-Instruct, ``models.smollm2.load_smollm2``); every
 ``MiniKVConfig`` field has a flag of its own name (``--heavy-budget``, ``--selection``, ...).
 ``--compile-cache`` keeps torch.compile's and Triton's artifacts across restarts.
+``--tensor-parallel N`` runs under ``torchrun --nproc-per-node N -m minikv_compile.serve ...``:
+every rank loads its shard, rank 0 listens and its scheduler drives the others
+(``minikv_compile.ranks``).
 The server listens at once and compiles / captures every bucket in the background: ``/health``
 answers 503 until the scheduler is ready, and so do the completion endpoints (with
 ``Retry-After``).
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -64,6 +68,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import MiniKVConfig
+from .ranks import follow
 from .inputs import MIN_TEMPERATURE, check_bool, check_float, check_int, eos_ids, sampling_params
 from .scheduler import LATENCY_BUCKETS, Delta, Handle, QueueFull, Scheduler, ServeRequest
 from minikv_compile.graphs.sampling import Sampling
@@ -73,6 +78,10 @@ __all__ = ["create_app", "main", "run_server"]
 _log = logging.getLogger("minikv_compile.serve")
 
 _MAX_STOPS = 4  # OpenAI's limit on stop strings
+# --tensor-parallel: a collective waiting longer than this for a rank ends the group with an error
+# (a stuck rank); above the slowest call one rank makes while another waits, a bucket's compile
+# and capture at warm-up, and above the idle rank 0's heartbeat (ranks.HEARTBEAT_S).
+RANK_TIMEOUT_S = 600
 # Fields a client may send that change nothing when left at their neutral value; any other
 # value is refused rather than silently ignored.
 _NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, 0),
@@ -737,9 +746,6 @@ def main(argv: Optional[List[str]] = None) -> int:
               if getattr(args, f.name) is not None}
     try:
         config = MiniKVConfig(**fields)
-        if config.tensor_parallel != 1:  # docs/algorithm.md, "Tensor parallel": what it needs
-            raise ValueError(f"--tensor-parallel: expected 1 (the server does not run over "
-                             f"several ranks yet; generate() does), got {config.tensor_parallel}")
         check_int("--max-queue", args.max_queue, lo=1)
         check_int("--port", args.port, lo=0, hi=65535)
         for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):
@@ -748,8 +754,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.prefill_ms > 0:
             raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
         _use_compile_cache(args.compile_cache)
+        if config.tensor_parallel > 1:
+            device = _join_ranks(config.tensor_parallel, device)
         model, tokenizer = _load(args.model, device, dtype)
         engine = minikv_compile(model, config)
+        if engine.adapter.tp.rank != 0:  # rank 0 serves; this rank makes its calls
+            # torchrun's SIGTERM reaches every rank at once: this one ends when rank 0, shutting
+            # down, sends its stop (killed now, it would fail rank 0's last collective)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            follow(engine)
+            torch.distributed.destroy_process_group()
+            return 0
         scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue,
                               prefill_ms=args.prefill_ms, prefill_layers=args.prefill_layers,
                               prefill_batch_tokens=args.prefill_batch_tokens,
@@ -759,6 +774,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = args.served_model_name or args.model
     app = create_app(scheduler, tokenizer, name, config)
     return run_server(app, scheduler, name, args.host, args.port)
+
+
+def _join_ranks(n: int, device: str) -> str:
+    """``--tensor-parallel n``: join torchrun's ``n`` ranks (NCCL on CUDA, gloo on the CPU) and
+    return this rank's device (``cuda:LOCAL_RANK``, or the CPU)."""
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if None in env.values():
+        raise ValueError(f"--tensor-parallel {n}: expected a launch by torchrun --nproc-per-node "
+                         f"{n} (RANK, WORLD_SIZE and LOCAL_RANK set), got a single process")
+    if int(env["WORLD_SIZE"]) != n:
+        raise ValueError(f"--tensor-parallel: expected torchrun's world size, "
+                         f"{env['WORLD_SIZE']}, got {n}")
+    if device.startswith("cuda"):
+        device = f"cuda:{env['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                         timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+    return device
 
 
 def _use_compile_cache(directory: Optional[str]) -> None:

@@ -111,33 +111,33 @@ def test_a_graph_compiled_mid_generation_leaves_running_slots_alone():
 
 def test_one_compiled_layer_serves_every_layer_of_each_plan():
     # The CUDA path's three plans, on the CPU: the fused projections (ops.fused_linear's
-    # reference) at batch 1 and at 2..8 (the input norm split over launches), GEMMs at 9..16.
-    # 8 layers, yet the layer compiles once per plan, and at 2..8 once per kind of layer (the
+    # reference) at batch 1 and at 2..16 (the input norm split over launches), GEMMs at 17..32.
+    # 8 layers, yet the layer compiles once per plan, and at 2..16 once per kind of layer (the
     # first takes no norm share, the last hands none on); the tokens are the eager step's.
     from minikv_compile.graphs.runtime import SlotRuntime
     from minikv_compile.models import get_adapter
 
     model = tiny(num_hidden_layers=8)
-    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 16, "max_new_tokens": 6})
-    requests = [Request(prompt_of(30 + 7 * i, seed=i), 6) for i in range(10)]
+    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 32, "max_new_tokens": 6})
+    requests = [Request(prompt_of(30 + 3 * i, seed=i), 6) for i in range(20)]
     outputs, compiles = [], []
     for compile in (True, False):
         adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens,
                               fuse_projections=True)
         rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.float32,
                          compile=compile, cuda_graphs=False)
-        for n in (1, 3, 10):  # buckets 1, 4 and 16
+        for n in (1, 3, 20):  # buckets 1, 4 and 32
             for slot in range(n):
                 rt.admit(slot, requests[slot])
             run_until_done(rt, list(range(n)))
             outputs.append(rt.outputs(list(range(n))))
             compiles.append(rt.runner.compiles)
             rt.release_all()
-    assert [adapter.decode_plan(b, torch.float32).split_norm for b in (1, 4, 16)] == [
-        False, True, False]
+    assert [adapter.decode_plan(b, torch.float32).split_norm for b in (1, 4, 16, 32)] == [
+        False, True, True, False]
     assert outputs[:3] == outputs[3:]
-    # the start, the layer and the choice at batch 1; at 2..8 the start, 3 kinds of layer and
-    # the choice; at 9..16 the GEMM layer alone (the start and the choice see no plan)
+    # the start, the layer and the choice at batch 1; at 2..16 the start, 3 kinds of layer and
+    # the choice; at 17..32 the GEMM layer alone (the start and the choice see no plan)
     assert compiles[:3] == [3, 8, 9]
 
 

@@ -21,7 +21,11 @@ from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
 from minikv_compile.models import TensorParallel, get_adapter
+from minikv_compile.ranks import follow
+from minikv_compile import scheduler as scheduler_module
+from minikv_compile.scheduler import Scheduler, ServeRequest
 from test_engine import FULL, hf_greedy, prompt_of, tiny
+from test_scheduler import CharTokenizer
 
 RANKS = 2
 DEADLINE_S = 300          # every rank of one test, start-up included
@@ -136,7 +140,42 @@ def _failures(tp: int) -> dict:
     return out
 
 
-SCENARIOS = {"every_case": _every_case, "compiled": _compiled, "failures": _failures}
+SERVED = [(prompt_of(n, seed=n), m) for n, m in ((90, 40), (17, 12), (60, 31), (120, 8), (33, 25))]
+SAMPLED_REQUEST = Sampling(greedy=False, temperature=1.2, seed=3)
+
+
+def _scheduler(tp: int) -> dict:
+    """Requests through rank 0's scheduler (the other rank follows its runtime's calls): idle
+    heartbeats, three requests, then two joining the running ones, prompts prefilled a layer between two steps, one
+    cancelled mid-stream, one too long for the engine (refused on rank 0 alone), a sampled one
+    with a seed; then the slots reused."""
+    cm = _build("minikv", tp)
+    if tp > 1 and dist.get_rank() != 0:
+        follow(cm)
+        return {}
+    scheduler_module.HEARTBEAT_S = 0.01  # idle rank 0 tells the other rank so (a no-op call)
+    sched = Scheduler(cm, CharTokenizer(), max_queue=8, prefill_layers=1)
+    sched.warm_up()
+    sched.start()
+    time.sleep(0.2)  # idle: heartbeats
+    handles = [sched.submit(ServeRequest(p, m)) for p, m in SERVED[:3]]
+    cancelled = sched.submit(ServeRequest(prompt_of(40, seed=8), 40))
+    next(iter(cancelled))
+    cancelled.cancel()
+    too_long = sched.submit(ServeRequest(prompt_of(200, seed=9), 5))
+    time.sleep(0.05)
+    handles += [sched.submit(ServeRequest(p, m)) for p, m in SERVED[3:]]
+    sampled = sched.submit(ServeRequest(SERVED[0][0], 20, SAMPLED_REQUEST))
+    out = {"texts": [h.result() for h in handles], "cancelled": cancelled.result()[1],
+           "too_long": too_long.result()[1], "sampled": sampled.result()}
+    out["again"] = sched.submit(ServeRequest(*SERVED[1])).result()  # a reused slot
+    out["slots_in_use"] = sched.slots_in_use
+    sched.shutdown()
+    return out
+
+
+SCENARIOS = {"every_case": _every_case, "compiled": _compiled, "failures": _failures,
+             "scheduler": _scheduler}
 
 
 def _rank_main(rank: int, world: int, store: str, out_dir: str, scenario: str):
@@ -209,6 +248,24 @@ def test_two_compiled_ranks_give_the_single_process_tokens_and_compile_as_often(
     assert alone["greedy_compiles"] == 3 and alone["compiles"] == 4
     for rank in ranks:
         assert (rank["greedy_compiles"], rank["compiles"]) == (3, 4)
+
+
+def test_requests_through_rank_0s_scheduler_give_the_single_process_tokens(tmp_path):
+    """The server's path: rank 0's scheduler drives both ranks; every request gets what the
+    single-process engine's generate gives it alone."""
+    rank0 = run_ranks(tmp_path, "scheduler")[0]
+    cm, tok = _build("minikv", 1), CharTokenizer()
+    want = [tok.decode(cm.generate([p], max_new_tokens=m, eos_token_id=[]).sequences[0])
+            for p, m in SERVED]
+    assert [tuple(t) for t in rank0["texts"]] == [(w, "length") for w in want]
+    assert tuple(rank0["again"]) == (want[1], "length")
+    assert rank0["cancelled"] == "cancelled" and rank0["too_long"].startswith("error: ")
+    rt = cm.runtime  # the sampled request alone, on the single process's runtime
+    rt.admit(0, Request(SERVED[0][0], 20, sampling=SAMPLED_REQUEST))
+    while not rt.finished([0])[0]:
+        rt.step()
+    assert tuple(rank0["sampled"]) == (tok.decode(rt.outputs([0])[0]), "length")
+    assert rank0["slots_in_use"] == 0
 
 
 def test_ranks_that_disagree_or_are_gone_fail_instead_of_hanging(tmp_path):
