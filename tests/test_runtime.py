@@ -286,8 +286,8 @@ def test_gpu_join_and_capture_under_the_sync_guard():
     replays = cm.stats["replays"]
     assert join() == first
     assert cm.stats["replays"] > replays
-    # 3 graphs, 8 compiles: the start at batch 1 and at 2..8 (bucket 4's graph, reused by
-    # bucket 2), the layer at batch 1 and at 2..8 (split norm: the first and the last of the 2
+    # 3 graphs, 8 compiles: the start at batch 1 and at 2..16 (bucket 4's graph, reused by
+    # bucket 2), the layer at batch 1 and at 2..16 (split norm: the first and the last of the 2
     # layers, one each), the choice for (1, greedy), (2.., greedy) and (2.., sample).
     assert len(cm.stats["graphs"]) == 3 and cm.stats["compiles"] == 8
 
