@@ -127,11 +127,8 @@ class LlamaFamilyAdapter:
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
         self.fused = [_fuse_layer(block) for block in self.layers] if fuse_projections else None
         # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
-        # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``). Not with
-        # several ranks: its epilogue adds the residual to this rank's partial product, before
-        # the all-reduce could sum them (tensor parallel runs the GEMM plan).
-        self.fused_decode = (self.fused is not None and _fusable(self.layers[0], config)
-                             and tp.world == 1)
+        # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
+        self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
         # ``rotate_heads("hadamard")``: H (D, D) fp32, and per layer the folded v_proj (CPU path;
         # the fused path holds it in its [q; k; v]) and o_proj weights. None: no rotation.
         self.hadamard: Optional[torch.Tensor] = None
@@ -179,9 +176,11 @@ class LlamaFamilyAdapter:
         """What a decode step of ``rows`` rows in ``dtype`` runs (``DecodePlan``)."""
         fused = self.fused_decode and rows <= FUSED_MAX_ROWS
         # fp16 keeps a separate norm: ``weight * h`` rounded before the division could overflow
-        # (a residual stream of 3e4 and a weight of 4 would).
+        # (a residual stream of 3e4 and a weight of 4 would). Several ranks keep it too: the
+        # launch before the norm has this rank's partial sum only, not h.
         return DecodePlan(rows=rows, fused_linear=fused,
-                          split_norm=fused and rows > 1 and dtype != torch.float16)
+                          split_norm=(fused and rows > 1 and dtype != torch.float16
+                                      and self.tp.world == 1))
 
     def rotate_heads(self, rotation: str) -> None:
         """Rotate every head's q, k and v by an orthonormal Hadamard matrix ``H`` (D x D).
@@ -334,16 +333,21 @@ class LlamaFamilyAdapter:
         block = w.block
         o = block.self_attn.o_proj
         o_w, o_b = w.o
+        # o_proj and down_proj: this rank's partial sums over its heads / features, summed
+        # over the ranks (``TensorParallel.all_reduce``; nothing with one rank)
+        sum_ranks = self.tp.all_reduce
         if self._fused_rows(h):
             down = block.mlp.down_proj
             post = block.post_attention_layernorm
-            split = self.decode_plan(h.shape[0], h.dtype).split_norm
+            split = self.decode_plan(h.shape[0], h.dtype).split_norm  # (one rank only)
+            # the residual in rank 0's epilogue alone: the ranks' sum adds it once
+            mine = (lambda t: t) if self.tp.rank == 0 else (lambda t: None)  # noqa: E731
             if split:  # the norm split over o_proj and gate/up
                 x, *xn = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0],
                                           norm_out=post.weight)
                 a, norm = _norm_prologue(post, x, xn)
             else:
-                x = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0])
+                x = sum_ranks(ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=mine(h[:, 0])))
                 a, norm = _norm_prologue(post, x)
             act = ops.fused_linear(a, *w.gate_up, **norm, glu_out=True)  # silu(gate) * up
             # next_norm is read only where the norm is split: elsewhere the last layer's None
@@ -352,10 +356,8 @@ class LlamaFamilyAdapter:
                 out, *xn = ops.fused_linear(act, down.weight, down.bias, residual=x,
                                             norm_out=w.next_norm)
                 return out[:, None], tuple(xn)
-            return ops.fused_linear(act, down.weight, down.bias, residual=x)[:, None], None
-        # o_proj and down_proj: this rank's partial sums over its heads / features, summed
-        # over the ranks (``TensorParallel.all_reduce``; nothing with one rank)
-        sum_ranks = self.tp.all_reduce
+            out = sum_ranks(ops.fused_linear(act, down.weight, down.bias, residual=mine(x)))
+            return out[:, None], None
         h = h + sum_ranks(o(attn_out) if self.rotated_o is None else F.linear(attn_out, o_w, o_b))
         x = block.post_attention_layernorm(h)
         if w.gate_up is None:

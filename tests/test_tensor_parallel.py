@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minikv_compile import MiniKVConfig, minikv_compile
-from minikv_compile.graphs.runtime import Request
+from minikv_compile.graphs.runtime import Request, SlotRuntime
 from minikv_compile.graphs.sampling import Sampling
 from minikv_compile.models import TensorParallel, get_adapter
 from minikv_compile.ranks import follow
@@ -140,6 +140,29 @@ def _failures(tp: int) -> dict:
     return out
 
 
+def _fused(tp: int) -> dict:
+    """The CUDA path's fused projections over the ranks (``ops.fused_linear``'s reference on the
+    CPU): the residual in rank 0's launches alone, the norm not split; batches of 1 and 3 on
+    the fused plan, 20 on the GEMM plan."""
+    model = tiny(attention_bias=True, mlp_bias=True)
+    _random_biases(model)
+    cfg = MiniKVConfig(**dict(CAP, max_batch_size=32, max_new_tokens=40))
+    adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens, fuse_projections=True,
+                          tp=TensorParallel.from_default_group(tp))
+    rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                     compile=False, cuda_graphs=False)
+    out = {"plans": [[p.fused_linear, p.split_norm]
+                     for p in (adapter.decode_plan(b, torch.float32) for b in (1, 4, 32))]}
+    for n in (1, 3, 20):
+        for slot in range(n):
+            rt.admit(slot, Request(prompt_of(20 + 5 * slot, seed=slot), 40))
+        while not all(rt.finished(list(range(n)))):
+            rt.step()
+        out[n] = rt.outputs(list(range(n)))
+        rt.release_all()
+    return out
+
+
 SERVED = [(prompt_of(n, seed=n), m) for n, m in ((90, 40), (17, 12), (60, 31), (120, 8), (33, 25))]
 SAMPLED_REQUEST = Sampling(greedy=False, temperature=1.2, seed=3)
 
@@ -175,7 +198,7 @@ def _scheduler(tp: int) -> dict:
 
 
 SCENARIOS = {"every_case": _every_case, "compiled": _compiled, "failures": _failures,
-             "scheduler": _scheduler}
+             "scheduler": _scheduler, "fused": _fused}
 
 
 def _rank_main(rank: int, world: int, store: str, out_dir: str, scenario: str):
@@ -248,6 +271,17 @@ def test_two_compiled_ranks_give_the_single_process_tokens_and_compile_as_often(
     assert alone["greedy_compiles"] == 3 and alone["compiles"] == 4
     for rank in ranks:
         assert (rank["greedy_compiles"], rank["compiles"]) == (3, 4)
+
+
+def test_two_ranks_on_the_fused_projections_give_the_single_process_tokens(tmp_path):
+    ranks = run_ranks(tmp_path, "fused")
+    alone = json.loads(json.dumps(_fused(1)))
+    # one rank splits the norm at several rows; two ranks cannot (h is a sum over them)
+    assert alone["plans"] == [[True, False], [True, True], [False, False]]
+    for rank in ranks:
+        assert rank["plans"] == [[True, False], [True, False], [False, False]]
+        for n in ("1", "3", "20"):
+            assert rank[n] == alone[n], n
 
 
 def test_requests_through_rank_0s_scheduler_give_the_single_process_tokens(tmp_path):
