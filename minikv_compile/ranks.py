@@ -36,10 +36,16 @@ _CALLS = ("prepare", "admit_batch_in_pieces", "next", "close", "step", "release"
 HEARTBEAT_S = 10.0
 
 
+# What rank 0 reads of its own runtime (every rank holds the same): anything else of the runtime
+# changes its slots or runs the model, and on rank 0 alone would leave the ranks apart.
+_READS = frozenset({"buckets", "state", "config", "free_slots", "admitted", "check_request",
+                    "poll", "poll_later", "finished", "outputs", "runner"})
+
+
 class ReplicatedRuntime:
     """Rank 0's runtime of a tensor-parallel engine: the calls that run the model or change the
-    slots go to every rank (``follow``) before rank 0 makes them; anything else is rank 0's
-    runtime's own attribute."""
+    slots go to every rank (``follow``) before rank 0 makes them; the reads of ``_READS`` are
+    rank 0's runtime's own; any other attribute is an ``AttributeError``."""
 
     def __init__(self, engine):
         tp = engine.adapter.tp
@@ -49,7 +55,12 @@ class ReplicatedRuntime:
         self._rt, self._group = engine.runtime, tp.group
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._rt, name)
+        if name in _READS:
+            return getattr(self._rt, name)
+        raise AttributeError(f"ReplicatedRuntime.{name}: expected a call every rank makes "
+                             f"({', '.join(c for c in _CALLS if c not in ('next', 'close'))}) or "
+                             f"a read ({', '.join(sorted(_READS))}); {name} on rank 0 alone "
+                             f"would leave the ranks apart")
 
     def _send(self, call: str, *args) -> None:
         dist.broadcast_object_list([(call, args)], src=0, group=self._group)

@@ -21,7 +21,7 @@ from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs.runtime import Request, SlotRuntime
 from minikv_compile.graphs.sampling import Sampling
 from minikv_compile.models import TensorParallel, get_adapter
-from minikv_compile.ranks import follow
+from minikv_compile.ranks import ReplicatedRuntime, follow
 from minikv_compile import scheduler as scheduler_module
 from minikv_compile.scheduler import Scheduler, ServeRequest
 from test_engine import FULL, hf_greedy, prompt_of, tiny
@@ -333,3 +333,15 @@ def test_tensor_parallel_needs_a_process_group_of_its_size():
         minikv_compile(tiny(), MiniKVConfig(tensor_parallel=2))
     with pytest.raises(ValueError, match="tensor_parallel: expected an int >= 1, got 0"):
         MiniKVConfig(tensor_parallel=0)
+
+
+def test_rank_0s_runtime_refuses_what_would_run_on_rank_0_alone():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CAP))
+    rt = ReplicatedRuntime(cm)  # (no collective until a call is made)
+    assert rt.buckets == cm.runtime.buckets and rt.free_slots() == [0, 1, 2, 3]
+    for name in ("admit", "admit_batch", "release_all", "finish"):
+        with pytest.raises(AttributeError, match=f"ReplicatedRuntime.{name}: expected a call "
+                                                 f"every rank makes .* would leave the ranks"):
+            getattr(rt, name)
+    with pytest.raises(ValueError, match="follow: expected a rank other than 0"):
+        follow(cm)
