@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .llama import LlamaFamilyAdapter
+from .llama import LlamaFamilyAdapter, shard_model
 from .parallel import TensorParallel
 
 # model_type -> adapter class. SmolLM2 is a Llama ("llama"); Mistral without a sliding window.
@@ -22,8 +22,9 @@ def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = F
     """The adapter for ``model`` (an HF ``*ForCausalLM``), or ``NotImplementedError``.
 
     ``fuse_projections`` concatenates q/k/v and gate/up weights in place (see ``llama.py``);
-    ``tp`` of several ranks shards the model in place to this rank's share (``parallel.py``;
-    ``ValueError`` when its heads or features do not divide by the ranks).
+    ``tp`` of several ranks shards the model in place to this rank's share (``shard_model``,
+    unless it is that shard already; ``ValueError`` when its heads or features do not divide
+    by the ranks).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -39,4 +40,4 @@ def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = F
 
 
 __all__ = ["ADAPTERS", "SUPPORTED_MODEL_TYPES", "get_adapter", "LlamaFamilyAdapter",
-           "TensorParallel"]
+           "TensorParallel", "shard_model"]

@@ -95,9 +95,10 @@ class LlamaFamilyAdapter:
     ``cos, sin (B, S, D)``; ``S`` is the prompt length in prefill and 1 in decode.
 
     Tensor parallel (``tp`` of ``N > 1`` ranks, ``models/parallel.py``): the model's modules are
-    sharded in place (``_shard``) and ``num_q_heads`` / ``num_kv_heads`` are this rank's
-    (``H_q / N``, ``H_kv / N``); ``h`` stays whole (every rank holds the residual stream), the
-    logits are gathered to the whole ``vocab_size``.
+    sharded in place (``shard_model``, unless the model is this rank's shard already) and
+    ``num_q_heads`` / ``num_kv_heads`` are this rank's (``H_q / N``, ``H_kv / N``); ``h`` stays
+    whole (every rank holds the residual stream), the logits are gathered to the whole
+    ``vocab_size``.
     """
 
     # Prefill runs o_proj and the MLP over this many tokens at a time: the MLP's intermediate
@@ -122,8 +123,14 @@ class LlamaFamilyAdapter:
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         _check_no_sliding_window(config, max_positions)
         self.tp = tp
-        if tp.world > 1:
-            self._shard()
+        shard = getattr(model, "minikv_shard", None)
+        if tp.world > 1 and shard is None:
+            shard_model(model, tp)
+        elif shard is not None and shard != (tp.rank, tp.world):
+            raise ValueError(f"model: expected a whole model or the shard of rank {tp.rank} of "
+                             f"{tp.world}, got the shard of rank {shard[0]} of {shard[1]}")
+        self.num_q_heads //= tp.world
+        self.num_kv_heads //= tp.world
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
         self.fused = [_fuse_layer(block) for block in self.layers] if fuse_projections else None
         # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
@@ -134,43 +141,6 @@ class LlamaFamilyAdapter:
         self.hadamard: Optional[torch.Tensor] = None
         self.rotated_v: Optional[List[tuple]] = None
         self.rotated_o: Optional[List[tuple]] = None
-
-    def _shard(self) -> None:
-        """Keep this rank's share of every layer and of the LM head, in place (the full
-        tensors are freed; the model is this rank's shard from then on).
-
-        Attention by KV heads: k/v_proj rows of KV heads ``[r H_kv / N, (r + 1) H_kv / N)``,
-        q_proj rows of the query heads of their GQA groups (query head ``i`` reads KV head
-        ``i // (H_q / H_kv)``, so an equal split of both keeps each group on one rank), o_proj
-        columns of those query heads. MLP by intermediate features: gate/up rows, down_proj
-        columns. o_proj and down_proj give partial sums that ``_finish`` all-reduces, so their
-        biases stay on rank 0 alone (zeros elsewhere: added once, not N times). The LM head by
-        vocabulary rows (``shard_rows``: any vocabulary size), as a parameter of its own, so that
-        tied input embeddings stay whole. Embeddings and norms stay whole on every rank.
-        """
-        tp, D = self.tp, self.head_dim
-        heads = tp.split("num_key_value_heads", self.num_kv_heads)
-        q_heads = tp.split("num_attention_heads", self.num_q_heads)
-        ff = tp.split("intermediate_size", self.layers[0].mlp.gate_proj.weight.shape[0])
-        q_rows = slice(q_heads.start * D, q_heads.stop * D)
-        kv_rows = slice(heads.start * D, heads.stop * D)
-        with torch.no_grad():
-            for block in self.layers:
-                attn, mlp = block.self_attn, block.mlp
-                for lin, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows),
-                                  (attn.v_proj, kv_rows), (mlp.gate_proj, ff), (mlp.up_proj, ff)):
-                    _keep(lin, rows, None)
-                for lin, cols in ((attn.o_proj, q_rows), (mlp.down_proj, ff)):
-                    _keep(lin, None, cols)
-                    if lin.bias is not None and tp.rank != 0:
-                        lin.bias.data.zero_()
-            head = self.model.lm_head
-            for name in ("weight", "bias"):
-                p = getattr(head, name)
-                if p is not None:
-                    setattr(head, name, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
-        self.num_q_heads //= tp.world
-        self.num_kv_heads //= tp.world
 
     def decode_plan(self, rows: int, dtype: torch.dtype) -> DecodePlan:
         """What a decode step of ``rows`` rows in ``dtype`` runs (``DecodePlan``)."""
@@ -435,6 +405,57 @@ def _concat_linears(linears):
             m.bias.data = bias[row: row + n]
         row += n
     return weight, bias
+
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> None:
+    """Keep rank ``tp.rank``'s share of every layer and of the LM head of a Llama-family
+    ``*ForCausalLM``, in place (the full tensors are freed), and mark the model
+    (``model.minikv_shard = (rank, world)``): an adapter of the same rank takes it as it is.
+    The adapter calls it on a whole model; a caller may call it first, on a model on the meta
+    device, and materialize the shard alone (a model larger than the host's memory): then the
+    non-persistent buffers (RoPE's ``inv_freq``) are computed anew and, on ranks other than 0,
+    o_proj's and down_proj's biases stay zero.
+
+    Attention by KV heads: k/v_proj rows of KV heads ``[r H_kv / N, (r + 1) H_kv / N)``,
+    q_proj rows of the query heads of their GQA groups (query head ``i`` reads KV head
+    ``i // (H_q / H_kv)``, so an equal split of both keeps each group on one rank), o_proj
+    columns of those query heads. MLP by intermediate features: gate/up rows, down_proj
+    columns. o_proj and down_proj give partial sums that the adapter all-reduces, so their
+    biases stay on rank 0 alone (zeros elsewhere: added once, not N times). The LM head by
+    vocabulary rows (``shard_rows``: any vocabulary size), as a parameter of its own, so that
+    tied input embeddings stay whole. Embeddings and norms stay whole on every rank.
+
+    Raises ``ValueError`` (before anything is touched) when the heads or the intermediate size
+    do not divide by the ranks, or the model is a shard already.
+    """
+    if getattr(model, "minikv_shard", None) is not None:
+        raise ValueError(f"model: expected a whole model, got the shard of rank "
+                         f"{model.minikv_shard[0]} of {model.minikv_shard[1]}")
+    config, layers = model.config, list(model.model.layers)
+    n_q = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_q
+    D = getattr(config, "head_dim", None) or config.hidden_size // n_q
+    heads = tp.split("num_key_value_heads", n_kv)
+    q_heads = tp.split("num_attention_heads", n_q)
+    ff = tp.split("intermediate_size", layers[0].mlp.gate_proj.weight.shape[0])
+    q_rows = slice(q_heads.start * D, q_heads.stop * D)
+    kv_rows = slice(heads.start * D, heads.stop * D)
+    with torch.no_grad():
+        for block in layers:
+            attn, mlp = block.self_attn, block.mlp
+            for lin, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows),
+                              (attn.v_proj, kv_rows), (mlp.gate_proj, ff), (mlp.up_proj, ff)):
+                _keep(lin, rows, None)
+            for lin, cols in ((attn.o_proj, q_rows), (mlp.down_proj, ff)):
+                _keep(lin, None, cols)
+                if lin.bias is not None and tp.rank != 0:
+                    lin.bias.data.zero_()
+        head = model.lm_head
+        for name in ("weight", "bias"):
+            p = getattr(head, name)
+            if p is not None:
+                setattr(head, name, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
+    model.minikv_shard = (tp.rank, tp.world)
 
 
 def _keep(lin: nn.Linear, rows: Optional[slice], cols: Optional[slice]) -> None:

@@ -7,6 +7,7 @@ tokens for the uncompressed cache): fp32, greedy, so the tokens must be equal, n
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs.runtime import Request, SlotRuntime
 from minikv_compile.graphs.sampling import Sampling
-from minikv_compile.models import TensorParallel, get_adapter
+from minikv_compile.models import TensorParallel, get_adapter, shard_model
 from minikv_compile.ranks import ReplicatedRuntime, follow
 from minikv_compile import scheduler as scheduler_module
 from minikv_compile.scheduler import Scheduler, ServeRequest
@@ -345,3 +346,37 @@ def test_rank_0s_runtime_refuses_what_would_run_on_rank_0_alone():
             getattr(rt, name)
     with pytest.raises(ValueError, match="follow: expected a rank other than 0"):
         follow(cm)
+
+
+def test_a_shard_cut_on_the_meta_device_then_materialized_is_the_ranks_shard():
+    """What a model larger than the host's memory needs: the shard cut from a model on the meta
+    device, then materialized, has the parameters of the shard of the whole model (names and
+    shapes; loaded from it, strictly), the adapter takes it as it is, and refuses another
+    rank's shard or a second cut."""
+    whole = tiny(attention_bias=True, mlp_bias=True)
+    _random_biases(whole)
+    for rank in (0, 1):
+        tp = TensorParallel(rank=rank, world=2)
+        real = copy.deepcopy(whole)
+        shard_model(real, tp)
+        with torch.device("meta"):
+            meta = tiny(device="meta", attention_bias=True, mlp_bias=True)
+        shard_model(meta, tp)
+        meta.to_empty(device="cpu")
+        meta.load_state_dict(real.state_dict())
+        for (name, a), (_, b) in zip(meta.named_buffers(), real.named_buffers()):
+            a.copy_(b)  # the non-persistent ones (RoPE's inv_freq) are computed, not loaded
+        assert {n: p.shape for n, p in meta.named_parameters()} == {
+            n: p.shape for n, p in real.named_parameters()}
+        q_rows = meta.model.layers[0].self_attn.q_proj.weight.shape[0]
+        adapter = get_adapter(meta, 256, tp=tp)
+        assert meta.model.layers[0].self_attn.q_proj.weight.shape[0] == q_rows  # not cut again
+        assert (adapter.num_q_heads, adapter.num_kv_heads) == (2, 1)
+        with pytest.raises(ValueError, match=f"model: expected a whole model or the shard of "
+                                             f"rank {1 - rank} of 2, got the shard of rank "
+                                             f"{rank} of 2"):
+            get_adapter(meta, 256, tp=TensorParallel(rank=1 - rank, world=2))
+        with pytest.raises(ValueError, match="model: expected a whole model, got the shard"):
+            shard_model(meta, tp)
+        with pytest.raises(ValueError, match="got the shard of rank"):
+            get_adapter(meta, 256)  # one rank: the whole model
