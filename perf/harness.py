@@ -60,6 +60,10 @@ SHAPES: Dict[str, ModelShape] = {
                    dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                         head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False)),
+        ModelShape("llama3.1-70b", "Llama-3.1-70B shape: 80 layers, 64 q / 8 KV heads (GQA), head dim 128",
+                   dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False)),
         ModelShape("llama2-7b", "Llama-2-7B shape: 32 layers, 32 heads (MHA), head dim 128",
                    dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -238,11 +242,12 @@ class EngineRunner:
     """
 
     def __init__(self, model, method: str, *, batch: int, prompt_len: int, new_tokens: int,
-                 compiled: bool = True):
+                 compiled: bool = True, tensor_parallel: int = 1):
         self.model, self.method = model, method
         self.device = next(model.parameters()).device
         self.prompt_len, self.new_tokens = prompt_len, new_tokens
         extra = {} if compiled else dict(compile=False, cuda_graphs=False)
+        extra["tensor_parallel"] = tensor_parallel  # a shard of each rank (perf/bench_tp.py)
         self.config = engine_config(method, max_batch_size=batch, max_prompt_len=prompt_len,
                                     max_new_tokens=new_tokens, **extra)
         start = time.perf_counter()

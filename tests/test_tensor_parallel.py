@@ -380,3 +380,28 @@ def test_a_shard_cut_on_the_meta_device_then_materialized_is_the_ranks_shard():
             shard_model(meta, tp)
         with pytest.raises(ValueError, match="got the shard of rank"):
             get_adapter(meta, 256)  # one rank: the whole model
+
+
+def test_the_tensor_parallel_benchmark_runs_under_torchrun(tmp_path):
+    """``bench_tp --tiny`` end to end over two gloo ranks (its plumbing: the figures on the CPU
+    are not performance figures): a row per case, each rank's bytes its share."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "tp.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "minikv_compile.perf.bench_tp", "--tiny",
+                          "--out", str(out)], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["batch"], r["prompt_len"], r["ranks"]) for r in result["rows"]] == [
+        (1, 96, 2), (2, 64, 2)]
+    from minikv_compile.perf.harness import meta_model, model_summary
+
+    whole = model_summary(meta_model("tiny"))["parameters"]
+    # every layer's projections and the LM head are split; the embeddings and norms are not
+    assert whole / 2 < result["summary_per_rank"]["parameters"] < whole
+    for row in result["rows"]:
+        assert row["ms_per_token"] > 0 and row["all_reduce_ms"] > 0 and row["gather_ms"] > 0
+        assert row["weight_bytes_per_rank"] == result["summary_per_rank"][
+            "weight_bytes_read_per_step"]

@@ -1,0 +1,152 @@
+"""Benchmark tensor-parallel decode: ms/token over the GPUs of one host against its floor.
+
+    torchrun --nproc-per-node N -m minikv_compile.perf.bench_tp [--shape llama3.1-70b] \\
+        [--cases 1x32768,8x4096] [--methods minikv,kivi] [--out tp.json] [--tiny]
+
+Every rank builds its shard of a random-weight model of ``--shape``: cut from the model on the
+meta device (``models.shard_model``), then materialized on its own GPU, because the Llama-3.1-70B
+shape is ~141 GB of bf16 weights, more than one H200 holds. Per method and case (batch x prompt)
+every rank compiles the engine with ``tensor_parallel=N`` and runs the same ``generate`` calls
+(``harness.time_decode``: ms per step of a timed call after a warm-up call); rank 0 writes the
+rows. The tensor-parallel floor of a case is what one rank cannot avoid per step: its shard's
+weight and KV bytes over its measured copy bandwidth (``measure.copy_bandwidth``), plus the
+step's collectives, each measured alone over the ranks (``2 L`` all-reduces of ``(B, hidden)``
+and one gather of the ``(B, V / N)`` logits).
+
+``--tiny`` runs the plumbing on the tiny shape (on the CPU over gloo where there is no GPU);
+its figures are not performance figures. HF's ``tp_plan="auto"`` baseline is not here yet.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from minikv_compile.models import TensorParallel, shard_model
+from minikv_compile.perf.argtypes import comma_list
+from minikv_compile.perf.harness import (SHAPES, EngineRunner, floor_figures, make_prompts,
+                                         model_summary, time_decode)
+from minikv_compile.perf.measure import copy_bandwidth, git_info, write_json
+
+def join_ranks() -> torch.device:
+    """torchrun's rank joins the group (NCCL on CUDA, gloo without); returns its device."""
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("bench_tp: expected a launch by torchrun --nproc-per-node N")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=900))
+    return device
+
+
+def sharded_model(shape: str, tp: TensorParallel, device: torch.device, dtype: torch.dtype):
+    """This rank's shard of a random-weight model of ``shape``: cut on the meta device, then
+    materialized on ``device`` (weights N(0, 0.02), RoPE's buffers computed anew)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SHAPES[shape].config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    shard_model(model, tp)
+    model.to_empty(device=device)
+    torch.manual_seed(tp.rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    with torch.device(device):  # (its buffers are not weights: computed, not loaded)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    model.eval()
+    gen = model.generation_config
+    gen.eos_token_id, gen.pad_token_id, gen.do_sample = None, 0, False
+    return model
+
+
+def collective_ms(tp: TensorParallel, batch: int, hidden: int, vocab_share: int,
+                  dtype: torch.dtype, device: torch.device, reps: int = 50) -> Dict[str, float]:
+    """Mean ms of one all-reduce of ``(batch, hidden)`` and of one gather of the ``(batch,
+    vocab_share)`` logits over the ranks (``reps`` back to back after a warm-up, one sync)."""
+    x = torch.randn(batch, hidden, dtype=dtype, device=device)
+    logits = torch.randn(batch, vocab_share, dtype=dtype, device=device)
+    out = {}
+    for name, run in (("all_reduce_ms", lambda: tp.all_reduce(x)),
+                      ("gather_ms", lambda: tp.gather_vocab(logits, vocab_share * tp.world))):
+        for _ in range(5):
+            run().sum().item()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            y = run()
+        y.sum().item()
+        out[name] = 1e3 * (time.perf_counter() - start) / reps
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default=None, help="default llama3.1-70b (tiny with --tiny)")
+    ap.add_argument("--cases", type=comma_list, default=None,
+                    help="BxL comma list (default 1x32768,8x4096)")
+    ap.add_argument("--methods", type=comma_list, default=["minikv"])
+    ap.add_argument("--warm-tokens", type=int, default=8)
+    ap.add_argument("--timed-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None, help="JSON file for the rows (rank 0)")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args(argv)
+    device = join_ranks()
+    tp = TensorParallel.from_default_group(dist.get_world_size())
+    shape = args.shape or ("tiny" if args.tiny else "llama3.1-70b")
+    cases = [tuple(int(v) for v in c.split("x")) for c in
+             (args.cases or (["1x96", "2x64"] if args.tiny else ["1x32768", "8x4096"]))]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = sharded_model(shape, tp, device, dtype)
+    summary = model_summary(model)
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    rows: List[dict] = []
+    for method in args.methods:
+        for batch, prompt_len in cases:
+            new = args.timed_tokens + 1
+            runner = EngineRunner(model, method, batch=batch, prompt_len=prompt_len,
+                                  new_tokens=new, tensor_parallel=tp.world)
+            timing = time_decode(runner, make_prompts(batch, prompt_len, summary["vocab"]),
+                                 args.warm_tokens, args.timed_tokens)
+            comm = collective_ms(tp, batch, summary["hidden"], model.lm_head.weight.shape[0],
+                                 dtype, device)
+            step_comm_ms = 2 * summary["layers"] * comm["all_reduce_ms"] + comm["gather_ms"]
+            # this rank's bytes: its weights (the shard), its KV heads' share of the cache
+            floor = floor_figures(model, method, prompt_len, batch, timing["generated_mid"],
+                                  None, None)
+            kv = floor["kv_bytes_read"] // tp.world
+            row = {"method": method, "batch": batch, "prompt_len": prompt_len,
+                   "ranks": tp.world, "ms_per_token": timing["ms_per_token"],
+                   "weight_bytes_per_rank": floor["weight_bytes_read"], "kv_bytes_per_rank": kv,
+                   **comm, "step_collectives_ms": step_comm_ms, "setup": runner.setup_info()}
+            if bandwidth:
+                row["floor_ms"] = (1e3 * (floor["weight_bytes_read"] + kv)
+                                   / bandwidth["bytes_per_s"] + step_comm_ms)
+                row["x_floor"] = timing["ms_per_token"] / row["floor_ms"]
+            rows.append(row)
+            runner.close()
+            if tp.rank == 0:
+                print(f"{method} {batch}x{prompt_len} on {tp.world} ranks: "
+                      f"{timing['ms_per_token']:.2f} ms/token"
+                      + (f", floor {row['floor_ms']:.2f} ms (x{row['x_floor']:.2f})"
+                         if bandwidth else ""), flush=True)
+    if tp.rank == 0 and args.out:
+        env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "git": git_info(Path.cwd()).get("sha")}
+        write_json(args.out, {"shape": shape, "summary_per_rank": summary, "env": env,
+                              "bandwidth": bandwidth, "rows": rows})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
