@@ -14,7 +14,10 @@ step's collectives, each measured alone over the ranks (``2 L`` all-reduces of `
 and one gather of the ``(B, V / N)`` logits).
 
 ``--tiny`` runs the plumbing on the tiny shape (on the CPU over gloo where there is no GPU);
-its figures are not performance figures. HF's ``tp_plan="auto"`` baseline is not here yet.
+its figures are not performance figures. HF's tensor-parallel baseline is not here yet: HF shards
+in ``from_pretrained`` (``tp_plan="auto"``; a ``DistributedConfig(tp_size=N)`` in 5.x), from a
+checkpoint, which for the 70B shape is 141 GB, more than the 2-GPU machine's 128 GiB disk; its
+``apply_tensor_parallelism`` on a model built in memory is the way to try.
 """
 from __future__ import annotations
 
