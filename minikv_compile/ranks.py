@@ -8,9 +8,9 @@ release. So rank 0's scheduler drives a ``ReplicatedRuntime``, which sends each 
 other ranks (one ``broadcast_object_list`` of the call and its arguments) before making it
 itself, and every other rank runs ``follow`` until rank 0 says stop::
 
-    rank 0:  Scheduler(engine, ...)  ->  ReplicatedRuntime(engine.runtime)  ->  its runtime
-                                              | (prepare, admit_batch_in_pieces, next, close,
-                                              v  step, release; stop)
+    rank 0:  Scheduler(engine, ...)  ->  ReplicatedRuntime(engine)  ->  its runtime
+                                        | (prepare, admit_batch_in_pieces, next, close,
+                                        v  step, release, noop; stop)
     rank r:  follow(engine)  ->  its runtime, the same calls
 
 Reads (``free_slots``, ``poll``, ``check_request``, ...) stay on rank 0: every rank holds the
@@ -34,8 +34,6 @@ _CALLS = ("prepare", "admit_batch_in_pieces", "next", "close", "step", "release"
 # An idle rank 0 says so this often: the others wait in a collective, which the process group's
 # timeout (``serve``: ``RANK_TIMEOUT_S``) would otherwise end.
 HEARTBEAT_S = 10.0
-
-
 # What rank 0 reads of its own runtime (every rank holds the same): anything else of the runtime
 # changes its slots or runs the model, and on rank 0 alone would leave the ranks apart.
 _READS = frozenset({"buckets", "state", "config", "free_slots", "admitted", "check_request",
