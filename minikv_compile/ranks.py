@@ -84,8 +84,10 @@ class ReplicatedRuntime:
         self._send("noop")
 
     def stop_followers(self) -> None:
-        """End every other rank's ``follow`` (rank 0's last call)."""
+        """End every other rank's ``follow`` (rank 0's last call), and wait for them there: no
+        rank tears its process group down while another is still in a collective."""
         self._send("stop")
+        dist.barrier(group=self._group)
 
 
 class _Pieces:
@@ -122,6 +124,7 @@ def follow(engine) -> None:
         if call not in _CALLS:
             raise RuntimeError(f"follow: expected one of {_CALLS} from rank 0, got {call!r}")
         if call == "stop":
+            dist.barrier(group=tp.group)  # (ReplicatedRuntime.stop_followers)
             return
         if call == "noop":
             continue
