@@ -61,18 +61,18 @@ class RecallBuffers:
         self.idx = torch.full((L, B, H, K), -1, dtype=torch.int32, device=device)
         self.mass = torch.full((B, L, H, max(capacities) + ring_rows), float("-inf"),
                                dtype=torch.float32, device=device)
-        layer_ids = torch.arange(L, dtype=torch.int32, device=device)
+        self.layer_ids = torch.arange(L, dtype=torch.int32, device=device)
         self.layers = [RecallLayer(torch.zeros(B, H, K, D, dtype=dtype, device=device),
                                    torch.zeros(B, H, K, D, dtype=dtype, device=device),
                                    self.idx[i],
                                    torch.zeros(B, num_q_heads, dtype=torch.float32, device=device),
-                                   layer_ids[i:i + 1])
+                                   self.layer_ids[i:i + 1])
                        for i in range(L)]
 
     @property
     def device_bytes(self) -> int:
         """Bytes of the device buffers (every slot)."""
-        return (self.mass.nbytes + self.idx.nbytes + 4 * len(self.layers)
+        return (self.mass.nbytes + self.idx.nbytes + self.layer_ids.nbytes
                 + sum(t.nbytes for layer in self.layers for t in (layer.k, layer.v, layer.lse_ref)))
 
     def empty_slots(self, start: int, stop: int) -> None:

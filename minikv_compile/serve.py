@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import json
 import logging
 import math
@@ -68,10 +67,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import MiniKVConfig
-from .ranks import follow
 from .inputs import MIN_TEMPERATURE, check_bool, check_float, check_int, eos_ids, sampling_params
+from .ranks import follow
 from .scheduler import LATENCY_BUCKETS, Delta, Handle, QueueFull, Scheduler, ServeRequest
 from minikv_compile.graphs.sampling import Sampling
+from minikv_compile.models.parallel import join_torchrun
 
 __all__ = ["create_app", "main", "run_server"]
 
@@ -755,7 +755,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
         _use_compile_cache(args.compile_cache)
         if config.tensor_parallel > 1:
-            device = _join_ranks(config.tensor_parallel, device)
+            n = config.tensor_parallel
+            device = str(join_torchrun(f"--tensor-parallel {n}", n, device.startswith("cuda"),
+                                       RANK_TIMEOUT_S))
         model, tokenizer = _load(args.model, device, dtype)
         engine = minikv_compile(model, config)
         if engine.adapter.tp.rank != 0:  # rank 0 serves; this rank makes its calls
@@ -776,24 +778,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if config.tensor_parallel > 1:
         _leave_ranks(status)
     return status
-
-
-def _join_ranks(n: int, device: str) -> str:
-    """``--tensor-parallel n``: join torchrun's ``n`` ranks (NCCL on CUDA, gloo on the CPU) and
-    return this rank's device (``cuda:LOCAL_RANK``, or the CPU)."""
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if None in env.values():
-        raise ValueError(f"--tensor-parallel {n}: expected a launch by torchrun --nproc-per-node "
-                         f"{n} (RANK, WORLD_SIZE and LOCAL_RANK set), got a single process")
-    if int(env["WORLD_SIZE"]) != n:
-        raise ValueError(f"--tensor-parallel: expected torchrun's world size, "
-                         f"{env['WORLD_SIZE']}, got {n}")
-    if device.startswith("cuda"):
-        device = f"cuda:{env['LOCAL_RANK']}"
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                         timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
-    return device
 
 
 def _leave_ranks(status: int) -> None:

@@ -114,9 +114,7 @@ class LlamaFamilyAdapter:
         self.decoder = model.model
         self.layers = list(self.decoder.layers)
         self.num_layers = len(self.layers)
-        self.num_q_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
+        self.num_q_heads, self.num_kv_heads, self.head_dim = _heads(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.scale = float(self.layers[0].self_attn.scaling)
@@ -310,14 +308,14 @@ class LlamaFamilyAdapter:
             down = block.mlp.down_proj
             post = block.post_attention_layernorm
             split = self.decode_plan(h.shape[0], h.dtype).split_norm  # (one rank only)
-            # the residual in rank 0's epilogue alone: the ranks' sum adds it once
-            mine = (lambda t: t) if self.tp.rank == 0 else (lambda t: None)  # noqa: E731
+            first = self.tp.rank == 0  # the residual in rank 0's epilogue alone: added once
             if split:  # the norm split over o_proj and gate/up
                 x, *xn = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0],
                                           norm_out=post.weight)
                 a, norm = _norm_prologue(post, x, xn)
             else:
-                x = sum_ranks(ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=mine(h[:, 0])))
+                x = sum_ranks(ops.fused_linear(attn_out[:, 0], o_w, o_b,
+                                               residual=h[:, 0] if first else None))
                 a, norm = _norm_prologue(post, x)
             act = ops.fused_linear(a, *w.gate_up, **norm, glu_out=True)  # silu(gate) * up
             # next_norm is read only where the norm is split: elsewhere the last layer's None
@@ -326,7 +324,8 @@ class LlamaFamilyAdapter:
                 out, *xn = ops.fused_linear(act, down.weight, down.bias, residual=x,
                                             norm_out=w.next_norm)
                 return out[:, None], tuple(xn)
-            out = sum_ranks(ops.fused_linear(act, down.weight, down.bias, residual=mine(x)))
+            out = sum_ranks(ops.fused_linear(act, down.weight, down.bias,
+                                             residual=x if first else None))
             return out[:, None], None
         h = h + sum_ranks(o(attn_out) if self.rotated_o is None else F.linear(attn_out, o_w, o_b))
         x = block.post_attention_layernorm(h)
@@ -431,10 +430,8 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     if getattr(model, "minikv_shard", None) is not None:
         raise ValueError(f"model: expected a whole model, got the shard of rank "
                          f"{model.minikv_shard[0]} of {model.minikv_shard[1]}")
-    config, layers = model.config, list(model.model.layers)
-    n_q = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_q
-    D = getattr(config, "head_dim", None) or config.hidden_size // n_q
+    layers = list(model.model.layers)
+    n_q, n_kv, D = _heads(model.config)
     heads = tp.split("num_key_value_heads", n_kv)
     q_heads = tp.split("num_attention_heads", n_q)
     ff = tp.split("intermediate_size", layers[0].mlp.gate_proj.weight.shape[0])
@@ -456,6 +453,13 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
             if p is not None:
                 setattr(head, name, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
     model.minikv_shard = (tp.rank, tp.world)
+
+
+def _heads(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the whole model, from its HF config."""
+    n_q = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_q
+    return n_q, n_kv, getattr(config, "head_dim", None) or config.hidden_size // n_q
 
 
 def _keep(lin: nn.Linear, rows: Optional[slice], cols: Optional[slice]) -> None:

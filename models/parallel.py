@@ -12,7 +12,9 @@ runs the same code.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -94,6 +96,27 @@ class TensorParallel:
                              f"got different ones on ranks {differ}")
 
 
+def join_torchrun(name: str, size: Optional[int], cuda: bool, timeout_s: float) -> torch.device:
+    """This process, one rank of a ``torchrun`` launch, joins the default process group (NCCL
+    with ``cuda``, gloo otherwise; a collective waiting ``timeout_s`` for a rank fails) and
+    returns its device (``cuda:LOCAL_RANK``, or the CPU). ``ValueError`` naming ``name`` outside
+    torchrun, or when torchrun's world size is not ``size`` (None: any)."""
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    n = "N" if size is None else size
+    if None in env.values():
+        raise ValueError(f"{name}: expected a launch by torchrun --nproc-per-node {n} (RANK, "
+                         f"WORLD_SIZE and LOCAL_RANK set), got a single process")
+    if size is not None and int(env["WORLD_SIZE"]) != size:
+        raise ValueError(f"{name}: expected torchrun's world size, {env['WORLD_SIZE']}, got "
+                         f"{size}")
+    device = torch.device("cuda", int(env["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
 def shard_rows(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This rank's ``ceil(n / N)`` rows of ``w (n, ...)``, the last rank's padded with zeros:
     a vocabulary need not divide by the ranks (the gathered padding is cut off)."""
@@ -105,4 +128,4 @@ def shard_rows(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return out
 
 
-__all__ = ["TensorParallel", "shard_rows"]
+__all__ = ["TensorParallel", "join_torchrun", "shard_rows"]

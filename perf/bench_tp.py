@@ -22,10 +22,8 @@ checkpoint, which for the 70B shape is 141 GB, more than the 2-GPU machine's 128
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Dict, List
 
@@ -33,22 +31,11 @@ import torch
 import torch.distributed as dist
 
 from minikv_compile.models import TensorParallel, shard_model
+from minikv_compile.models.parallel import join_torchrun
 from minikv_compile.perf.argtypes import comma_list
 from minikv_compile.perf.harness import (SHAPES, EngineRunner, floor_figures, make_prompts,
                                          model_summary, time_decode)
 from minikv_compile.perf.measure import copy_bandwidth, git_info, write_json
-
-def join_ranks() -> torch.device:
-    """torchrun's rank joins the group (NCCL on CUDA, gloo without); returns its device."""
-    if "LOCAL_RANK" not in os.environ:
-        raise SystemExit("bench_tp: expected a launch by torchrun --nproc-per-node N")
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=900))
-    return device
-
 
 def sharded_model(shape: str, tp: TensorParallel, device: torch.device, dtype: torch.dtype):
     """This rank's shard of a random-weight model of ``shape``: cut on the meta device, then
@@ -103,7 +90,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for the rows (rank 0)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
-    device = join_ranks()
+    try:
+        device = join_torchrun("bench_tp", None, torch.cuda.is_available(), timeout_s=900)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     tp = TensorParallel.from_default_group(dist.get_world_size())
     shape = args.shape or ("tiny" if args.tiny else "llama3.1-70b")
     cases = [tuple(int(v) for v in c.split("x")) for c in
