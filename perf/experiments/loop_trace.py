@@ -22,6 +22,9 @@ import time
 import torch
 
 
+_LOOP = ("_admit_piece", "_prefill_layers", "step", "_read_pending", "poll", "_collect")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -35,6 +38,9 @@ def main() -> None:
     p.add_argument("--gap-ms", type=float, default=100.0)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--sync-warn", action="store_true",
+                   help="torch.cuda's sync debug mode 'warn' while the loop runs, each "
+                        "synchronizing call's stack printed once")
     a = p.parse_args()
 
     from minikv_compile import MiniKVConfig, minikv_compile
@@ -51,6 +57,16 @@ def main() -> None:
     sched = Scheduler(engine, SyntheticTokenizer(), max_queue=1024)
     sched.warm_up()
     print(f"ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    rng = random.Random(0)
+    V = int(engine.adapter.vocab_size)
+    # one long prefill alone first: its kernels' first launches (JIT) are not what is measured
+    t0 = time.perf_counter()
+    sched.start()
+    print("lone:", sched.submit(ServeRequest([rng.randrange(V) for _ in range(a.long_prompt)], 2)).result()[1])
+    sched.shutdown()
+    sched = Scheduler(engine, SyntheticTokenizer(), max_queue=1024)
+    sched.ready = True
+    print(f"a lone long prefill (first launches): {time.perf_counter() - t0:.2f} s", flush=True)
 
     trace = []  # (name, t0, t1, extra)
 
@@ -71,6 +87,27 @@ def main() -> None:
     timed(sched, "_collect", lambda args: len(args[0]))
     timed(rt, "step")
     timed(rt, "poll")
+    # the admission's parts, timed on the host: a long one holds a synchronization
+    from minikv_compile.graphs import prefill as P
+    adapter, state = engine.adapter, rt.state
+    for obj, name in ((P, "_attend_and_store"), (P, "select_tokens"), (P, "token_scores"),
+                      (adapter, "qkv"), (adapter, "finish_layer"), (adapter, "logits"),
+                      (adapter, "embed"), (state, "choose"), (state, "record"), (rt, "release"),
+                      (rt, "poll_later")):
+        timed(obj, name)
+    if a.sync_warn:
+        import traceback
+        import warnings
+        seen = set()
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            stack = "".join(traceback.format_stack(limit=14)[:-2])
+            if stack not in seen:
+                seen.add(stack)
+                print(f"SYNC: {message}\n{stack}", flush=True)
+        warnings.showwarning = show
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
     layers_fn = sched._prefill_layers
 
     def prefill_layers(pieces, tokens):
@@ -91,8 +128,6 @@ def main() -> None:
                     arrivals.setdefault(rid, []).append(time.perf_counter())
         return on_delta
 
-    rng = random.Random(0)
-    V = int(engine.adapter.vocab_size)
     sched.start()
     t_start = time.perf_counter()
     for i in range(a.streams):
@@ -138,7 +173,7 @@ def main() -> None:
     report = []
     for x, y, n in merged:
         calls = [(name, rel(s), round((e - s) * 1e3, 2), extra) for name, s, e, extra in trace
-                 if e >= x - 0.01 and s <= y]
+                 if e >= x - 0.01 and s <= y and (e - s > 2e-3 or name in _LOOP)]
         report.append(dict(start_ms=rel(x), gap_ms=round((y - x) * 1e3, 2), streams=n,
                            calls=calls))
         print(f"gap {rel(x)} .. {rel(y)} ms ({(y - x) * 1e3:.1f} ms, {n} intervals):", flush=True)
