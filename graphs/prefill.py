@@ -92,8 +92,10 @@ def prefill_pieces(adapter: Adapter, cache: StaticKVCache, configs: Sequence,
         h = adapter.finish_layer(layer, h, attn.view(1, h.shape[1], -1))
         if (layer + 1) % layers_per_piece == 0 and layer + 1 < n_layers:
             yield
-    last = torch.tensor([s + L - 1 for s, L in zip(starts, lengths)], device=ids.device)
-    return adapter.logits(h[0, last])                      # (n, V)
+    # each prompt's last position by slicing: an index tensor from the host would wait for
+    # the GPU to finish the pass (a stall of every stream in a scheduler)
+    last = torch.cat([h[0, s + L - 1: s + L] for s, L in zip(starts, lengths)])
+    return adapter.logits(last)                            # (n, V)
 
 
 def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer: int, slot: int,

@@ -282,8 +282,9 @@ class Scheduler:
         self._admitting: Optional[Tuple[List[int], List[Handle], Iterator[None]]] = None
         # Requests of a failed batched pass, to be prefilled again one by one.
         self._alone: set = set()
-        # The last step's tokens, read while the next step runs: (read, the slots' requests).
-        self._pending: Optional[Tuple[Callable, List[Tuple[int, "_Running"]]]] = None
+        # Tokens not read yet, read while the next step runs, in the order they were produced
+        # (an admission's first tokens, a step's): (read, the slots' requests).
+        self._pending: Deque[Tuple[Callable, List[Tuple[int, "_Running"]]]] = collections.deque()
         self.metrics = Metrics()
         self._waiting: Deque[Handle] = collections.deque()
         self._running: Dict[int, _Running] = {}
@@ -391,7 +392,7 @@ class Scheduler:
             self._waiting.clear()
         self._running.clear()
         self._admitting = None
-        self._pending = None
+        self._pending.clear()
         self._alone.clear()
         for handle in handles:
             self._end(handle, "error", f"the server failed: {self.failure}")
@@ -464,9 +465,9 @@ class Scheduler:
                                            new_tokens=r.max_tokens, batch=1).total_bytes
                 self._running[slot] = _Running(handle, self.tok, kv)
                 joined.append(slot)
-            if joined:  # the first tokens, chosen at admission
-                self._collect([(slot, self._running[slot]) for slot in joined],
-                              self.rt.poll(joined))
+            if joined:  # the first tokens, chosen at admission: read with the next step's
+                self._pending.append((self.rt.poll_later(joined),
+                                      [(slot, self._running[slot]) for slot in joined]))
             if self._running:
                 return  # one admission's prefill between two decode steps, never two
 
@@ -560,13 +561,13 @@ class Scheduler:
         runs = sorted(self._running.items())
         later = self.rt.poll_later([slot for slot, _ in runs])
         self._read_pending()
-        self._pending = (later, runs)
+        self._pending.append((later, runs))
 
     def _read_pending(self) -> None:
-        """Read and stream the tokens of the last step launched, if not read yet."""
-        if self._pending is not None:
-            later, runs = self._pending
-            self._pending = None
+        """Read and stream, in order, what the steps and admissions queued before now produced
+        and was not read yet."""
+        while self._pending:
+            later, runs = self._pending.popleft()
             self._collect(runs, later())
 
     def _collect(self, runs: List[Tuple[int, "_Running"]],

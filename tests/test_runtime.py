@@ -317,3 +317,43 @@ def test_gpu_a_host_sync_inside_the_step_fails_at_capture():
     for _ in range(3):
         clean.run((1, "greedy"))
     assert x.tolist() == [3.0] * 4 and clean.replays == 3
+
+
+@pytest.mark.gpu
+def test_gpu_admission_and_release_never_wait_for_the_gpu():
+    # A scheduler launches a step, then a prefill layer, then reads the step before: anything
+    # that waits for the GPU on the way (a Python scalar written into a device tensor by
+    # indexing, an index tensor built from a host list) stalls every stream by the work queued.
+    model = tiny(dtype=torch.bfloat16, device="cuda")
+    cm = minikv_compile(model, MiniKVConfig(**CFG))
+    rt = cm.runtime
+    for bucket in rt.buckets:
+        for mode in ("greedy", "sample"):
+            rt.prepare(bucket, mode)
+    joining = [Request(prompt_of(90, seed=2), 40, eos_ids=(5, 7), min_new_tokens=3,
+                       sampling=SAMPLED),
+               Request(prompt_of(70, seed=4), 30, sampling=Sampling(greedy=False, top_k=9))]
+
+    def run(guard: bool):
+        rt.release_all()
+        rt.admit(0, Request(prompt_of(100, seed=1), 120))
+        for _ in range(5):
+            rt.step()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error" if guard else previous)
+        try:
+            for _ in rt.admit_batch_in_pieces([1, 2], joining, 1):
+                rt.step()
+            for _ in range(3):
+                rt.step()
+            rt.finish(0)
+            rt.release(0)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        run_until_done(rt, [1, 2])
+        return rt.outputs([1, 2])
+
+    torch.manual_seed(0)
+    want = run(guard=False)
+    torch.manual_seed(0)  # (the second request's seed is drawn from the generator)
+    assert run(guard=True) == want

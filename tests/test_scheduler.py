@@ -179,6 +179,9 @@ def test_a_prompt_is_prefilled_in_pieces_between_decode_steps():
     ha = sched.submit(ServeRequest(a, 20))
     sched._admit_piece()            # nothing runs yet: A's whole prefill at once
     assert list(sched._running) == [0] and sched._admitting is None
+    assert ha.completion_tokens == 0  # its first token is read with the next step's
+    sched._read_pending()
+    assert ha.completion_tokens == 1
     hb = sched.submit(ServeRequest(b, 20))
     sched._admit_piece()            # B's first layer, then back to the running stream
     assert sched._admitting is not None and list(sched._running) == [0]
@@ -187,8 +190,10 @@ def test_a_prompt_is_prefilled_in_pieces_between_decode_steps():
     sched._step()                   # A decodes while B is half prefilled
     sched._read_pending()           # (the loop reads a step while the next one runs)
     assert ha.completion_tokens == count + 1
-    sched._admit_piece()            # B's second layer: admitted, its first token out
-    assert sorted(sched._running) == [0, 1] and hb.completion_tokens == 1
+    sched._admit_piece()            # B's second layer: admitted, its first token queued
+    assert sorted(sched._running) == [0, 1] and hb.completion_tokens == 0
+    sched._step()                   # B's first token read while the step runs
+    assert hb.completion_tokens == 1 and ha.completion_tokens == count + 1
     while sched._running:
         sched._step()
     tok = CharTokenizer()
@@ -250,6 +255,7 @@ def test_short_waiting_requests_are_prefilled_in_one_pass():
     sched._admit_piece()      # nothing ran: the first five at once, and no more before a step
     assert batches == [lengths[:5]] and sched.metrics.prefills == 1
     assert sorted(sched._running) == list(range(5)) and sched._admitting is None
+    sched._read_pending()     # (the loop reads them while the next step runs)
     assert [h.completion_tokens for h in handles] == [1] * 5 + [0]  # five first tokens out
     sched._step()
     sched._admit_piece()      # the sixth's layer 0
@@ -350,6 +356,7 @@ def test_cancelling_requests_of_a_batch_under_way():
     sched._step()
     sched._admit_piece()                                 # layer 1: C joins, B ends
     assert sorted(sched._running) == [0, 2] and cm.runtime.free_slots() == [1, 3]
+    sched._read_pending()
     assert hb.result() == ("", "cancelled") and hc.completion_tokens == 1
     hd, he = sched.submit(ServeRequest(b, 20)), sched.submit(ServeRequest(c, 20))
     sched._admit_piece()                                 # layer 0 of D and E
