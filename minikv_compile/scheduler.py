@@ -174,11 +174,13 @@ class _Running:
 class PrefillClock:
     """How long a prefill layer takes, learnt from the layers run, without a host sync.
 
-    Each gap's layers are timed (CUDA events, read once they have passed; wall time on the
-    CPU, where the work is done when the call returns). The admission under way (one at a
-    time) is timed by its own layers once one of its gaps has been read; before that, by the
-    cost per prompt token and layer of every admission so far (an average weighted toward the
-    latest) times its tokens.
+    A gap's cost is the longer of the host's time launching its layers and the GPU's time
+    running them (CUDA events, read once they have passed; on the CPU the work is done when the
+    call returns): a short prompt's layers are launch-bound (H100, 8B shape, 3.7k tokens: 100
+    ms of launches for a gap the GPU ran in ~50). The admission under way (one at a time) is
+    timed by its own layers once one of its gaps has been read; before that, by the cost per
+    prompt token and layer of every admission so far (an average weighted toward the latest)
+    times its tokens.
     """
 
     def __init__(self, device: torch.device):
@@ -189,30 +191,32 @@ class PrefillClock:
         self._open: List[tuple] = []                    # CUDA gaps not read yet
 
     def start(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return event, time.perf_counter()
 
     def stop(self, start, admission, tokens: int, layers: int) -> None:
         if layers == 0:
             return
         if admission is not self._current:
             self._current, self._current_ms = admission, None
+        event, t0 = start
+        host_ms = (time.perf_counter() - t0) * 1e3
         if not self.cuda:
-            self._learn(admission, (time.perf_counter() - start) * 1e3, tokens, layers)
+            self._learn(admission, host_ms, tokens, layers)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._open.append((start, end, admission, tokens, layers))
+        self._open.append((event, end, host_ms, admission, tokens, layers))
 
     def layer_ms(self, admission, tokens: int) -> Optional[float]:
         """The estimate for one more layer of ``admission`` (``tokens`` prompt tokens); None
         before anything was measured."""
         while self._open and self._open[0][1].query():  # recorded in order, passed in order
-            start, end, timed, n, layers = self._open.pop(0)
-            self._learn(timed, start.elapsed_time(end), n, layers)
+            start, end, host_ms, timed, n, layers = self._open.pop(0)
+            self._learn(timed, max(start.elapsed_time(end), host_ms), n, layers)
         if admission is self._current and self._current_ms is not None:
             return self._current_ms
         return None if self.per_token_layer is None else self.per_token_layer * tokens
@@ -298,14 +302,23 @@ class Scheduler:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile and capture every bucket and mode before serving (no capture while serving),
-        then take what start-up made out of the garbage collector's reach (``gc.freeze``): a
-        full collection over it (~600k objects with the compiler loaded) took 250 ms on the
-        2-core CI machine, a pause of every stream at once; serving's own objects stay
-        collected."""
+        """Compile and capture every bucket and mode before serving (no capture while serving);
+        prefill one prompt of ``max_prompt_len`` tokens into a free slot and free it again:
+        the first prefill at a length launches its kernels for the first time (a 32k-token
+        prompt took 6.7 s instead of ~1.8 on the H100, every stream stalled meanwhile), and a
+        prompt at capacity that does not fit in memory beside the cache fails here rather than
+        while serving. Then take what start-up made out of the garbage collector's reach
+        (``gc.freeze``): a full collection over it (~600k objects with the compiler loaded) took
+        250 ms on the 2-core CI machine, a pause of every stream at once; serving's own objects
+        stay collected."""
         for bucket in self.rt.buckets:
             for mode in ("greedy", "sample"):
                 self.rt.prepare(bucket, mode)
+        slot = self.rt.free_slots()[0]
+        longest = Request([0] * self.engine.config.max_prompt_len, 1)
+        for _ in self.rt.admit_batch_in_pieces([slot], [longest], self.engine.adapter.num_layers):
+            pass
+        self.rt.release(slot)
         gc.collect()
         gc.freeze()
         self.ready = True

@@ -510,6 +510,46 @@ def test_warm_up_freezes_what_start_up_made_out_of_the_collectors_reach():
         gc.unfreeze()
 
 
+def test_warm_up_prefills_a_prompt_at_capacity_and_frees_its_slot():
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    sched = Scheduler(cm, CharTokenizer())
+    batches = _spy_batches(cm)
+    sched.warm_up()
+    assert batches == [[CFG["max_prompt_len"]]]
+    assert cm.runtime.free_slots() == list(range(CFG["max_batch_size"]))
+    p = prompt_of(40, seed=5)  # and the slot it used serves as if nothing had happened
+    want = _alone(cm, [p], 15)
+    sched.start()
+    try:
+        assert sched.submit(ServeRequest(p, 15)).result() == (want[0], "length")
+    finally:
+        sched.shutdown()
+
+
+def test_the_prefill_clock_takes_the_longer_of_launching_and_running_a_gap():
+    # On the GPU a gap is timed twice: CUDA events (the GPU's time) and the host's launches;
+    # short prompts are launch-bound, long ones GPU-bound.
+    class Event:
+        def __init__(self, ms=0.0):
+            self.ms = ms
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):
+            return self.ms
+
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    clock = Scheduler(cm, CharTokenizer()).clock
+    a, b = object(), object()
+    clock._current = a
+    clock._open.append((Event(20.0), Event(), 50.0, a, 100, 2))             # launch-bound
+    assert clock.layer_ms(a, 100) == 25.0
+    clock._current = b
+    clock._open.append((Event(80.0), Event(), 10.0, b, 100, 2))             # GPU-bound
+    assert clock.layer_ms(b, 100) == 40.0
+
+
 def test_on_delta_receives_what_iteration_would():
     cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
     sched = Scheduler(cm, CharTokenizer())
