@@ -443,11 +443,13 @@ def test_the_prefill_clock_learns_a_layer_from_the_layers_run():
     a, b = object(), object()
     assert clock.layer_ms(a, 100) is None                  # nothing measured yet
     clock._current = a                                     # (stop() makes it the one under way
-    clock._learn(a, 30.0, tokens=100, layers=3)            # and measures this on the CPU)
+    clock._learn(a, 30.0, 3.0, tokens=100, layers=3)       # and measures this on the CPU)
     assert clock.layer_ms(a, 100) == 10.0                  # its own layers
     assert clock.layer_ms(b, 300) == pytest.approx(30.0)   # another: 0.1 ms a token and layer
     clock.forget(a)
     assert clock.layer_ms(a, 50) == pytest.approx(5.0)
+    # at least the host's launches of a layer (here 1 ms), however few the tokens
+    assert clock.layer_ms(b, 2) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("kw, message", [
