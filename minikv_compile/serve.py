@@ -719,8 +719,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(model: str, device: str, dtype: torch.dtype):
-    """(model, tokenizer): ``smollm2`` or a local HF model directory."""
+def _load(model: str, device: str, dtype: torch.dtype, tensor_parallel: int):
+    """(model, tokenizer): ``smollm2`` or a local HF model directory; with several ranks, this
+    rank's shard of a directory's checkpoint, read alone (``models.load_shard``)."""
     if model == "smollm2":
         from minikv_compile.models.smollm2 import load_smollm2
         return load_smollm2(dtype=dtype, device=device)
@@ -729,6 +730,10 @@ def _load(model: str, device: str, dtype: torch.dtype):
                          f"{model!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
+    if tensor_parallel > 1:
+        from minikv_compile.models import TensorParallel, load_shard
+        return load_shard(model, TensorParallel.from_default_group(tensor_parallel), device,
+                          dtype), tokenizer
     hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
     return hf_model.to(device).eval(), tokenizer
 
@@ -758,7 +763,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             n = config.tensor_parallel
             device = str(join_torchrun(f"--tensor-parallel {n}", n, device.startswith("cuda"),
                                        RANK_TIMEOUT_S))
-        model, tokenizer = _load(args.model, device, dtype)
+        model, tokenizer = _load(args.model, device, dtype, config.tensor_parallel)
         engine = minikv_compile(model, config)
         if engine.adapter.tp.rank != 0:  # rank 0 serves; this rank makes its calls
             # torchrun's SIGTERM reaches every rank at once: this one ends when rank 0, shutting

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .llama import LlamaFamilyAdapter, shard_model
+from .llama import LlamaFamilyAdapter, load_shard, shard_model
 from .parallel import TensorParallel
 
 # model_type -> adapter class. SmolLM2 is a Llama ("llama"); Mistral without a sliding window.
@@ -40,4 +40,4 @@ def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = F
 
 
 __all__ = ["ADAPTERS", "SUPPORTED_MODEL_TYPES", "get_adapter", "LlamaFamilyAdapter",
-           "TensorParallel", "shard_model"]
+           "TensorParallel", "load_shard", "shard_model"]

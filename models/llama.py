@@ -430,6 +430,29 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     if getattr(model, "minikv_shard", None) is not None:
         raise ValueError(f"model: expected a whole model, got the shard of rank "
                          f"{model.minikv_shard[0]} of {model.minikv_shard[1]}")
+    plan = _shard_plan(model, tp)
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied LM head too
+    with torch.no_grad():
+        for name, (how, part) in plan.items():
+            p = params[name]
+            if how == "rows":
+                p.data = p.data[part].clone(memory_format=torch.contiguous_format)
+            elif how == "cols":
+                p.data = p.data[:, part].clone(memory_format=torch.contiguous_format)
+            elif how == "zero":
+                p.data.zero_()
+            else:  # "vocab": a parameter of its own (tied embeddings stay whole)
+                module, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+                setattr(module, attr, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
+    model.minikv_shard = (tp.rank, tp.world)
+
+
+def _shard_plan(model: nn.Module, tp: TensorParallel) -> dict:
+    """How rank ``tp.rank`` keeps each parameter of a Llama-family ``*ForCausalLM`` that it does
+    not keep whole: ``{name: (how, part)}``, ``how`` one of ``"rows"`` / ``"cols"`` (of a weight;
+    a bias follows its weight's rows), ``"zero"`` (a row-parallel projection's bias on a rank
+    other than 0) and ``"vocab"`` (``shard_rows``). ``shard_model`` cuts by it, ``load_shard``
+    reads by it. ``ValueError`` when the heads or the intermediate size do not divide."""
     layers = list(model.model.layers)
     n_q, n_kv, D = _heads(model.config)
     heads = tp.split("num_key_value_heads", n_kv)
@@ -437,22 +460,93 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     ff = tp.split("intermediate_size", layers[0].mlp.gate_proj.weight.shape[0])
     q_rows = slice(q_heads.start * D, q_heads.stop * D)
     kv_rows = slice(heads.start * D, heads.stop * D)
+    plan = {}
+    for i, block in enumerate(layers):
+        attn, mlp = block.self_attn, block.mlp
+        for proj, rows in (("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows),
+                           ("self_attn.v_proj", kv_rows), ("mlp.gate_proj", ff),
+                           ("mlp.up_proj", ff)):
+            plan[f"model.layers.{i}.{proj}.weight"] = ("rows", rows)
+            if block.get_submodule(proj).bias is not None:
+                plan[f"model.layers.{i}.{proj}.bias"] = ("rows", rows)
+        for proj, cols in (("self_attn.o_proj", q_rows), ("mlp.down_proj", ff)):
+            plan[f"model.layers.{i}.{proj}.weight"] = ("cols", cols)
+            if block.get_submodule(proj).bias is not None and tp.rank != 0:
+                plan[f"model.layers.{i}.{proj}.bias"] = ("zero", None)
+    for name in ("weight", "bias"):
+        if getattr(model.lm_head, name) is not None:
+            plan[f"lm_head.{name}"] = ("vocab", None)
+    return plan
+
+
+def load_shard(model_dir, tp: TensorParallel, device: Union[str, torch.device],
+               dtype: torch.dtype) -> nn.Module:
+    """Rank ``tp.rank``'s shard (``shard_model``'s) of the Llama-family checkpoint in
+    ``model_dir`` (an HF model directory with ``model.safetensors`` or an index of several
+    files), read share by share: the model is built on the meta device, cut, materialized on
+    ``device`` and each parameter filled with only this rank's bytes of the checkpoint
+    (safetensors slices), so that neither the host nor the device ever holds the whole model
+    (a 70B model in bf16, ~141 GB, fits neither one H200 nor the host beside a second rank's
+    copy). RoPE's buffers are computed anew; the model is in eval mode, marked as the shard.
+
+    ``ValueError`` when the directory has no safetensors checkpoint or the checkpoint lacks a
+    parameter of the model (named); a tied LM head reads the input embeddings.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = {name: model_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    elif (model_dir / "model.safetensors").is_file():
+        with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+            files = {name: model_dir / "model.safetensors" for name in f.keys()}
+    else:
+        raise ValueError(f"model: expected an HF model directory with model.safetensors or "
+                         f"model.safetensors.index.json, got {str(model_dir)!r} without them")
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plan = _shard_plan(model, tp)
+    shard_model(model, tp)
+    model.to_empty(device=device)
+    opened = {}
     with torch.no_grad():
-        for block in layers:
-            attn, mlp = block.self_attn, block.mlp
-            for lin, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows),
-                              (attn.v_proj, kv_rows), (mlp.gate_proj, ff), (mlp.up_proj, ff)):
-                _keep(lin, rows, None)
-            for lin, cols in ((attn.o_proj, q_rows), (mlp.down_proj, ff)):
-                _keep(lin, None, cols)
-                if lin.bias is not None and tp.rank != 0:
-                    lin.bias.data.zero_()
-        head = model.lm_head
-        for name in ("weight", "bias"):
-            p = getattr(head, name)
-            if p is not None:
-                setattr(head, name, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
-    model.minikv_shard = (tp.rank, tp.world)
+        for name, p in model.named_parameters():
+            source = name
+            if name not in files and name == "lm_head.weight":
+                source = "model.embed_tokens.weight"  # tied to the input embeddings
+            if source not in files:
+                raise ValueError(f"model: expected the checkpoint in {str(model_dir)!r} to "
+                                 f"hold {source!r}, got no such tensor")
+            path = files[source]
+            if path not in opened:
+                opened[path] = safe_open(path, framework="pt")
+            part = opened[path].get_slice(source)
+            how, cut = plan.get(name, ("whole", None))
+            if how == "rows":
+                t = part[cut]
+            elif how == "cols":
+                t = part[:, cut]
+            elif how == "zero":
+                t = torch.zeros(p.shape)
+            elif how == "vocab":
+                n, share = part.get_shape()[0], p.shape[0]
+                t = torch.zeros(p.shape, dtype=p.dtype)
+                rows = part[min(n, tp.rank * share): min(n, (tp.rank + 1) * share)]
+                t[: rows.shape[0]] = rows
+            else:
+                t = part[:]
+            p.copy_(t.to(dtype))
+    with torch.device(device):  # (not weights: computed, not loaded)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    if (model_dir / "generation_config.json").is_file():  # as from_pretrained reads it
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval()
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -460,16 +554,6 @@ def _heads(config) -> tuple[int, int, int]:
     n_q = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_q
     return n_q, n_kv, getattr(config, "head_dim", None) or config.hidden_size // n_q
-
-
-def _keep(lin: nn.Linear, rows: Optional[slice], cols: Optional[slice]) -> None:
-    """Keep ``rows`` (of weight and bias) or ``cols`` (of weight) of ``lin``, as tensors of
-    their own (a view would keep the whole tensor alive)."""
-    w = lin.weight.data
-    dense = torch.contiguous_format
-    lin.weight.data = (w[rows] if rows is not None else w[:, cols]).clone(memory_format=dense)
-    if rows is not None and lin.bias is not None:
-        lin.bias.data = lin.bias.data[rows].clone()
 
 
 def _rotate_each_head(x: torch.Tensor) -> torch.Tensor:

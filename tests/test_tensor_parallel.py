@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs.runtime import Request, SlotRuntime
 from minikv_compile.graphs.sampling import Sampling
-from minikv_compile.models import TensorParallel, get_adapter, shard_model
+from minikv_compile.models import TensorParallel, get_adapter, load_shard, shard_model
 from minikv_compile.ranks import ReplicatedRuntime, follow
 from minikv_compile import scheduler as scheduler_module
 from minikv_compile.scheduler import Scheduler, ServeRequest
@@ -384,6 +384,47 @@ def test_a_shard_cut_on_the_meta_device_then_materialized_is_the_ranks_shard():
             shard_model(meta, tp)
         with pytest.raises(ValueError, match="got the shard of rank"):
             get_adapter(meta, 256)  # one rank: the whole model
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied-head"])
+def test_a_shard_read_from_the_checkpoint_is_the_ranks_shard_of_the_whole_model(tmp_path, tied):
+    """``load_shard`` reads each rank's share of a checkpoint (here split over several files)
+    and gets exactly what ``shard_model`` cuts out of the whole model loaded by HF, biases,
+    a vocabulary that does not divide by the ranks (101) and a tied LM head included."""
+    from transformers import AutoModelForCausalLM
+
+    whole = tiny(attention_bias=True, mlp_bias=True, tie_word_embeddings=tied)
+    _random_biases(whole)
+    whole.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    for rank in (0, 1):
+        tp = TensorParallel(rank=rank, world=2)
+        want = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        shard_model(want, tp)
+        got = load_shard(tmp_path, tp, "cpu", torch.float32)
+        assert got.minikv_shard == (rank, 2) and not got.training
+        want_p, got_p = dict(want.named_parameters()), dict(got.named_parameters())
+        assert want_p.keys() == got_p.keys()
+        for name, p in want_p.items():
+            assert torch.equal(got_p[name], p), name
+        for (name, a), (_, b) in zip(got.named_buffers(), want.named_buffers()):
+            assert torch.equal(a, b), name
+
+
+def test_load_shard_names_what_the_checkpoint_lacks(tmp_path):
+    tp = TensorParallel(rank=0, world=2)
+    with pytest.raises(ValueError, match="expected an HF model directory with model.safetensors"):
+        load_shard(tmp_path, tp, "cpu", torch.float32)
+    from safetensors.torch import load_file, save_file
+
+    whole = tiny()
+    whole.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="to hold 'model.layers.1.mlp.up_proj.weight', got no "
+                                         "such tensor"):
+        load_shard(tmp_path, tp, "cpu", torch.float32)
 
 
 def test_the_tensor_parallel_benchmark_runs_under_torchrun(tmp_path):
