@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
 from minikv_compile import MiniKVConfig, minikv_compile
@@ -450,3 +451,55 @@ def test_the_tensor_parallel_benchmark_runs_under_torchrun(tmp_path):
         assert row["ms_per_token"] > 0 and row["all_reduce_ms"] > 0 and row["gather_ms"] > 0
         assert row["weight_bytes_per_rank"] == result["summary_per_rank"][
             "weight_bytes_read_per_step"]
+
+
+# -- GPU: NCCL collectives inside the compiled, captured step, on one device ------------------
+
+class _OneRankCollectives(TensorParallel):
+    """One rank that runs its collectives anyway (over a one-rank NCCL group they return their
+    input), so that one GPU checks what two need: funcol's all-reduce and all-gather traced
+    by torch.compile into the step and captured with NCCL in its CUDA graphs."""
+
+    def all_reduce(self, x):
+        return funcol.all_reduce(x, "sum", self.group)
+
+    def gather_vocab(self, logits, vocab_size):
+        return funcol.all_gather_single(logits, 0, self.group)[:, :vocab_size]
+
+
+def _nccl_one_rank(rank: int, store: str, out_path: str) -> None:
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    cfg = MiniKVConfig(**CAP)
+    out = {}
+    for name in ("plain", "collectives"):
+        cm = minikv_compile(tiny(dtype=torch.bfloat16, device="cuda"), cfg)
+        if name == "collectives":
+            cm.adapter.tp = _OneRankCollectives(rank=0, world=1, group=dist.group.WORLD)
+        alone = [cm.generate([p], max_new_tokens=NEW).sequences[0] for p in PROMPTS]  # bucket 1
+        batch = cm.generate(PROMPTS, max_new_tokens=NEW).sequences                     # bucket 4
+        out[name] = dict(alone=alone, batch=batch, compiles=cm.stats["compiles"],
+                         graphs=len(cm.stats["graphs"]), replays=cm.stats["replays"])
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="needs NCCL")
+def test_gpu_nccl_collectives_compile_and_capture_in_the_step(tmp_path):
+    out_path = tmp_path / "out.json"
+    ctx = mp.start_processes(_nccl_one_rank, nprocs=1, join=False,
+                             start_method="spawn", args=(str(tmp_path / "store"), str(out_path)))
+    deadline = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            ctx.processes[0].kill()
+            pytest.fail(f"still running after {DEADLINE_S} s")
+    out = json.loads(out_path.read_text())
+    plain, coll = out["plain"], out["collectives"]
+    assert coll["alone"] == plain["alone"] and coll["batch"] == plain["batch"]
+    assert (coll["compiles"], coll["graphs"]) == (plain["compiles"], plain["graphs"])
+    assert coll["replays"] == plain["replays"] > 0
