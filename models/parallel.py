@@ -69,7 +69,7 @@ class TensorParallel:
         if self.world == 1:
             return logits
         B, n = logits.shape
-        every = funcol.all_gather_single(logits, 0, self.group)          # (N * B, V_r)
+        every = funcol.all_gather_tensor(logits, 0, self.group)          # (N * B, V_r)
         return every.view(self.world, B, n).transpose(0, 1).reshape(B, -1)[:, :vocab_size]
 
     def from_rank0(self, value: int, device: torch.device) -> int:

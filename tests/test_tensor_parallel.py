@@ -464,7 +464,7 @@ class _OneRankCollectives(TensorParallel):
         return funcol.all_reduce(x, "sum", self.group)
 
     def gather_vocab(self, logits, vocab_size):
-        return funcol.all_gather_single(logits, 0, self.group)[:, :vocab_size]
+        return funcol.all_gather_tensor(logits, 0, self.group)[:, :vocab_size]
 
 
 def _nccl_one_rank(rank: int, store: str, out_path: str) -> None:
