@@ -831,8 +831,9 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
             t0 = time.perf_counter()
             scheduler.warm_up()
             scheduler.start()
-            _log.info("ready: %s, every bucket %s prepared in %.1f s", name,
-                      engine.runtime.buckets, time.perf_counter() - t0)
+            _log.info("ready: %s, every bucket %s prepared and a prompt of max_prompt_len "
+                      "prefilled in %.1f s", name, engine.runtime.buckets,
+                      time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 -- the server must not say ready
             _log.exception("warm-up failed")
             failed.append(e)
