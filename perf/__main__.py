@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .argtypes import comma_list, positive_float, positive_int
+from .argtypes import comma_list, positive_float, positive_int, shape_list
 
 PROG = "python -m minikv_compile.perf"
 ALL_METHODS = ("hf-eager", "hf-static", "full", "kivi", "minikv", "minikv-pyramid")
@@ -93,19 +93,6 @@ def _int_list_or_empty(text: str) -> List[int]:
     return _int_list(text) if text.strip() else []
 
 
-def _shape_list(text: str) -> List[tuple]:
-    """``"1x32768,8x4096"`` -> [(1, 32768), (8, 4096)] (batch x prompt length)."""
-    out = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        parts = item.lower().split("x")
-        if len(parts) != 2:
-            raise argparse.ArgumentTypeError(f"expected BATCHxPROMPT items like 1x32768, got {item!r}")
-        out.append((positive_int(parts[0]), positive_int(parts[1])))
-    if not out:
-        raise argparse.ArgumentTypeError(f"expected BATCHxPROMPT items like 1x32768, got {text!r}")
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Evidence for adopting the engine: decode "
                                      "speed, throughput, memory and longest prompt against HF transformers.",
@@ -134,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("engine-vs-hf", help="MiniKV vs HF StaticCache decode, against the floor")
     common(p, ALL_METHODS + SPECACHE_METHODS)
-    p.add_argument("--shapes", type=_shape_list, default=None, help="BATCHxPROMPT list, e.g. 1x32768,8x4096")
+    p.add_argument("--shapes", type=shape_list, default=None, help="BATCHxPROMPT list, e.g. 1x32768,8x4096")
     decode_tokens(p)
 
     p = sub.add_parser("latency", help="TTFT and ms/token over context and batch size")

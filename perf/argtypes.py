@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, List, Sequence
+from typing import Callable, List, Sequence, Tuple
 
 
 def _int_at_least(lo: int, expected: str) -> Callable[[str], int]:
@@ -44,3 +44,18 @@ def comma_list(allowed: Sequence[str], what: str, canonical: bool = False
                 f"expected comma-separated {what} from {', '.join(allowed)}, got {text!r}")
         return [a for a in allowed if a in items] if canonical else list(dict.fromkeys(items))
     return parse
+
+
+def shape_list(text: str) -> List[Tuple[int, int]]:
+    """``"1x32768,8x4096"`` -> [(1, 32768), (8, 4096)] (batch x prompt length)."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        parts = item.lower().split("x")
+        if len(parts) != 2:
+            raise argparse.ArgumentTypeError(f"expected BATCHxPROMPT items like 1x32768, got "
+                                             f"{item!r}")
+        out.append((positive_int(parts[0]), positive_int(parts[1])))
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected BATCHxPROMPT items like 1x32768, got "
+                                         f"{text!r}")
+    return out

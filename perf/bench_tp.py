@@ -14,10 +14,15 @@ step's collectives, each measured alone over the ranks (``2 L`` all-reduces of `
 and one gather of the ``(B, V / N)`` logits).
 
 ``--tiny`` runs the plumbing on the tiny shape (on the CPU over gloo where there is no GPU);
-its figures are not performance figures. HF's tensor-parallel baseline is not here yet: HF shards
-in ``from_pretrained`` (``tp_plan="auto"``; a ``DistributedConfig(tp_size=N)`` in 5.x), from a
-checkpoint, which for the 70B shape is 141 GB, more than the 2-GPU machine's 128 GiB disk; its
-``apply_tensor_parallelism`` on a model built in memory is the way to try.
+its figures are not performance figures.
+
+``--methods hf-static``: HF's own tensor parallelism on the same ranks, as its users run it
+(``from_pretrained(..., tp_plan="auto")`` under torchrun, ``generate`` with a ``StaticCache``
+and its default auto-compile), timed by the same ``time_decode``. There is no 141 GB checkpoint
+to read (nor disk for one): ``LlamaForCausalLM.from_pretrained(None, config=..., state_dict={},
+tp_plan="auto")`` has every weight missing, so HF materializes only this rank's shard of each
+parameter and initializes it. Its phase runs after ours, with our shard freed (both would not
+fit one H200). Each engine row of a case HF ran gets ``x_hf``, its time over HF's.
 """
 from __future__ import annotations
 
@@ -32,9 +37,10 @@ import torch.distributed as dist
 
 from minikv_compile.models import TensorParallel, shard_model
 from minikv_compile.models.parallel import join_torchrun
-from minikv_compile.perf.argtypes import comma_list
-from minikv_compile.perf.harness import (SHAPES, EngineRunner, floor_figures, make_prompts,
-                                         model_summary, time_decode)
+from minikv_compile.perf.argtypes import comma_list, shape_list
+from minikv_compile.perf.harness import (ENGINE_METHODS, SHAPES, EngineRunner, HFRunner,
+                                         floor_figures, make_prompts, model_summary,
+                                         time_decode)
 from minikv_compile.perf.measure import copy_bandwidth, git_info, write_json
 
 def sharded_model(shape: str, tp: TensorParallel, device: torch.device, dtype: torch.dtype):
@@ -53,6 +59,21 @@ def sharded_model(shape: str, tp: TensorParallel, device: torch.device, dtype: t
             p.normal_(0.0, 0.02)
     with torch.device(device):  # (its buffers are not weights: computed, not loaded)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    model.eval()
+    gen = model.generation_config
+    gen.eos_token_id, gen.pad_token_id, gen.do_sample = None, 0, False
+    return model
+
+
+def hf_sharded_model(shape: str, dtype: torch.dtype):
+    """HF's tensor-parallel model of ``shape`` on this rank's device, random weights (see the
+    module docstring); the concrete class (``AutoModelForCausalLM.from_pretrained(None)`` looks
+    for a path). The same seed on every rank: the replicated parameters must agree."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(None, config=LlamaConfig(**SHAPES[shape].config),
+                                             state_dict={}, dtype=dtype, tp_plan="auto")
     model.eval()
     gen = model.generation_config
     gen.eos_token_id, gen.pad_token_id, gen.do_sample = None, 0, False
@@ -79,12 +100,52 @@ def collective_ms(tp: TensorParallel, batch: int, hidden: int, vocab_share: int,
     return out
 
 
+def _engine_row(model, method: str, batch: int, prompt_len: int, tp: TensorParallel,
+                summary: dict, dtype: torch.dtype, device: torch.device, bandwidth, args) -> dict:
+    """One engine row: ms per token, this rank's bytes and collectives, and the floor."""
+    runner = EngineRunner(model, method, batch=batch, prompt_len=prompt_len,
+                          new_tokens=args.timed_tokens + 1, tensor_parallel=tp.world)
+    timing = time_decode(runner, make_prompts(batch, prompt_len, summary["vocab"]),
+                         args.warm_tokens, args.timed_tokens)
+    comm = collective_ms(tp, batch, summary["hidden"], model.lm_head.weight.shape[0], dtype,
+                         device)
+    step_comm_ms = 2 * summary["layers"] * comm["all_reduce_ms"] + comm["gather_ms"]
+    # this rank's bytes: its weights (the shard), its KV heads' share of the cache
+    floor = floor_figures(model, method, prompt_len, batch, timing["generated_mid"], None, None)
+    kv = floor["kv_bytes_read"] // tp.world
+    row = {"method": method, "batch": batch, "prompt_len": prompt_len, "ranks": tp.world,
+           "ms_per_token": timing["ms_per_token"],
+           "weight_bytes_per_rank": floor["weight_bytes_read"], "kv_bytes_per_rank": kv,
+           **comm, "step_collectives_ms": step_comm_ms, "setup": runner.setup_info()}
+    if bandwidth:
+        row["floor_ms"] = (1e3 * (floor["weight_bytes_read"] + kv) / bandwidth["bytes_per_s"]
+                           + step_comm_ms)
+        row["x_floor"] = timing["ms_per_token"] / row["floor_ms"]
+    runner.close()
+    if tp.rank == 0:
+        print(f"{method} {batch}x{prompt_len} on {tp.world} ranks: "
+              f"{timing['ms_per_token']:.2f} ms/token"
+              + (f", floor {row['floor_ms']:.2f} ms (x{row['x_floor']:.2f})" if bandwidth
+                 else ""), flush=True)
+    return row
+
+
+def _free(device: torch.device) -> None:
+    """Give a freed model's memory back before the next phase builds its own."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default=None, help="default llama3.1-70b (tiny with --tiny)")
-    ap.add_argument("--cases", type=comma_list, default=None,
+    ap.add_argument("--cases", type=shape_list, default=None,
                     help="BxL comma list (default 1x32768,8x4096)")
-    ap.add_argument("--methods", type=comma_list, default=["minikv"])
+    ap.add_argument("--methods", type=comma_list(tuple(ENGINE_METHODS) + ("hf-static",),
+                                                 "methods"), default=["minikv"])
     ap.add_argument("--warm-tokens", type=int, default=8)
     ap.add_argument("--timed-tokens", type=int, default=64)
     ap.add_argument("--out", default=None, help="JSON file for the rows (rank 0)")
@@ -96,42 +157,45 @@ def main(argv=None) -> int:
         raise SystemExit(str(e)) from None
     tp = TensorParallel.from_default_group(dist.get_world_size())
     shape = args.shape or ("tiny" if args.tiny else "llama3.1-70b")
-    cases = [tuple(int(v) for v in c.split("x")) for c in
-             (args.cases or (["1x96", "2x64"] if args.tiny else ["1x32768", "8x4096"]))]
+    cases = args.cases or ([(1, 96), (2, 64)] if args.tiny else [(1, 32768), (8, 4096)])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = sharded_model(shape, tp, device, dtype)
-    summary = model_summary(model)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     rows: List[dict] = []
-    for method in args.methods:
-        for batch, prompt_len in cases:
-            new = args.timed_tokens + 1
-            runner = EngineRunner(model, method, batch=batch, prompt_len=prompt_len,
-                                  new_tokens=new, tensor_parallel=tp.world)
-            timing = time_decode(runner, make_prompts(batch, prompt_len, summary["vocab"]),
-                                 args.warm_tokens, args.timed_tokens)
-            comm = collective_ms(tp, batch, summary["hidden"], model.lm_head.weight.shape[0],
-                                 dtype, device)
-            step_comm_ms = 2 * summary["layers"] * comm["all_reduce_ms"] + comm["gather_ms"]
-            # this rank's bytes: its weights (the shard), its KV heads' share of the cache
-            floor = floor_figures(model, method, prompt_len, batch, timing["generated_mid"],
-                                  None, None)
-            kv = floor["kv_bytes_read"] // tp.world
-            row = {"method": method, "batch": batch, "prompt_len": prompt_len,
-                   "ranks": tp.world, "ms_per_token": timing["ms_per_token"],
-                   "weight_bytes_per_rank": floor["weight_bytes_read"], "kv_bytes_per_rank": kv,
-                   **comm, "step_collectives_ms": step_comm_ms, "setup": runner.setup_info()}
-            if bandwidth:
-                row["floor_ms"] = (1e3 * (floor["weight_bytes_read"] + kv)
-                                   / bandwidth["bytes_per_s"] + step_comm_ms)
-                row["x_floor"] = timing["ms_per_token"] / row["floor_ms"]
-            rows.append(row)
-            runner.close()
-            if tp.rank == 0:
-                print(f"{method} {batch}x{prompt_len} on {tp.world} ranks: "
-                      f"{timing['ms_per_token']:.2f} ms/token"
-                      + (f", floor {row['floor_ms']:.2f} ms (x{row['x_floor']:.2f})"
-                         if bandwidth else ""), flush=True)
+    ours = [m for m in args.methods if not m.startswith("hf")]
+    theirs = [m for m in args.methods if m.startswith("hf")]
+    summary = None
+    if ours:
+        model = sharded_model(shape, tp, device, dtype)
+        summary = model_summary(model)
+        for method in ours:
+            for batch, prompt_len in cases:
+                rows.append(_engine_row(model, method, batch, prompt_len, tp, summary, dtype,
+                                        device, bandwidth, args))
+        del model
+        _free(device)
+    if theirs:
+        model = hf_sharded_model(shape, dtype)
+        vocab = model.config.vocab_size
+        for method in theirs:
+            for batch, prompt_len in cases:
+                runner = HFRunner(model, method, batch=batch, prompt_len=prompt_len,
+                                  new_tokens=args.timed_tokens + 1)
+                timing = time_decode(runner, make_prompts(batch, prompt_len, vocab),
+                                     args.warm_tokens, args.timed_tokens)
+                rows.append({"method": method, "batch": batch, "prompt_len": prompt_len,
+                             "ranks": tp.world, "ms_per_token": timing["ms_per_token"],
+                             "setup": runner.setup_info()})
+                runner.close()
+                if tp.rank == 0:
+                    print(f"{method} {batch}x{prompt_len} on {tp.world} ranks: "
+                          f"{timing['ms_per_token']:.2f} ms/token", flush=True)
+        del model
+        _free(device)
+    for row in rows:  # each engine row against HF's of its case
+        hf = [r for r in rows if r["method"].startswith("hf")
+              and (r["batch"], r["prompt_len"]) == (row["batch"], row["prompt_len"])]
+        if hf and not row["method"].startswith("hf"):
+            row["x_hf"] = {r["method"]: row["ms_per_token"] / r["ms_per_token"] for r in hf}
     if tp.rank == 0 and args.out:
         env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "git": git_info(Path.cwd()).get("sha")}

@@ -430,24 +430,32 @@ def test_load_shard_names_what_the_checkpoint_lacks(tmp_path):
 
 def test_the_tensor_parallel_benchmark_runs_under_torchrun(tmp_path):
     """``bench_tp --tiny`` end to end over two gloo ranks (its plumbing: the figures on the CPU
-    are not performance figures): a row per case, each rank's bytes its share."""
+    are not performance figures): a row per case, each rank's bytes its share, then HF's own
+    tensor parallelism on the same ranks (random weights without a checkpoint) and each engine
+    row against it."""
     import subprocess
     import sys
 
     out = tmp_path / "tp.json"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", "-m", "minikv_compile.perf.bench_tp", "--tiny",
-                          "--out", str(out)], capture_output=True, text=True, timeout=DEADLINE_S)
+                          "--methods", "minikv,hf-static", "--out", str(out)],
+                         capture_output=True, text=True, timeout=DEADLINE_S)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [(r["batch"], r["prompt_len"], r["ranks"]) for r in result["rows"]] == [
-        (1, 96, 2), (2, 64, 2)]
+    assert [(r["method"], r["batch"], r["prompt_len"], r["ranks"]) for r in result["rows"]] == [
+        ("minikv", 1, 96, 2), ("minikv", 2, 64, 2), ("hf-static", 1, 96, 2),
+        ("hf-static", 2, 64, 2)]
+    hf = {(r["batch"], r["prompt_len"]): r["ms_per_token"] for r in result["rows"][2:]}
+    for row in result["rows"][:2]:
+        assert row["x_hf"] == {"hf-static": pytest.approx(
+            row["ms_per_token"] / hf[row["batch"], row["prompt_len"]])}
     from minikv_compile.perf.harness import meta_model, model_summary
 
     whole = model_summary(meta_model("tiny"))["parameters"]
     # every layer's projections and the LM head are split; the embeddings and norms are not
     assert whole / 2 < result["summary_per_rank"]["parameters"] < whole
-    for row in result["rows"]:
+    for row in result["rows"][:2]:
         assert row["ms_per_token"] > 0 and row["all_reduce_ms"] > 0 and row["gather_ms"] > 0
         assert row["weight_bytes_per_rank"] == result["summary_per_rank"][
             "weight_bytes_read_per_step"]
