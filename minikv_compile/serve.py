@@ -12,8 +12,9 @@
 ``--tensor-parallel N`` runs under ``torchrun --nproc-per-node N -m minikv_compile.serve ...``:
 every rank loads its shard, rank 0 listens and its scheduler drives the others
 (``minikv_compile.ranks``).
-The server listens at once and compiles / captures every bucket in the background: ``/health``
-answers 503 until the scheduler is ready, and so do the completion endpoints (with
+The server listens at once and warms up in the background (every bucket compiled and captured,
+a prompt of ``max_prompt_len`` prefilled: ``Scheduler.warm_up``): ``/health`` answers 503 until
+the scheduler is ready, and so do the completion endpoints (with
 ``Retry-After``).
 
 Endpoints

@@ -18,7 +18,7 @@ from torch import nn
 from minikv_compile import ops
 from minikv_compile.ops.rotation import hadamard_matrix
 
-from .parallel import TensorParallel, shard_rows
+from .parallel import TensorParallel, row_share, shard_rows
 
 # Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``): one tile of 16
 # (padded) rows, so 9-16 rows cost what 8 do (H100, 16 x 2k: 6.36 ms a step against 7.15 for the
@@ -528,17 +528,17 @@ def load_shard(model_dir, tp: TensorParallel, device: Union[str, torch.device],
                 opened[path] = safe_open(path, framework="pt")
             part = opened[path].get_slice(source)
             how, cut = plan.get(name, ("whole", None))
+            if how == "zero":
+                p.zero_()
+                continue
             if how == "rows":
                 t = part[cut]
             elif how == "cols":
                 t = part[:, cut]
-            elif how == "zero":
-                t = torch.zeros(p.shape)
-            elif how == "vocab":
-                n, share = part.get_shape()[0], p.shape[0]
+            elif how == "vocab":  # shard_rows, read from the file
+                rows, _ = row_share(part.get_shape()[0], tp)
                 t = torch.zeros(p.shape, dtype=p.dtype)
-                rows = part[min(n, tp.rank * share): min(n, (tp.rank + 1) * share)]
-                t[: rows.shape[0]] = rows
+                t[: rows.stop - rows.start] = part[rows]
             else:
                 t = part[:]
             p.copy_(t.to(dtype))

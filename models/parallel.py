@@ -17,7 +17,7 @@ import hashlib
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -117,15 +117,20 @@ def join_torchrun(name: str, size: Optional[int], cuda: bool, timeout_s: float) 
     return device
 
 
-def shard_rows(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """This rank's ``ceil(n / N)`` rows of ``w (n, ...)``, the last rank's padded with zeros:
-    a vocabulary need not divide by the ranks (the gathered padding is cut off)."""
-    n = w.shape[0]
+def row_share(n: int, tp: TensorParallel) -> Tuple[slice, int]:
+    """(this rank's rows of ``n``, the share ``ceil(n / N)`` every rank holds): rank ``r`` holds
+    rows ``[r s, (r + 1) s)`` cut at ``n``, the last rank's share padded with zeros (a vocabulary
+    need not divide by the ranks; the gathered padding is cut off)."""
     share = -(-n // tp.world)
-    part = w[tp.rank * share: (tp.rank + 1) * share]
+    return slice(min(n, tp.rank * share), min(n, (tp.rank + 1) * share)), share
+
+
+def shard_rows(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's share of the rows of ``w (n, ...)`` (``row_share``), zero-padded."""
+    rows, share = row_share(w.shape[0], tp)
     out = w.new_zeros(share, *w.shape[1:])
-    out[: part.shape[0]] = part
+    out[: rows.stop - rows.start] = w[rows]
     return out
 
 
-__all__ = ["TensorParallel", "join_torchrun", "shard_rows"]
+__all__ = ["TensorParallel", "join_torchrun", "row_share", "shard_rows"]
