@@ -149,9 +149,10 @@ class DecodeStep:
     layer (``perf/NOTES.md``, "One compiled layer"). Under CUDA graphs the loop runs at capture
     only: a replay has no Python.
 
-    Compiles are few: the batch reaches every part as dim 0 of its tensors, marked dynamic for
-    ``B >= 2``, so one compiled part serves every bucket with the same ``DecodePlan`` (a size
-    of 1 is always specialized: batch 1 is its own); ``layer`` does not see the mode, and
+    Compiles are few: the batch reaches every part as dim 0 of its tensors, which each part
+    names to ``compile_part`` (``batched``: marked dynamic for ``B >= 2`` when it compiles), so
+    one compiled part serves every bucket with the same ``DecodePlan`` (a size of 1 is always
+    specialized: batch 1 is its own); ``layer`` does not see the mode, and
     ``begin`` sees neither the mode nor the plan. ``layer`` compiles once per plan, or once per
     kind of layer where the plan hands the input norm on (``split_norm``: the first layer
     takes none, the last hands none on); a pyramid budget's capacities, which differ from
@@ -160,25 +161,25 @@ class DecodeStep:
     ``functools.partial`` runs through one wrapper frame that every partial shares).
     """
 
+    # Each part's arguments whose dim 0 is the batch (``compile_part``'s ``batched``).
+    batched = {"begin": ("slots",), "layer": ("ring_index", "h", "cos", "sin", "normed"),
+               "choose": ("slots", "h")}
+
     def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
-                 compile_part: Optional[Callable[[Callable], Callable]]):
+                 compile_part: Optional[Callable[..., Callable]]):
         self.adapter, self.cache, self.state = adapter, cache, state
         self.layers = [(adapter.layer_weights(i), kv) for i, kv in enumerate(cache.layers)]
         parts = (self.begin, self.layer, self.choose)
-        self._compiled = compile_part is not None
-        if self._compiled:
-            parts = tuple(compile_part(part) for part in parts)
+        if compile_part is not None:
+            parts = tuple(compile_part(part, batched=self.batched[part.__name__])
+                          for part in parts)
         self._begin, self._layer, self._choose = parts
 
     def __call__(self, slots: torch.Tensor, mode: str) -> None:
-        mark = _dynamic_batch if self._compiled else _as_they_are  # marks matter to a compiler
-        mark(slots)
         h, cos, sin, ring_index = self._begin(slots)
         normed: Optional[tuple] = None  # the next input norm's share done by the launch before
         for (weights, kv), ring in zip(self.layers, ring_index.unbind(0)):
-            mark(h, cos, sin, ring, *(normed or ()))
             h, normed = self._layer(weights, kv, ring, h, cos, sin, normed)
-        mark(h)
         self._choose(slots, h, mode)
 
     def begin(self, slots: torch.Tensor) -> tuple:
@@ -258,8 +259,11 @@ class RecallDecodeStep(DecodeStep):
     its tokens.
     """
 
+    batched = dict(DecodeStep.batched,
+                   layer=("ring_index", "undo", "h", "cos", "sin", "normed"))
+
     def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
-                 compile_part: Optional[Callable[[Callable], Callable]]):
+                 compile_part: Optional[Callable[..., Callable]]):
         super().__init__(adapter, cache, state, compile_part)
         self.recall = cache.recall
         self.layers = [(w, kv, rec, store) for (w, kv), rec, store
@@ -270,8 +274,6 @@ class RecallDecodeStep(DecodeStep):
         self._spec_ring = torch.tensor([[0, 1]], dtype=torch.int32, device=cache.device)
 
     def __call__(self, slots: torch.Tensor, mode: str) -> None:
-        mark = _dynamic_batch if self._compiled else _as_they_are
-        mark(slots)
         batch = slots.shape[0]
         h, cos, sin, ring_index, undo = self._begin(slots)
         main, side = torch.cuda.current_stream() if self._side else None, self._side
@@ -287,7 +289,6 @@ class RecallDecodeStep(DecodeStep):
                                                          gathered):
             if done is not None:
                 main.wait_event(done)
-            mark(h, cos, sin, ring, undo, *(normed or ()))
             h, normed = self._layer(weights, kv, rec, self.recall.mass, ring, undo, h, cos, sin,
                                     normed)
             if side is not None:
@@ -296,7 +297,6 @@ class RecallDecodeStep(DecodeStep):
                 ops.recall_store(store, kv.k_ring, kv.v_ring, kv.lens, ring)
         if side is not None:
             main.wait_stream(side)
-        mark(h)
         self._choose(slots, h, mode, self.recall.mass, self.recall.idx)
 
     def begin(self, slots: torch.Tensor) -> tuple:
@@ -366,14 +366,3 @@ class RecallDecodeStep(DecodeStep):
         st.spec[rows] = torch.where(live, spec, st.spec[rows])
         st.pre[rows] = pre & ~live
 
-
-def _dynamic_batch(*tensors: torch.Tensor) -> None:
-    """Dim 0 of each tensor (the bucket's batch) may vary between compiled calls; a batch of 1
-    stays static. ``maybe_``: a plan's branch narrows the range (e.g. to 9..64), no error."""
-    for t in tensors:
-        if t.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
-def _as_they_are(*tensors: torch.Tensor) -> None:
-    """No compiler: nothing to mark."""

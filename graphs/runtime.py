@@ -101,9 +101,13 @@ class SlotRuntime:
         self.state = SlotState(config.max_batch_size, config.max_new_tokens, adapter.vocab_size,
                                device)
         step = DecodeStep if self.cache.recall is None else RecallDecodeStep
+        # Everything the compiled step's code depends on besides the source and the versions.
+        identity = repr((step.__name__, adapter.config.to_json_string(), str(dtype), config,
+                         adapter.tp.rank, adapter.tp.world))
         self.runner = GraphRunner(functools.partial(step, adapter, self.cache, self.state),
                                   device=device, compile=compile, cuda_graphs=cuda_graphs,
-                                  state_buffers=self.state.buffers(), active=self.state.active)
+                                  state_buffers=self.state.buffers(), active=self.state.active,
+                                  identity=identity)
         self.buckets = _buckets(config.max_batch_size)
         self._requests: List[Optional[Request]] = [None] * config.max_batch_size
         self._reserved: set = set()  # slots whose admission is under way (admit_in_pieces)

@@ -228,10 +228,12 @@ class MiniKVModel:
     @property
     def stats(self) -> Dict[str, object]:
         """Compiles and replays so far: proof that the decode step is compiled once per bucket
-        and really replayed from CUDA graphs; and per bucket, the kernels its step runs per layer
-        (``models.llama.DecodePlan``)."""
+        and really replayed from CUDA graphs (``compiles``: the compiled graphs run, ``loaded``:
+        those of them an earlier process compiled and saved); and per bucket, the kernels its
+        step runs per layer (``models.llama.DecodePlan``)."""
         r, a = self.runtime.runner, self.adapter
-        return {"compiles": r.compiles, "replays": r.replays, "graphs": r.graphs,
+        return {"compiles": r.compiles, "loaded": r.loads, "replays": r.replays,
+                "graphs": r.graphs,
                 "compile_seconds": dict(r.compile_seconds),
                 "capture_seconds": dict(r.capture_seconds),
                 "kernels": {b: a.decode_plan(b, self.dtype).kernels()

@@ -647,8 +647,11 @@ def _prometheus(scheduler: Scheduler, config: MiniKVConfig, invalid: int) -> str
            [("", int(scheduler.ready))])
     runner = scheduler.engine.runtime.runner  # what proves the graphs are replayed, not rebuilt
     metric("minikv_compiled_graphs_total", "counter",
-           "Graphs torch.compile produced (all before ready; one more while serving is a "
-           "recompile).", [("", runner.compiles)])
+           "Compiled graphs of the decode step run (all before ready; one more while serving "
+           "is a recompile).", [("", runner.compiles)])
+    metric("minikv_loaded_graphs_total", "counter",
+           "Of them, graphs an earlier process compiled and saved (a restart's).",
+           [("", runner.loads)])
     metric("minikv_cuda_graphs", "gauge", "CUDA graphs captured, one per (bucket, mode).",
            [("", len(runner.graphs))])
     metric("minikv_cuda_graph_replays_total", "counter", "Decode steps replayed from a CUDA graph.",

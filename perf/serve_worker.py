@@ -108,6 +108,7 @@ def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> 
     t0 = time.perf_counter()
     engine = minikv_compile(model, config)
     build_s = time.perf_counter() - t0
+    facts["stamps"]["engine"] = time.time()
     scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue)
     app = create_app(scheduler, tokenizer, args.model, config)
     kv = engine.kv_memory()
@@ -361,10 +362,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
+    stamps = {"main": time.time()}  # wall-clock seconds of the start-up's stages, in /info
     import torch
     import transformers
 
     from . import measure as M
+    stamps["imports"] = time.time()
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     transformers.utils.logging.set_verbosity_warning()
@@ -379,6 +382,9 @@ def main(args) -> int:
     t0 = time.perf_counter()
     model, tokenizer, facts = load(args.model, device, dtype)
     facts["build_s"] = time.perf_counter() - t0
+    stamps["model"] = time.time()
     environment = M.environment(device)
+    stamps["environment"] = time.time()
+    facts["stamps"] = stamps
     serve = serve_minikv if args.backend == "minikv" else serve_hf
     return serve(model, tokenizer, facts, args, environment)

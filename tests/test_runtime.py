@@ -112,8 +112,8 @@ def test_a_graph_compiled_mid_generation_leaves_running_slots_alone():
 def test_one_compiled_layer_serves_every_layer_of_each_plan():
     # The CUDA path's three plans, on the CPU: the fused projections (ops.fused_linear's
     # reference) at batch 1 and at 2..16 (the input norm split over launches), GEMMs at 17..32.
-    # 8 layers, yet the layer compiles once per plan, and at 2..16 once per kind of layer (the
-    # first takes no norm share, the last hands none on); the tokens are the eager step's.
+    # 8 layers, yet the layer compiles once per plan and kind of layer (the first takes no norm
+    # share, the last hands none on: CompiledPart's kinds); the tokens are the eager step's.
     from minikv_compile.graphs.runtime import SlotRuntime
     from minikv_compile.models import get_adapter
 
@@ -136,9 +136,39 @@ def test_one_compiled_layer_serves_every_layer_of_each_plan():
     assert [adapter.decode_plan(b, torch.float32).split_norm for b in (1, 4, 16, 32)] == [
         False, True, True, False]
     assert outputs[:3] == outputs[3:]
-    # the start, the layer and the choice at batch 1; at 2..16 the start, 3 kinds of layer and
-    # the choice; at 17..32 the GEMM layer alone (the start and the choice see no plan)
-    assert compiles[:3] == [3, 8, 9]
+    # the start, 2 kinds of layer (the last hands no norm on) and the choice at batch 1; at
+    # 2..16 the start, 3 kinds of layer and the choice; at 17..32 the GEMM layer's 2 kinds alone
+    # (the start and the choice see no plan)
+    assert compiles[:3] == [4, 9, 11]
+
+
+def test_a_rebuilt_engine_runs_the_saved_compiled_step_instead_of_compiling(tmp_path, monkeypatch,
+                                                                           caplog):
+    # Each compiled variant of the step's parts is saved beside inductor's cache; an engine
+    # built again on the same model and config (a restart) runs them without compiling and
+    # gives the same tokens; a file that does not load is skipped with a warning and its kind
+    # of call compiles again; another config has a folder of its own.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cfg = MiniKVConfig(**CFG, compile=True)
+    batches = [[prompt_of(40, seed=1)], [prompt_of(30 + 9 * i, seed=i) for i in range(3)]]
+
+    def run(config):
+        cm = minikv_compile(tiny(), config)
+        out = [cm.generate(b, max_new_tokens=20, do_sample=True, seed=5).sequences
+               for b in batches]
+        return out, cm.stats["compiles"], cm.stats["loaded"]
+
+    tokens, compiled, loaded = run(cfg)
+    assert (compiled, loaded) == (8, 0)  # start, 2 kinds of layer, choice at 1 and at 2..4
+    assert run(cfg) == (tokens, compiled, compiled)
+    saved = sorted(tmp_path.glob("minikv_steps/*/layer-*.bin"))
+    assert len(saved) == 4
+    saved[0].write_bytes(b"not a compiled function")
+    with caplog.at_level("WARNING"):
+        assert run(cfg) == (tokens, compiled, compiled - 1)
+    assert f"saved step part {saved[0]} not loaded" in caplog.text
+    assert run(MiniKVConfig(**CFG, compile=True, bits=4))[1:] == (compiled, 0)
+    assert len(list(tmp_path.glob("minikv_steps/*"))) == 2
 
 
 def test_generate_seed_is_reproducible_alone_and_in_a_batch():
@@ -286,10 +316,11 @@ def test_gpu_join_and_capture_under_the_sync_guard():
     replays = cm.stats["replays"]
     assert join() == first
     assert cm.stats["replays"] > replays
-    # 3 graphs, 8 compiles: the start at batch 1 and at 2..16 (bucket 4's graph, reused by
-    # bucket 2), the layer at batch 1 and at 2..16 (split norm: the first and the last of the 2
-    # layers, one each), the choice for (1, greedy), (2.., greedy) and (2.., sample).
-    assert len(cm.stats["graphs"]) == 3 and cm.stats["compiles"] == 8
+    # 3 graphs, 9 compiles: the start at batch 1 and at 2..16 (bucket 4's graph, reused by
+    # bucket 2), the layer at batch 1 and at 2..16 (the first and the last of the 2 layers, one
+    # each: the last hands no norm on), the choice for (1, greedy), (2.., greedy) and (2..,
+    # sample).
+    assert len(cm.stats["graphs"]) == 3 and cm.stats["compiles"] == 9
 
 
 @pytest.mark.gpu
