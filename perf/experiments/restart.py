@@ -6,6 +6,7 @@ step's compiled graphs each launch compiled and loaded (``/metrics``), and when 
 the start-up ended (the worker's stamps in ``/info``).
 
     python perf/experiments/restart.py --out FILE.json [--model llama3.1-8b] [--restarts 2]
+        [--cache DIR]
 
 Runs ``python -m minikv_compile.perf serve-worker --backend minikv`` (the benchmark's server).
 """
@@ -32,8 +33,11 @@ def main() -> None:
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--restarts", type=int, default=2)
     p.add_argument("--timeout", type=float, default=240.0)
+    p.add_argument("--cache", default=None,
+                   help="the compile caches' folder (default: a new empty one)")
     a = p.parse_args()
-    cache = Path(tempfile.mkdtemp(prefix="minikv-restart-"))
+    cache = Path(a.cache or tempfile.mkdtemp(prefix="minikv-restart-"))
+    cold = not (cache / "inductor").exists()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
     launches = []
@@ -50,7 +54,8 @@ def main() -> None:
         # package's own imports, torch / transformers, the model, the engine's build), then ready
         stamps = info["model"].get("stamps", {})
         stages = {name: round(stamps[name] - launched, 2) for name in stamps}
-        launch = {"launch": "cold" if i == 0 else f"restart {i}", "ready_s": round(ready, 2),
+        launch = {"launch": "cold" if i == 0 and cold else f"restart {i + (not cold)}",
+                  "ready_s": round(ready, 2),
                   "compiled_graphs": counters.get("minikv_compiled_graphs_total"),
                   "loaded_graphs": counters.get("minikv_loaded_graphs_total"),
                   "cuda_graphs": counters.get("minikv_cuda_graphs"), "stages_s": stages,
@@ -59,7 +64,9 @@ def main() -> None:
         launches.append(launch)
         print(json.dumps(launch), flush=True)
         time.sleep(2.0)  # the GPU's memory back before the next launch
-    Path(a.out).write_text(json.dumps({"model": a.model, "capacity": {
+    Path(a.out).write_text(json.dumps({"model": a.model, "cache": str(cache),
+                                       "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX"),
+                                       "capacity": {
         "max_batch_size": a.max_batch_size, "max_prompt_len": a.max_prompt_len,
         "max_new_tokens": a.max_new_tokens}, "launches": launches}, indent=1))
 

@@ -72,7 +72,10 @@ def main() -> None:
     if profile:
         profile.disable()
         with open(a.profile, "w") as f:
-            pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(60)
+            stats = pstats.Stats(profile, stream=f).sort_stats("cumulative")
+            stats.print_stats(60)
+            stats.print_stats("minikv_compile", 40)  # the package's own functions
+            stats.sort_stats("tottime").print_stats(40)
     from torch._dynamo.utils import compile_times
     breakdown = compile_times(repr="str")
     # Step time of each bucket's greedy graph with one live slot (slot 0, a 1k prompt).
