@@ -8,7 +8,8 @@
 ``--model`` is a local HF model directory (``AutoModelForCausalLM`` + ``AutoTokenizer``) or
 ``smollm2`` (the project's SmolLM2-135M-Instruct, ``models.smollm2.load_smollm2``); every
 ``MiniKVConfig`` field has a flag of its own name (``--heavy-budget``, ``--selection``, ...).
-``--compile-cache`` keeps torch.compile's and Triton's artifacts across restarts.
+``--compile-cache`` keeps torch.compile's and Triton's artifacts, and the compiled decode step
+(``graphs.graph_runner.CompiledPart``), across restarts.
 ``--tensor-parallel N`` runs under ``torchrun --nproc-per-node N -m minikv_compile.serve ...``:
 every rank loads its shard, rank 0 listens and its scheduler drives the others
 (``minikv_compile.ranks``).
@@ -706,8 +707,9 @@ def _parser() -> argparse.ArgumentParser:
     sched.add_argument("--prefill-batch-requests", type=int, default=8, metavar="INT",
                        help="and at most this many prompts a pass (default: 8)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="where torch.compile and Triton keep their compiled artifacts, so that "
-                        "a restart skips most of the warm-up (default: $TORCHINDUCTOR_CACHE_DIR "
+                   help="where torch.compile and Triton keep their compiled artifacts and the "
+                        "engine its compiled decode step, so that a restart compiles nothing "
+                        "(default: $TORCHINDUCTOR_CACHE_DIR "
                         "if set, else compile/ in the project's cache folder, $MINIKV_CACHE or "
                         "~/.cache/minikv_compile)")
     group = p.add_argument_group("MiniKVConfig", "the engine's fields (see MiniKVConfig)")
