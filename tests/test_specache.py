@@ -194,3 +194,23 @@ def test_gpu_replayed_recall_step_equals_the_eager_step():
     compiles, replays = graphs.stats["compiles"], graphs.stats["replays"]
     assert join(graphs) == first
     assert graphs.stats["compiles"] == compiles and graphs.stats["replays"] > replays
+
+
+@pytest.mark.gpu
+def test_gpu_a_rebuilt_recall_engine_runs_its_saved_step(tmp_path, monkeypatch):
+    """The two-row step (it holds a CUDA stream) is saved and loaded like the plain one: an
+    engine built again on the same model and config compiles nothing and gives the same
+    tokens from its replays."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cfg = MiniKVConfig(residual_length=32, max_prompt_len=128, max_new_tokens=40,
+                       max_batch_size=4, recall_top_k=16)
+    prompts = [prompt_of(100, seed=1), prompt_of(61, seed=3)]
+
+    def run():
+        cm = minikv_compile(tiny(dtype=torch.bfloat16, device="cuda"), cfg)
+        out = [cm.generate(b, max_new_tokens=40).sequences for b in (prompts[:1], prompts)]
+        return out, cm.stats["compiles"], cm.stats["loaded"]
+
+    tokens, compiled, loaded = run()
+    assert compiled > 0 and loaded == 0
+    assert run() == (tokens, compiled, compiled)
