@@ -22,11 +22,13 @@ import importlib
 import inspect
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import triton
 
 Key = Tuple[int, str]  # (bucket, mode)
 
@@ -39,9 +41,9 @@ class GraphRunner:
     whole step replayed from one CUDA graph per key if ``cuda_graphs``.
 
     build_step(compile_part) -> step: builds the step, handing each part it wants compiled to
-        ``compile_part`` (``torch.compile`` through the runner's counting backend; None without
-        ``compile``: the parts run as they are). The step decides which buckets share a compiled part (the
-        dynamic sizes it marks): ``DecodeStep``.
+        ``compile_part(method, batched=names)`` (a ``CompiledPart``; None without ``compile``:
+        the parts run as they are). The step decides which buckets share a compiled part (the
+        arguments it names batched): ``DecodeStep``.
     state_buffers: every tensor the step writes besides the cache (restored after warm-up).
     active: the ``(Bmax,)`` bool tensor that admits slots to the step (one of
         ``state_buffers``); zeroed during warm-up so that the step writes no cache buffer.
@@ -150,9 +152,9 @@ class CompiledPart:
     Each new kind of call is compiled once (``torch.compile(fullgraph=True)``'s ``aot_compile``
     on that call's arguments; dims marked dynamic stay symbolic, so one compiled variant serves
     every bucket of a plan) and saved under ``folder``; a later process loads the saved
-    variants at construction and never traces them again (H100, Llama-3.1-8B shape: dynamo's
-    11 compiles took ~10 s of a 23 s warm restart; ``perf/NOTES.md``, "Skipping dynamo on a
-    restart"). A call runs the first variant of its kind whose own guards accept the arguments.
+    variants at construction and never traces them again (H100, Llama-3.1-8B shape, a server's
+    restart: the step's compiles 13.0 s, its loads 1.0-1.4 s; ``perf/NOTES.md``, "Saved compiled
+    steps"). A call runs the first variant of its kind whose own guards accept the arguments.
 
     The kind (``_kind``: the arguments' structure, None-ness, strings, tensor dtypes and ranks)
     stands beside the variant's guards because saved guards leave out object identities, ``x
@@ -270,9 +272,7 @@ def step_folder(identity: str, device: torch.device) -> Path:
     ``TORCHINDUCTOR_CACHE_DIR``, and the server's ``--compile-cache``, move both), named by a
     digest of ``identity``, the project's source, the Python / torch / Triton / CUDA versions
     and the GPU (a variant keeps the code it was compiled from, whatever changed since)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    import platform
-    import triton
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # (inductor: on first use)
 
     digest = hashlib.sha256(identity.encode())
     for package in ("minikv_compile", "minikv_compile.graphs", "minikv_compile.models",

@@ -1,0 +1,127 @@
+"""Would prefill beside the decode steps (a second CUDA stream) beat prefill between them?
+
+    python perf/experiments/overlap_probe.py --out FILE.json [--live 16 --context 4096
+        --long-prompt 32768]
+
+The serving loop runs prefill pieces between decode steps, so a piece's time adds to every
+stream's inter-token gap (the long phase's ITL p50, ``perf/NOTES.md``, "Serving"). The decode
+step is bandwidth-bound and a long prompt's prefill compute-bound: if they share the GPU well,
+prefill on a side stream costs the streams only the contention. This measures, on the
+Llama-3.1-8B shape: the step of ``--live`` slots (``--context`` tokens each) replayed alone; a
+``--long-prompt`` prefill alone (into a free slot, every layer queued); then the prefill queued on
+a low-priority side stream while the steps replay on a high-priority stream until it is done:
+each step's time, and the prefill's. Timing by CUDA events; nothing else runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="llama3.1-8b")
+    p.add_argument("--live", type=int, default=16)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--long-prompt", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=100)
+    a = p.parse_args()
+
+    from minikv_compile import MiniKVConfig, minikv_compile
+    from minikv_compile.graphs.prefill import prefill_pieces
+    from minikv_compile.graphs.runtime import Request, engine_mode
+    from minikv_compile.perf import harness as H
+
+    dev = torch.device("cuda")
+    model = H.build_model(a.model, dev, torch.bfloat16)
+    cfg = MiniKVConfig(max_batch_size=2 * a.live, max_prompt_len=a.long_prompt,
+                       max_new_tokens=1024)
+    engine = minikv_compile(model, cfg)
+    rt = engine.runtime
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    with engine_mode():
+        for slot in range(a.live):
+            rt.admit(slot, Request(torch.randint(0, vocab, (a.context,), generator=g).tolist(),
+                                   1024))
+        key = (rt.buckets[next(i for i, b in enumerate(rt.buckets) if b >= a.live)], "greedy")
+        rt.runner.prepare(key)
+        free = 2 * a.live - 1
+        long_ids = torch.randint(0, vocab, (a.long_prompt,), generator=g).to(dev)
+
+        def prefill_all() -> None:
+            pieces = prefill_pieces(engine.adapter, rt.cache, [cfg], [free], [long_ids], 1)
+            for _ in pieces:
+                pass
+
+        def timed_steps(n: int, stream) -> list:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(n)]
+            with torch.cuda.stream(stream):
+                for e0, e1 in events:
+                    e0.record()
+                    rt.runner.run(key)
+                    e1.record()
+            torch.cuda.synchronize()
+            return [e0.elapsed_time(e1) for e0, e1 in events]
+
+        high = torch.cuda.Stream(priority=-1)
+        low = torch.cuda.Stream(priority=0)
+        for _ in range(2):  # warm-up: the prefill kernels at this length, the graph
+            prefill_all()
+            timed_steps(5, high)
+        torch.cuda.synchronize()
+
+        alone = timed_steps(a.steps, high)
+        p0, p1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        p0.record()
+        prefill_all()
+        p1.record()
+        torch.cuda.synchronize()
+        prefill_alone = p0.elapsed_time(p1)
+
+        # Together: the prefill queued on the low-priority stream, then steps on the high one
+        # until the prefill's end event has completed (queried, never waited on).
+        low.wait_stream(torch.cuda.current_stream())
+        high.wait_stream(torch.cuda.current_stream())
+        q0, q1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(low):
+            q0.record()
+            prefill_all()
+            q1.record()
+        events = []
+        with torch.cuda.stream(high):
+            while not q1.query() and len(events) < 5000:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                rt.runner.run(key)
+                e1.record()
+                events.append((e0, e1))
+                e1.synchronize()  # one step in flight, as the serving loop keeps it
+        torch.cuda.synchronize()
+        together = [e0.elapsed_time(e1) for e0, e1 in events]
+        prefill_together = q0.elapsed_time(q1)
+
+    def summary(xs):
+        xs = sorted(xs)
+        return {"n": len(xs), "p50": round(statistics.median(xs), 3),
+                "p90": round(xs[int(0.9 * (len(xs) - 1))], 3), "max": round(xs[-1], 3)}
+
+    result = {"model": a.model, "live": a.live, "context": a.context, "bucket": key[0],
+              "long_prompt": a.long_prompt, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__,
+              "step_alone_ms": summary(alone), "prefill_alone_ms": round(prefill_alone, 1),
+              "step_beside_prefill_ms": summary(together),
+              "prefill_beside_steps_ms": round(prefill_together, 1),
+              "interleaved_equivalent": "a gap holding a 50 ms piece costs every stream 50 ms"}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
