@@ -1,7 +1,7 @@
 """Would prefill beside the decode steps (a second CUDA stream) beat prefill between them?
 
     python perf/experiments/overlap_probe.py --out FILE.json [--live 16 --context 4096
-        --long-prompt 32768]
+        --long-prompt 32768] [--prefill-sms N]
 
 The serving loop runs prefill pieces between decode steps, so a piece's time adds to every
 stream's inter-token gap (the long phase's ITL p50, ``perf/NOTES.md``, "Serving"). The decode
@@ -11,6 +11,10 @@ Llama-3.1-8B shape: the step of ``--live`` slots (``--context`` tokens each) rep
 ``--long-prompt`` prefill alone (into a free slot, every layer queued); then the prefill queued on
 a low-priority side stream while the steps replay on a high-priority stream until it is done:
 each step's time, and the prefill's. Timing by CUDA events; nothing else runs.
+
+``--prefill-sms N``: the side stream is a CUDA green context's of ``N`` SMs (torch's beta
+``torch.cuda.green_contexts``), so that the prefill leaves the other SMs to the steps; the
+prefill is also timed alone in it.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--long-prompt", type=int, default=32768)
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--prefill-sms", type=int, default=0)
     a = p.parse_args()
 
     from minikv_compile import MiniKVConfig, minikv_compile
@@ -71,10 +76,41 @@ def main() -> None:
 
         high = torch.cuda.Stream(priority=-1)
         low = torch.cuda.Stream(priority=0)
+        green = None
+        if a.prefill_sms:
+            from torch.cuda.green_contexts import GreenContext
+
+            green = GreenContext.create(a.prefill_sms, torch.cuda.current_device())
+            low = green.Stream()
+
+        def on_low(fn) -> None:
+            if green is not None:
+                green.set_context()
+            try:
+                with torch.cuda.stream(low):
+                    fn()
+            finally:
+                if green is not None:
+                    green.pop_context()
+
         for _ in range(2):  # warm-up: the prefill kernels at this length, the graph
             prefill_all()
             timed_steps(5, high)
         torch.cuda.synchronize()
+        prefill_low = None
+        if green is not None:
+            on_low(prefill_all)  # (its first launches in the green context)
+            torch.cuda.synchronize()
+            g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+            def timed_prefill() -> None:
+                g0.record()
+                prefill_all()
+                g1.record()
+
+            on_low(timed_prefill)
+            torch.cuda.synchronize()
+            prefill_low = round(g0.elapsed_time(g1), 1)
 
         alone = timed_steps(a.steps, high)
         p0, p1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -89,10 +125,12 @@ def main() -> None:
         low.wait_stream(torch.cuda.current_stream())
         high.wait_stream(torch.cuda.current_stream())
         q0, q1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(low):
+        def queued_prefill() -> None:
             q0.record()
             prefill_all()
             q1.record()
+
+        on_low(queued_prefill)
         events = []
         with torch.cuda.stream(high):
             while not q1.query() and len(events) < 5000:
@@ -117,6 +155,8 @@ def main() -> None:
               "step_alone_ms": summary(alone), "prefill_alone_ms": round(prefill_alone, 1),
               "step_beside_prefill_ms": summary(together),
               "prefill_beside_steps_ms": round(prefill_together, 1),
+              "prefill_sms": a.prefill_sms or None, "prefill_alone_on_its_sms_ms": prefill_low,
+              "sms": torch.cuda.get_device_properties(dev).multi_processor_count,
               "interleaved_equivalent": "a gap holding a 50 ms piece costs every stream 50 ms"}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
