@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 
 import torch
 
@@ -120,29 +121,43 @@ def main() -> None:
         torch.cuda.synchronize()
         prefill_alone = p0.elapsed_time(p1)
 
-        # Together: the prefill queued on the low-priority stream, then steps on the high one
-        # until the prefill's end event has completed (queried, never waited on).
+        # Together: the steps replayed on the high-priority stream by a thread of their own
+        # (one in flight, as the serving loop keeps them), while this thread queues the prefill
+        # on the low one (its host waits, if any, hold this thread only); the steps that ran
+        # inside the prefill's span count.
         low.wait_stream(torch.cuda.current_stream())
         high.wait_stream(torch.cuda.current_stream())
         q0, q1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stop, events = threading.Event(), []
+
+        def step_loop() -> None:
+            torch.cuda.set_device(dev)
+            with engine_mode(), torch.cuda.stream(high):
+                while not stop.is_set():
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    rt.runner.run(key)
+                    e1.record()
+                    e1.synchronize()
+                    events.append((e0, e1))
+
         def queued_prefill() -> None:
             q0.record()
             prefill_all()
             q1.record()
 
+        thread = threading.Thread(target=step_loop)
+        thread.start()
         on_low(queued_prefill)
-        events = []
-        with torch.cuda.stream(high):
-            while not q1.query() and len(events) < 5000:
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                rt.runner.run(key)
-                e1.record()
-                events.append((e0, e1))
-                e1.synchronize()  # one step in flight, as the serving loop keeps it
+        q1.synchronize()
+        stop.set()
+        thread.join()
         torch.cuda.synchronize()
-        together = [e0.elapsed_time(e1) for e0, e1 in events]
-        prefill_together = q0.elapsed_time(q1)
+        span = q0.elapsed_time(q1)
+        together = [e0.elapsed_time(e1) for e0, e1 in events
+                    if q0.elapsed_time(e0) >= 0 and q0.elapsed_time(e1) <= span]
+        prefill_together = span
 
     def summary(xs):
         xs = sorted(xs)
@@ -154,6 +169,7 @@ def main() -> None:
               "torch": torch.__version__,
               "step_alone_ms": summary(alone), "prefill_alone_ms": round(prefill_alone, 1),
               "step_beside_prefill_ms": summary(together),
+              "steps_per_s_beside_prefill": round(1000 * len(together) / prefill_together, 1),
               "prefill_beside_steps_ms": round(prefill_together, 1),
               "prefill_sms": a.prefill_sms or None, "prefill_alone_on_its_sms_ms": prefill_low,
               "sms": torch.cuda.get_device_properties(dev).multi_processor_count,
