@@ -129,9 +129,10 @@ def main() -> None:
         high.wait_stream(torch.cuda.current_stream())
         q0, q1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stop, events = threading.Event(), []
+        index = torch.cuda.current_device()
 
         def step_loop() -> None:
-            torch.cuda.set_device(dev)
+            torch.cuda.set_device(index)
             with engine_mode(), torch.cuda.stream(high):
                 while not stop.is_set():
                     e0 = torch.cuda.Event(enable_timing=True)
