@@ -10,8 +10,8 @@ every rank compiles the engine with ``tensor_parallel=N`` and runs the same ``ge
 (``harness.time_decode``: ms per step of a timed call after a warm-up call); rank 0 writes the
 rows. The tensor-parallel floor of a case is what one rank cannot avoid per step: its shard's
 weight and KV bytes over its measured copy bandwidth (``measure.copy_bandwidth``), plus the
-step's collectives, each measured alone over the ranks (``2 L`` all-reduces of ``(B, hidden)``
-and one gather of the ``(B, V / N)`` logits).
+step's collectives as the step runs them (``2 L`` all-reduces of ``(B, hidden)`` and one gather
+of the ``(B, V / N)`` logits, captured in one CUDA graph and replayed).
 
 ``--tiny`` runs the plumbing on the tiny shape (on the CPU over gloo where there is no GPU);
 its figures are not performance figures.
@@ -80,24 +80,47 @@ def hf_sharded_model(shape: str, dtype: torch.dtype):
     return model
 
 
-def collective_ms(tp: TensorParallel, batch: int, hidden: int, vocab_share: int,
-                  dtype: torch.dtype, device: torch.device, reps: int = 50) -> Dict[str, float]:
-    """Mean ms of one all-reduce of ``(batch, hidden)`` and of one gather of the ``(batch,
-    vocab_share)`` logits over the ranks (``reps`` back to back after a warm-up, one sync)."""
+def step_collectives_ms(tp: TensorParallel, batch: int, hidden: int, layers: int,
+                        vocab_share: int, dtype: torch.dtype, device: torch.device,
+                        reps: int = 20) -> float:
+    """Mean ms of one step's collectives as the step runs them: ``2 layers`` all-reduces of
+    ``(batch, hidden)`` and one gather of the ``(batch, vocab_share)`` logits, back to back,
+    on the GPU captured in one CUDA graph and replayed (timed alone with a host sync each, an
+    all-reduce took 72 us on 2 H200s, which put the floor above the captured step itself);
+    on the CPU run eagerly."""
     x = torch.randn(batch, hidden, dtype=dtype, device=device)
     logits = torch.randn(batch, vocab_share, dtype=dtype, device=device)
-    out = {}
-    for name, run in (("all_reduce_ms", lambda: tp.all_reduce(x)),
-                      ("gather_ms", lambda: tp.gather_vocab(logits, vocab_share * tp.world))):
-        for _ in range(5):
-            run().sum().item()
+
+    def collectives() -> torch.Tensor:
+        for _ in range(2 * layers):
+            tp.all_reduce(x)
+        return tp.gather_vocab(logits, vocab_share * tp.world)
+
+    if device.type != "cuda":
+        collectives()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(reps):
-            y = run()
-        y.sum().item()
-        out[name] = 1e3 * (time.perf_counter() - start) / reps
-    return out
+            collectives()
+        return 1e3 * (time.perf_counter() - start) / reps
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            collectives()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        collectives()
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _engine_row(model, method: str, batch: int, prompt_len: int, tp: TensorParallel,
@@ -107,16 +130,15 @@ def _engine_row(model, method: str, batch: int, prompt_len: int, tp: TensorParal
                           new_tokens=args.timed_tokens + 1, tensor_parallel=tp.world)
     timing = time_decode(runner, make_prompts(batch, prompt_len, summary["vocab"]),
                          args.warm_tokens, args.timed_tokens)
-    comm = collective_ms(tp, batch, summary["hidden"], model.lm_head.weight.shape[0], dtype,
-                         device)
-    step_comm_ms = 2 * summary["layers"] * comm["all_reduce_ms"] + comm["gather_ms"]
+    step_comm_ms = step_collectives_ms(tp, batch, summary["hidden"], summary["layers"],
+                                       model.lm_head.weight.shape[0], dtype, device)
     # this rank's bytes: its weights (the shard), its KV heads' share of the cache
     floor = floor_figures(model, method, prompt_len, batch, timing["generated_mid"], None, None)
     kv = floor["kv_bytes_read"] // tp.world
     row = {"method": method, "batch": batch, "prompt_len": prompt_len, "ranks": tp.world,
            "ms_per_token": timing["ms_per_token"],
            "weight_bytes_per_rank": floor["weight_bytes_read"], "kv_bytes_per_rank": kv,
-           **comm, "step_collectives_ms": step_comm_ms, "setup": runner.setup_info()}
+           "step_collectives_ms": step_comm_ms, "setup": runner.setup_info()}
     if bandwidth:
         row["floor_ms"] = (1e3 * (floor["weight_bytes_read"] + kv) / bandwidth["bytes_per_s"]
                            + step_comm_ms)
