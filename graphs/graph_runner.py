@@ -218,17 +218,18 @@ class CompiledPart:
 
     def _save(self, kind: str, variant) -> None:
         """Write ``variant`` as ``{part}-{kind}-{digest}.bin`` (atomically: processes may share
-        the folder). A variant that does not serialize stays in memory, with a warning."""
+        the folder). A variant that does not serialize, or a folder that cannot be written,
+        leaves it in memory, with a warning."""
         try:
             data = type(variant).serialize(variant).serialized_data
+            self._folder.mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha256(data).hexdigest()[:16]
+            path = self._folder / f"{self._name}-{kind}-{digest}.bin"
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_bytes(data)
+            os.replace(partial, path)
         except Exception as e:  # noqa: BLE001 -- a cache: the compiled variant still runs
             _log.warning("compiled %s not saved (%s): a restart compiles it again", self._name, e)
-            return
-        self._folder.mkdir(parents=True, exist_ok=True)
-        path = self._folder / f"{self._name}-{kind}-{hashlib.sha256(data).hexdigest()[:16]}.bin"
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_bytes(data)
-        os.replace(partial, path)
 
     def _load(self, path: Path) -> None:
         """Add the variant saved at ``path``; one that does not load is skipped, with a warning

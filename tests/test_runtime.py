@@ -169,6 +169,16 @@ def test_a_rebuilt_engine_runs_the_saved_compiled_step_instead_of_compiling(tmp_
     assert f"saved step part {saved[0]} not loaded" in caplog.text
     assert run(MiniKVConfig(**CFG, compile=True, bits=4))[1:] == (compiled, 0)
     assert len(list(tmp_path.glob("minikv_steps/*"))) == 2
+    # a folder that cannot be written: the engine compiles and runs alone, with a warning
+    def refuse(self, data):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "write_bytes", refuse)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert run(MiniKVConfig(**CFG, compile=True, bits=16))[1:] == (compiled, 0)
+    assert "not saved (" in caplog.text and "Permission denied" in caplog.text
+    assert len(list(tmp_path.glob("minikv_steps/*"))) == 3  # (made; nothing written in it)
 
 
 def test_generate_seed_is_reproducible_alone_and_in_a_batch():
