@@ -173,7 +173,9 @@ class CompiledPart:
         self._owner, self._name = method.__self__, method.__name__
         self._signature, self._batched = inspect.signature(method), batched
         self._runner, self._folder = runner, folder
-        with torch._dynamo.config.patch(enable_aot_compile=True):  # (torch 2.11: at compile)
+        # torch 2.11 gives a compiled function its aot_compile only when this is on as it is
+        # made (a later call does not check it)
+        with torch._dynamo.config.patch(enable_aot_compile=True):
             self._compiler = torch.compile(method, fullgraph=True, dynamic=None)
         self._variants: Dict[str, list] = collections.defaultdict(list)
         self._unused: set = set()  # ids of loaded variants not called yet
@@ -207,8 +209,7 @@ class CompiledPart:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
         # A few variants per part are expected (batch 1, and one per set of buckets with the
         # same plan or mode, or per kind of layer): not runaway recompilation.
-        with torch._dynamo.config.patch(enable_aot_compile=True, recompile_limit=64,
-                                        accumulated_recompile_limit=256):
+        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
             variant = self._compiler.aot_compile((args, {}))
         self._runner.compiles += 1
         self._variants[kind].append(variant)

@@ -430,7 +430,11 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     if getattr(model, "minikv_shard", None) is not None:
         raise ValueError(f"model: expected a whole model, got the shard of rank "
                          f"{model.minikv_shard[0]} of {model.minikv_shard[1]}")
-    plan = _shard_plan(model, tp)
+    _cut(model, _shard_plan(model, tp), tp)
+
+
+def _cut(model: nn.Module, plan: dict, tp: TensorParallel) -> None:
+    """Cut ``model``'s parameters by ``plan`` (``_shard_plan``) and mark it as the shard."""
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied LM head too
     with torch.no_grad():
         for name, (how, part) in plan.items():
@@ -512,7 +516,7 @@ def load_shard(model_dir, tp: TensorParallel, device: Union[str, torch.device],
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     plan = _shard_plan(model, tp)
-    shard_model(model, tp)
+    _cut(model, plan, tp)
     model.to_empty(device=device)
     opened = {}
     with torch.no_grad():

@@ -362,12 +362,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    stamps = {"main": time.time()}  # wall-clock seconds of the start-up's stages, in /info
+    # wall-clock seconds at the end of the start-up's stages, in /info ("main": python and the
+    # imports, done before main is called)
+    stamps = {"main": time.time()}
     import torch
     import transformers
 
     from . import measure as M
-    stamps["imports"] = time.time()
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     transformers.utils.logging.set_verbosity_warning()

@@ -51,7 +51,7 @@ def main() -> None:
         finally:
             worker.stop()
         # seconds from the launch to the end of each stage the worker stamps (python and the
-        # package's own imports, torch / transformers, the model, the engine's build), then ready
+        # imports, the model, the environment's facts, the engine's build), then ready
         stamps = info["model"].get("stamps", {})
         stages = {name: round(stamps[name] - launched, 2) for name in stamps}
         launch = {"launch": "cold" if i == 0 and cold else f"restart {i + (not cold)}",
