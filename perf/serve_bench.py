@@ -54,14 +54,14 @@ ENGINE_COUNTERS = {"steps": "minikv_decode_steps_total",
 PRESETS: Dict[str, Dict[str, object]] = {
     "full": dict(model="llama3.1-8b", backends=list(BACKENDS), phases=list(PHASES),
                  prompt_len=(1024, 16384), output_len=(128, 512), long_prompt=32768,
-                 long_every=8, max_batch_size=64, max_queue=1024, requests=64, min_requests=16,
-                 rate_seconds=60.0, max_rates=8, refine=1, drain_seconds=60.0, ttft_limit=10.0,
+                 long_every=8, max_batch_size=64, max_queue=1024, prefill_ms=50.0, requests=64,
+                 min_requests=16, rate_seconds=60.0, max_rates=8, refine=1, drain_seconds=60.0, ttft_limit=10.0,
                  single_requests=3, offline_requests=256, budget_seconds=510.0,
                  startup_timeout=420.0),
     "tiny": dict(model="tiny", backends=list(BACKENDS), phases=list(PHASES),
                  prompt_len=(16, 64), output_len=(4, 12), long_prompt=160, long_every=3,
-                 max_batch_size=4, max_queue=64, requests=8, min_requests=6, rate_seconds=1.0,
-                 max_rates=3, refine=0, drain_seconds=10.0, ttft_limit=0.5, single_requests=2,
+                 max_batch_size=4, max_queue=64, prefill_ms=50.0, requests=8, min_requests=6,
+                 rate_seconds=1.0, max_rates=3, refine=0, drain_seconds=10.0, ttft_limit=0.5, single_requests=2,
                  offline_requests=12, budget_seconds=45.0, startup_timeout=90.0),
 }
 # The real SmolLM2 reads 8192 positions: prompts up to 6k, the long ones 7k (+ 512 generated).
@@ -155,6 +155,8 @@ def add_parsers(sub) -> None:
                    help="largest max_tokens (default: the output maximum)")
     g.add_argument("--max-queue", type=positive_int, default=None,
                    help="minikv waiting requests before 429 (default 1024)")
+    g.add_argument("--prefill-ms", type=positive_float, default=None,
+                   help="minikv ms of prefill between two decode steps (default 50)")
     g.add_argument("--startup-timeout", type=positive_float, default=None,
                    help="seconds a worker may take to answer /health (default 420)")
     serve_worker.add_parser(sub)
@@ -219,7 +221,7 @@ class Worker:
                      "--device", args.device, "--max-batch-size", str(args.max_batch_size),
                      "--max-prompt-len", str(args.max_prompt_len),
                      "--max-new-tokens", str(args.max_new_tokens),
-                     "--max-queue", str(args.max_queue)]
+                     "--max-queue", str(args.max_queue), "--prefill-ms", str(args.prefill_ms)]
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float) -> float:

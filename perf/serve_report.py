@@ -367,7 +367,8 @@ def _describe_server(info: Dict[str, object]) -> str:
         return (f"{c.get('max_batch_size')} slots, prompts <= {c.get('max_prompt_len')}, "
                 f"max_tokens <= {c.get('max_new_tokens')}; {c.get('bits')}-bit, budgets "
                 f"{c.get('heavy_budget')}/{c.get('recent_budget')} ({c.get('selection')}); KV "
-                f"{_gib(info.get('kv_bytes'))}; buckets {info.get('buckets')}")
+                f"{_gib(info.get('kv_bytes'))}; buckets {info.get('buckets')}; prefill "
+                f"{info.get('prefill_ms')} ms between steps")
     cb = info.get("continuous_batching_config") or {}
     block = cb.get("block_size") or cb.get("page_size")  # renamed page_size after 5.17
     return (f"attention {info.get('attn_implementation')} (loaded as "

@@ -109,7 +109,7 @@ def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> 
     engine = minikv_compile(model, config)
     build_s = time.perf_counter() - t0
     facts["stamps"]["engine"] = time.time()
-    scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue)
+    scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue, prefill_ms=args.prefill_ms)
     app = create_app(scheduler, tokenizer, args.model, config)
     kv = engine.kv_memory()
 
@@ -339,7 +339,7 @@ def _exit_quietly(signum, frame) -> None:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .argtypes import positive_int
+    from .argtypes import positive_float, positive_int
     from .serve_bench import MODELS
 
     p = sub.add_parser("serve-worker", help="serve one backend over HTTP (started by 'serve')",
@@ -358,6 +358,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the largest max_tokens accepted (both backends)")
     p.add_argument("--max-queue", type=positive_int, default=1024,
                    help="minikv: waiting requests at most before 429 (HF's queue is unbounded)")
+    p.add_argument("--prefill-ms", type=positive_float, default=50.0,
+                   help="minikv: ms of prefill between two decode steps while others stream")
     return p
 
 
