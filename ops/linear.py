@@ -396,8 +396,11 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
                     K_PREFETCH=0)
     block_n, block_k, stages, prefetch = ((32, 512, 4, 512) if N <= 4096 else
                                           (64, 256, 4, 512) if N <= 8192 else (64, 256, 3, 0))
-    return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-                num_warps=4, K_PREFETCH=prefetch)
+    block_m = 16 if M <= 16 else 32
+    if block_m == 32 and N <= 4096:  # 4 stages of a 32-row input tile: 256 KB of shared memory
+        stages = 3
+    return dict(USE_DOT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                NUM_STAGES=stages, num_warps=4, K_PREFETCH=prefetch)
 
 
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

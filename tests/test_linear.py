@@ -20,6 +20,7 @@ ROWS_AND_TILES = [
     (3, {}),
     (3, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
     (16, dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
+    (24, dict(USE_DOT=True, BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, NUM_STAGES=2, num_warps=4)),
 ]
 
 
@@ -160,6 +161,12 @@ def test_triton_glu_epilogue(M, cfg, dtype):
 def test_launch_rule():
     assert launch_config(1, 4096, 4096, torch.bfloat16)["USE_DOT"] is False
     assert launch_config(8, 4096, 4096, torch.bfloat16)["USE_DOT"] is True
+    # 17-32 rows: one tile of 32 (each program reads its weight rows once), within 227 KB of
+    # shared memory on an H100 (input and weight tiles, bf16, per stage)
+    for N, K in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):
+        c = launch_config(32, N, K, torch.bfloat16)
+        assert c["BLOCK_M"] == 32 and launch_config(16, N, K, torch.bfloat16)["BLOCK_M"] == 16
+        assert (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["NUM_STAGES"] <= 227 * 1024
 
 
 def test_public_op_on_cpu_opcheck_and_compile():
@@ -417,7 +424,7 @@ def fused(M, N, K, prologue, **kw):
     consts.update(kw)
     build(lin._fused_linear_kernel, {k: v for k, v in SIG.items() if k not in consts}, consts)
 
-for M in (1, 8):   # the engine's launches of a Llama-3.1-8B layer
+for M in (1, 8, 32):   # the engine's launches of a Llama-3.1-8B layer
     fused(M, 6144, 4096, "prescaled" if M > 1 else "rmsnorm", ROPE=True)
     fused(M, 4096, 4096, "none", HAS_RESIDUAL=True, NORM_OUT=True)
     fused(M, 28672, 4096, "prescaled" if M > 1 else "rmsnorm", GLU_OUT=True)
@@ -521,7 +528,7 @@ LLAMA_LAYERS = [  # (N, K, prologue, residual)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K,prologue,residual", LLAMA_LAYERS)
-@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("M", [1, 8, 16, 24, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_llama_layers(N, K, prologue, residual, M, dtype):
     rope = dict(rope_dim=128, rope_heads=40) if N == 6144 else {}  # q/k/v: 32 + 8 heads rotate
@@ -557,7 +564,7 @@ def test_gpu_fp32_bias_opcheck_and_graph_capture():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("M", [1, 8, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_split_norm_llama_layers(M, dtype):
     # o_proj handing the post-attention norm's share to gate/up (SiLU-gate epilogue), and

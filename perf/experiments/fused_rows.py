@@ -1,0 +1,83 @@
+"""Is the bucket-32 decode step faster on ``fused_linear`` (tiles of 32 rows) than on the GEMM plan?
+
+    python perf/experiments/fused_rows.py --out FILE.json [--fused-max-rows 32]
+        [--live 24 --context 8192 --slots 32]
+
+While 32k prompts are admitted the serving benchmark's streams run at buckets 16-32 with 8-16k
+token contexts, and the long phase's ITL median is those steps (``perf/NOTES.md``, "Serving on
+the H100"). Steps of up to ``models.llama.FUSED_MAX_ROWS`` rows run each projection as one
+``fused_linear`` launch; above it, cuBLAS GEMMs with inductor's kernels around them. This builds
+the Llama-3.1-8B shape (random bf16), admits ``--live`` slots of ``--context`` tokens into an
+engine of ``--slots`` slots and times the replayed step of their bucket by CUDA events, with
+``FUSED_MAX_ROWS`` set to ``--fused-max-rows`` before the engine is built. Run each value in a
+process of its own with its own ``TORCHINDUCTOR_CACHE_DIR`` (the saved compiled layer of one plan
+must not be loaded by the other).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="llama3.1-8b")
+    p.add_argument("--live", type=int, default=24)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--fused-max-rows", type=int, default=None)
+    a = p.parse_args()
+
+    from minikv_compile import MiniKVConfig, minikv_compile
+    from minikv_compile.graphs.runtime import Request, engine_mode
+    from minikv_compile.models import llama
+    from minikv_compile.perf import harness as H
+
+    if a.fused_max_rows is not None:
+        llama.FUSED_MAX_ROWS = a.fused_max_rows
+    dev = torch.device("cuda")
+    model = H.build_model(a.model, dev, torch.bfloat16)
+    cfg = MiniKVConfig(max_batch_size=a.slots, max_prompt_len=a.context, max_new_tokens=1024)
+    engine = minikv_compile(model, cfg)
+    rt = engine.runtime
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    with engine_mode():
+        for slot in range(a.live):
+            rt.admit(slot, Request(torch.randint(0, vocab, (a.context,), generator=g).tolist(),
+                                   1024))
+        bucket = next(b for b in rt.buckets if b >= a.live)
+        key = (bucket, "greedy")
+        rt.runner.prepare(key)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(a.steps)]
+        for _ in range(10):
+            rt.runner.run(key)
+        torch.cuda.synchronize()
+        for e0, e1 in events:
+            e0.record()
+            rt.runner.run(key)
+            e1.record()
+        torch.cuda.synchronize()
+    times = sorted(e0.elapsed_time(e1) for e0, e1 in events)
+    stats = engine.stats
+    result = {"model": a.model, "live": a.live, "context": a.context, "slots": a.slots,
+              "bucket": bucket, "fused_max_rows": llama.FUSED_MAX_ROWS,
+              "plan": stats["kernels"][bucket], "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__,
+              "step_ms": {"p50": round(statistics.median(times), 3),
+                          "p10": round(times[len(times) // 10], 3),
+                          "p90": round(times[9 * len(times) // 10], 3)},
+              "compiles": stats["compiles"], "replays": stats["replays"]}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
