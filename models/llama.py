@@ -21,9 +21,10 @@ from minikv_compile.ops.rotation import hadamard_matrix
 from .parallel import TensorParallel, row_share, shard_rows
 
 # Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``): one tile of 16
-# (padded) rows, so 9-16 rows cost what 8 do (H100, 16 x 2k: 6.36 ms a step against 7.15 for the
-# GEMM plan; SpeCache's 2 rows of 8 slots: 9.06 against 9.41; ``perf/NOTES.md``, "SpeCache").
-FUSED_MAX_ROWS = 16
+# or 32 (padded) rows, so 9-16 rows cost what 8 do (H100, 16 x 2k: 6.36 ms a step against 7.15 for
+# the GEMM plan; SpeCache's 2 rows of 8 slots: 9.06 against 9.41) and 24 x 8k in bucket 32 takes
+# 7.95 ms against 8.47 (``perf/NOTES.md``, "SpeCache" and "Serving on the H100").
+FUSED_MAX_ROWS = 32
 
 # What a several-row decode step hands from one launch to the next in place of an RMSNorm:
 # (norm weight * h, the sums of squares of h's rows in column blocks), see ``_norm_prologue``.

@@ -309,10 +309,10 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
         for a, b in zip(plain.qkv(1, out, c, s), fused.qkv(1, out, c, s, normed)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert fused.finish_layer_normed(1, step, a_out)[1] is None  # the last layer
-    assert not fused._fused_rows(h[0, :1, None].expand(17, 1, -1))  # above FUSED_MAX_ROWS = 16
-    plans = {rows: fused.decode_plan(rows, torch.bfloat16) for rows in (1, 16, 17)}
+    assert not fused._fused_rows(h[0, :1, None].expand(33, 1, -1))  # above FUSED_MAX_ROWS = 32
+    plans = {rows: fused.decode_plan(rows, torch.bfloat16) for rows in (1, 16, 32, 33)}
     assert [(p.fused_linear, p.split_norm) for p in plans.values()] == [
-        (True, False), (True, True), (False, False)]
+        (True, False), (True, True), (True, True), (False, False)]
     assert "fused_linear q/k/v (input norm, RoPE)" in plans[1].kernels()
     assert not plain.decode_plan(1, torch.float32).fused_linear
     # fp16 keeps ops.rms_norm: norm.weight * h, rounded before the division, could overflow.

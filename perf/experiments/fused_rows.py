@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--fused-max-rows", type=int, default=None)
+    p.add_argument("--profile", action="store_true", help="also the step's kernels by time")
     a = p.parse_args()
 
     from minikv_compile import MiniKVConfig, minikv_compile
@@ -64,6 +65,13 @@ def main() -> None:
             rt.runner.run(key)
             e1.record()
         torch.cuda.synchronize()
+        kernels = None
+        if a.profile:
+            from minikv_compile.perf.measure import kernel_times
+
+            totals, counts = kernel_times(lambda: [rt.runner.run(key) for _ in range(20)])
+            kernels = [(round(t / 20, 1), counts[n] / 20, n[:120])
+                       for n, t in sorted(totals.items(), key=lambda kv: -kv[1])[:25]]
     times = sorted(e0.elapsed_time(e1) for e0, e1 in events)
     stats = engine.stats
     result = {"model": a.model, "live": a.live, "context": a.context, "slots": a.slots,
@@ -73,7 +81,8 @@ def main() -> None:
               "step_ms": {"p50": round(statistics.median(times), 3),
                           "p10": round(times[len(times) // 10], 3),
                           "p90": round(times[9 * len(times) // 10], 3)},
-              "compiles": stats["compiles"], "replays": stats["replays"]}
+              "compiles": stats["compiles"], "replays": stats["replays"],
+              "kernels_us_per_step": kernels}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
