@@ -111,35 +111,35 @@ def test_a_graph_compiled_mid_generation_leaves_running_slots_alone():
 
 def test_one_compiled_layer_serves_every_layer_of_each_plan():
     # The CUDA path's three plans, on the CPU: the fused projections (ops.fused_linear's
-    # reference) at batch 1 and at 2..16 (the input norm split over launches), GEMMs at 17..32.
+    # reference) at batch 1 and at 2..32 (the input norm split over launches), GEMMs at 33..64.
     # 8 layers, yet the layer compiles once per plan and kind of layer (the first takes no norm
     # share, the last hands none on: CompiledPart's kinds); the tokens are the eager step's.
     from minikv_compile.graphs.runtime import SlotRuntime
     from minikv_compile.models import get_adapter
 
     model = tiny(num_hidden_layers=8)
-    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 32, "max_new_tokens": 6})
-    requests = [Request(prompt_of(30 + 3 * i, seed=i), 6) for i in range(20)]
+    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 64, "max_new_tokens": 6})
+    requests = [Request(prompt_of(30 + 2 * i, seed=i), 6) for i in range(40)]
     outputs, compiles = [], []
     for compile in (True, False):
         adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens,
                               fuse_projections=True)
         rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.float32,
                          compile=compile, cuda_graphs=False)
-        for n in (1, 3, 20):  # buckets 1, 4 and 32
+        for n in (1, 3, 20, 40):  # buckets 1, 4, 32 and 64
             for slot in range(n):
                 rt.admit(slot, requests[slot])
             run_until_done(rt, list(range(n)))
             outputs.append(rt.outputs(list(range(n))))
             compiles.append(rt.runner.compiles)
             rt.release_all()
-    assert [adapter.decode_plan(b, torch.float32).split_norm for b in (1, 4, 16, 32)] == [
+    assert [adapter.decode_plan(b, torch.float32).split_norm for b in (1, 4, 32, 64)] == [
         False, True, True, False]
-    assert outputs[:3] == outputs[3:]
+    assert outputs[:4] == outputs[4:]
     # the start, 2 kinds of layer (the last hands no norm on) and the choice at batch 1; at
-    # 2..16 the start, 3 kinds of layer and the choice; at 17..32 the GEMM layer's 2 kinds alone
-    # (the start and the choice see no plan)
-    assert compiles[:3] == [4, 9, 11]
+    # 2..32 the start, 3 kinds of layer and the choice (bucket 32 reuses bucket 4's, the batch
+    # is dynamic); at 33..64 the GEMM layer's 2 kinds alone (the start and the choice see no plan)
+    assert compiles[:4] == [4, 9, 9, 11]
 
 
 def test_a_rebuilt_engine_runs_the_saved_compiled_step_instead_of_compiling(tmp_path, monkeypatch,

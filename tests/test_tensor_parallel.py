@@ -145,19 +145,19 @@ def _failures(tp: int) -> dict:
 def _fused(tp: int) -> dict:
     """The CUDA path's fused projections over the ranks (``ops.fused_linear``'s reference on the
     CPU): the residual in rank 0's launches alone, the norm not split; batches of 1 and 3 on
-    the fused plan, 20 on the GEMM plan."""
+    the fused plan, 40 on the GEMM plan."""
     model = tiny(attention_bias=True, mlp_bias=True)
     _random_biases(model)
-    cfg = MiniKVConfig(**dict(CAP, max_batch_size=32, max_new_tokens=40))
+    cfg = MiniKVConfig(**dict(CAP, max_batch_size=64, max_new_tokens=40))
     adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens, fuse_projections=True,
                           tp=TensorParallel.from_default_group(tp))
     rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.float32,
                      compile=False, cuda_graphs=False)
     out = {"plans": [[p.fused_linear, p.split_norm]
-                     for p in (adapter.decode_plan(b, torch.float32) for b in (1, 4, 32))]}
-    for n in (1, 3, 20):
+                     for p in (adapter.decode_plan(b, torch.float32) for b in (1, 4, 64))]}
+    for n in (1, 3, 40):
         for slot in range(n):
-            rt.admit(slot, Request(prompt_of(20 + 5 * slot, seed=slot), 40))
+            rt.admit(slot, Request(prompt_of(20 + 2 * slot, seed=slot), 40))
         while not all(rt.finished(list(range(n)))):
             rt.step()
         out[n] = rt.outputs(list(range(n)))
@@ -286,7 +286,7 @@ def test_two_ranks_on_the_fused_projections_give_the_single_process_tokens(tmp_p
     assert alone["plans"] == [[True, False], [True, True], [False, False]]
     for rank in ranks:
         assert rank["plans"] == [[True, False], [True, False], [False, False]]
-        for n in ("1", "3", "20"):
+        for n in ("1", "3", "40"):
             assert rank[n] == alone[n], n
 
 
@@ -511,3 +511,62 @@ def test_gpu_nccl_collectives_compile_and_capture_in_the_step(tmp_path):
     assert coll["alone"] == plain["alone"] and coll["batch"] == plain["batch"]
     assert (coll["compiles"], coll["graphs"]) == (plain["compiles"], plain["graphs"])
     assert coll["replays"] == plain["replays"] > 0
+
+
+def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
+    """Rank ``rank`` on GPU ``rank``: the compiled, captured engine over two NCCL ranks, then (rank
+    0) the single-GPU engine on the same model, fp32, so the greedy tokens must be equal."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    out = {}
+    for name, tp in (("ranks", 2), ("alone", 1)):
+        if name == "alone" and rank != 0:
+            break
+        cm = minikv_compile(tiny(device=f"cuda:{rank}"), MiniKVConfig(**CAP, tensor_parallel=tp))
+        alone = [cm.generate([p], max_new_tokens=NEW).sequences[0] for p in PROMPTS]  # bucket 1
+        batch = cm.generate(PROMPTS, max_new_tokens=NEW).sequences                     # bucket 4
+        compiles, replays = cm.stats["compiles"], cm.stats["replays"]
+        again = cm.generate(PROMPTS, max_new_tokens=NEW).sequences
+        out[name] = dict(alone=alone, batch=batch, again=again, compiles=compiles,
+                         compiles_after=cm.stats["compiles"], graphs=len(cm.stats["graphs"]),
+                         replays=replays, replays_after=cm.stats["replays"],
+                         kv=[[layer.codes, layer.scale_zero, layer.ring, layer.recall]
+                             for layer in cm.kv_memory(prompt_len=100, new_tokens=NEW,
+                                                       batch=3).layers])
+    with open(os.path.join(out_dir, f"nccl{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
+                    or not dist.is_nccl_available(), reason="needs two GPUs and NCCL")
+def test_gpu_two_nccl_ranks_replay_the_single_gpu_tokens(tmp_path):
+    """Two GPUs, one rank each: the step with its NCCL all-reduces and logits gather compiled
+    and captured per bucket, replayed, never recompiled; the tokens the single-GPU engine's."""
+    ctx = mp.start_processes(_nccl_two_ranks, nprocs=2, join=False, start_method="spawn",
+                             args=(str(tmp_path / "store"), str(tmp_path)))
+    deadline = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks still running after {DEADLINE_S} s")
+    ranks = [json.loads((tmp_path / f"nccl{r}.json").read_text()) for r in range(2)]
+    alone = ranks[0]["alone"]
+    for r in ranks:
+        mine = r["ranks"]
+        for key in ("alone", "batch", "again"):
+            assert mine[key] == alone[key], key
+        assert alone["batch"] == alone["again"]
+        # the collectives inside the compiled parts cost no compile; a second batch compiles
+        # nothing more and replays every step
+        assert (mine["compiles"], mine["graphs"]) == (alone["compiles"], alone["graphs"])
+        assert mine["compiles_after"] == mine["compiles"]
+        assert mine["replays_after"] - mine["replays"] == (
+            alone["replays_after"] - alone["replays"]) > 0
+        for m, a in zip(mine["kv"], alone["kv"]):  # each rank holds one of the two KV heads
+            assert [2 * b for b in m] == a
