@@ -142,6 +142,30 @@ def test_one_compiled_layer_serves_every_layer_of_each_plan():
     assert compiles[:4] == [4, 9, 9, 11]
 
 
+def test_the_fused_plans_buckets_share_one_compile_in_bf16():
+    # bf16 takes the tile rule's several-row branch inside the fused ops' fake functions (fp32
+    # returns before it): no guard on the symbolic batch may come of it, so buckets 4 and 32
+    # (one plan) run the same compiled layer.
+    from minikv_compile.graphs.runtime import SlotRuntime
+    from minikv_compile.models import get_adapter
+
+    model = tiny(dtype=torch.bfloat16, num_hidden_layers=3)
+    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 32, "max_new_tokens": 2})
+    adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens, fuse_projections=True)
+    rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.bfloat16,
+                     compile=True, cuda_graphs=False)
+    compiles = []
+    for n in (3, 20):  # buckets 4 and 32
+        for slot in range(n):
+            rt.admit(slot, Request(prompt_of(20 + slot, seed=slot), 2))
+        run_until_done(rt, list(range(n)))
+        compiles.append(rt.runner.compiles)
+        rt.release_all()
+    plans = [adapter.decode_plan(b, torch.bfloat16) for b in (4, 32)]
+    assert [(p.fused_linear, p.split_norm) for p in plans] == [(True, True)] * 2
+    assert compiles[1] == compiles[0] > 0
+
+
 def test_a_rebuilt_engine_runs_the_saved_compiled_step_instead_of_compiling(tmp_path, monkeypatch,
                                                                            caplog):
     # Each compiled variant of the step's parts is saved beside inductor's cache; an engine
