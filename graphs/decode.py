@@ -177,10 +177,19 @@ class DecodeStep:
 
     def __call__(self, slots: torch.Tensor, mode: str) -> None:
         h, cos, sin, ring_index = self._begin(slots)
+        unsplit = self._unsplit(h)
         normed: Optional[tuple] = None  # the next input norm's share done by the launch before
         for (weights, kv), ring in zip(self.layers, ring_index.unbind(0)):
-            h, normed = self._layer(weights, kv, ring, h, cos, sin, normed)
+            h, normed = self._layer(unsplit(weights), kv, ring, h, cos, sin, normed)
         self._choose(slots, h, mode)
+
+    def _unsplit(self, h: torch.Tensor) -> Callable:
+        """How this step hands each layer its weights: as they are where the plan splits the
+        norm, else without ``next_norm`` (never read there), so that the last layer is the same
+        kind of call as the others: one compiled variant per plan instead of two."""
+        if self.adapter.decode_plan(h.shape[0], h.dtype).split_norm:
+            return lambda weights: weights
+        return lambda weights: weights._replace(next_norm=None)
 
     def begin(self, slots: torch.Tensor) -> tuple:
         """The step's start for the slots ``[0, B)``: each slot's token embedded, RoPE at its
@@ -285,12 +294,13 @@ class RecallDecodeStep(DecodeStep):
                 ops.recall_gather(store, rec.idx[:batch], rec.k, rec.v)
                 gathered.append(side.record_event() if side is not None else None)
         normed: Optional[tuple] = None
+        unsplit = self._unsplit(h)
         for (weights, kv, rec, store), ring, done in zip(self.layers, ring_index.unbind(0),
                                                          gathered):
             if done is not None:
                 main.wait_event(done)
-            h, normed = self._layer(weights, kv, rec, self.recall.mass, ring, undo, h, cos, sin,
-                                    normed)
+            h, normed = self._layer(unsplit(weights), kv, rec, self.recall.mass, ring, undo, h,
+                                    cos, sin, normed)
             if side is not None:
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():

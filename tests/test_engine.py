@@ -233,9 +233,10 @@ def test_gpu_graph_replay_equals_the_step_it_captured_and_is_replayed(lengths):
     # Replaying the captured graph is the compiled step, bit for bit (199 steps, 6 flushes).
     assert out.sequences == unreplayed.generate(prompts, max_new_tokens=200).sequences
     assert graph.stats["replays"] - before == 199
-    # The start, the layer and the choice, no per-step compile; the first and the last of the 2
-    # layers compile a layer each (the last hands no norm on; several rows also split the norm).
-    assert len(graph.stats["graphs"]) == 1 and graph.stats["compiles"] == 4
+    # The start, the layer and the choice, no per-step compile; several rows split the norm, and
+    # there the first and the last of the 2 layers compile a layer each (the last hands no norm
+    # on).
+    assert len(graph.stats["graphs"]) == 1 and graph.stats["compiles"] == (4 if n > 1 else 3)
     # Compiled vs eager: inductor fuses bf16 elementwise chains in fp32 and rounds once, eager
     # rounds after every op, so greedy paths of a random model may part; the log-probs of the
     # same tokens must agree to bf16 precision: typically 2**-8 relative on |logp| ~ 2-5 (~0.02).

@@ -138,9 +138,9 @@ def test_compiled_rotated_step_equals_eager():
         for kw in (dict(), dict(do_sample=True, seed=3)):
             assert (compiled.generate(prompts, max_new_tokens=30, **kw).sequences
                     == eager.generate(prompts, max_new_tokens=30, **kw).sequences)
-    # the start and the layer (2 kinds: the last hands no norm on) at 1 and 2..4, the choice
-    # per mode at each
-    assert compiled.stats["compiles"] == 10
+    # the start and the layer at 1 and 2..4 (no plan of this CPU model splits the norm: every
+    # layer one kind of call), the choice per mode at each
+    assert compiled.stats["compiles"] == 8
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
