@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--max-prompt-len", type=int, default=32768)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--prefill-ms", type=float, default=50.0)
     p.add_argument("--restarts", type=int, default=2)
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--cache", default=None,
