@@ -536,7 +536,6 @@ def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
                                                        batch=3).layers])
     with open(os.path.join(out_dir, f"nccl{rank}.json"), "w") as f:
         json.dump(out, f)
-    dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 
@@ -562,9 +561,10 @@ def test_gpu_two_nccl_ranks_replay_the_single_gpu_tokens(tmp_path):
         for key in ("alone", "batch", "again"):
             assert mine[key] == alone[key], key
         assert alone["batch"] == alone["again"]
-        # the collectives inside the compiled parts cost no compile; a second batch compiles
-        # nothing more and replays every step
-        assert (mine["compiles"], mine["graphs"]) == (alone["compiles"], alone["graphs"])
+        # the start, the layer and the choice at 1 and at 2..4 (two ranks never split the
+        # norm: one kind of layer call): the collectives inside the compiled parts cost no
+        # compile; a second batch compiles nothing more and replays every step
+        assert (mine["compiles"], mine["graphs"]) == (6, alone["graphs"])
         assert mine["compiles_after"] == mine["compiles"]
         assert mine["replays_after"] - mine["replays"] == (
             alone["replays_after"] - alone["replays"]) > 0
