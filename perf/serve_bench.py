@@ -55,14 +55,15 @@ PRESETS: Dict[str, Dict[str, object]] = {
     "full": dict(model="llama3.1-8b", backends=list(BACKENDS), phases=list(PHASES),
                  prompt_len=(1024, 16384), output_len=(128, 512), long_prompt=32768,
                  long_every=8, max_batch_size=64, max_queue=1024, prefill_ms=50.0, requests=64,
-                 min_requests=16, rate_seconds=60.0, max_rates=8, refine=1, drain_seconds=60.0, ttft_limit=10.0,
-                 single_requests=3, offline_requests=256, budget_seconds=510.0,
+                 min_requests=16, rate_seconds=60.0, max_rates=8, refine=1, drain_seconds=60.0,
+                 ttft_limit=10.0, single_requests=3, offline_requests=256, budget_seconds=510.0,
                  startup_timeout=420.0),
     "tiny": dict(model="tiny", backends=list(BACKENDS), phases=list(PHASES),
                  prompt_len=(16, 64), output_len=(4, 12), long_prompt=160, long_every=3,
                  max_batch_size=4, max_queue=64, prefill_ms=50.0, requests=8, min_requests=6,
-                 rate_seconds=1.0, max_rates=3, refine=0, drain_seconds=10.0, ttft_limit=0.5, single_requests=2,
-                 offline_requests=12, budget_seconds=45.0, startup_timeout=90.0),
+                 rate_seconds=1.0, max_rates=3, refine=0, drain_seconds=10.0, ttft_limit=0.5,
+                 single_requests=2, offline_requests=12, budget_seconds=45.0,
+                 startup_timeout=90.0),
 }
 # The real SmolLM2 reads 8192 positions: prompts up to 6k, the long ones 7k (+ 512 generated).
 MODEL_PRESETS = {"smollm2-135m-real": dict(prompt_len=(1024, 6144), long_prompt=7168)}
