@@ -1,6 +1,17 @@
+import atexit
 import os
+import shutil
+import tempfile
 
-import torch
+# A compile cache of this test session's own (unless one is given): the engine saves its compiled
+# step parts there (graphs/graph_runner.py, CompiledPart), and parts saved by an earlier session
+# with the same model, config and source would be loaded instead of compiled, which changes the
+# compile counts the tests assert. A fresh machine, as CI's, starts without one too.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="minikv-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+
+import torch  # noqa: E402
 
 # On a machine without CUDA the Triton kernels can only run through the interpreter; it must be
 # switched on before triton.jit decorates anything, i.e. before the project is imported.
