@@ -352,8 +352,8 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = 
     """The input and RMSNorm arguments of an ``ops.fused_linear`` behind ``norm``.
 
     One row: the norm runs inside the projection (each program normalizes the row itself).
-    Several rows: inside, every program would normalize all the rows (16 with the tensor-core
-    padding) of every K tile again, and the normalized tile would go through registers instead
+    Several rows: inside, every program would normalize all the rows (16 or 32 with the
+    tensor-core padding) of every K tile again, and the normalized tile would go through registers instead
     of the compiler's shared-memory pipeline: at 8 rows the gate/up projection took 72-87 us
     that way against 62 us for the norm + cuBLAS chain (``linear_sweep_b8_61fdd92.txt``). So
     the launch before hands over ``normed`` = (``norm.weight * x``, x's sums of squares) and the

@@ -34,9 +34,9 @@ two output columns together take them into one program: a program that rotates t
 Kernel: one program per ``BLOCK_N`` weight rows and ``BLOCK_M`` rows of x, the whole K in a
 loop (no split-K, so no reduction launch and no atomics). The weight tile is the only large
 stream. One row: FMA, the next weight tile prefetched into registers. Several rows: tensor-core
-tiles of 16 (padded) rows, staged through shared memory by the compiler's pipeline, the first
-weight columns asked into L2 before the PDL wait. There a norm inside costs every program a
-pass over every K tile of 16 rows, so the norm is split over two launches instead: the launch
+tiles of 16 or 32 (padded) rows, staged through shared memory by the compiler's pipeline, the
+first weight columns asked into L2 before the PDL wait. There a norm inside costs every program
+a pass over every K tile of those rows, so the norm is split over two launches instead: the launch
 that writes h also writes ``norm_weight * h`` and the sums of squares of h's rows over its
 column blocks (``norm_out``), and the projection reads those as its input (``rms_sumsq``,
 prologue "prescaled"), multiplying its fp32 product by the 1 / RMS before the bias: the main
@@ -379,9 +379,10 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     for K = 4096 (q/k/v, o, gate/up), 512 for K = 14336 (down): the best or within 5% of it of
     12 configurations per Llama-3.1-8B layer on the H200.
 
-    Several rows: tensor-core tiles of 16 (padded) rows, the weight tiles staged through shared
-    memory by the compiler; bytes in flight per program, against programs enough to cover the
-    SMs, decide the tile. On the H200 at 8 rows: 32 x 512 over 4 stages for N <= 4096 (o 12.3 us,
+    Several rows: tensor-core tiles of 16 (padded) rows, 32 from 17 rows on (one program reads
+    its weight rows once for all of them), the weight tiles staged through shared memory by the
+    compiler; bytes in flight per program, against programs enough to cover the SMs, decide the
+    tile. On the H200 at 8 rows: 32 x 512 over 4 stages for N <= 4096 (o 12.3 us,
     down 31.7 us), 64 x 256 x 4 up to N = 8192 (q/k/v 18.2 us; 32 x 256: 20.5 us), and above
     that (gate/up, more than one wave of programs) 64 x 256 x 3, two programs per SM: the decode
     step at 8 x 4k 4.581 ms against 4.619 with 128 x 128 x 4. Where every program is resident
@@ -400,7 +401,7 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     block_n, block_k, stages, prefetch = ((32, 512, 4, 512) if N <= 4096 else
                                           (64, 256, 4, 512) if N <= 8192 else (64, 256, 3, 0))
     block_m = 16 if M <= 16 else 32
-    if block_m == 32 and N <= 4096:  # 4 stages of a 32-row input tile: 256 KB of shared memory
+    if block_m == 32 and N <= 4096:  # the measured 32-row plan (fused_rows.py); 4 is untried
         stages = 3
     return dict(USE_DOT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 NUM_STAGES=stages, num_warps=4, K_PREFETCH=prefetch)

@@ -515,7 +515,9 @@ def test_gpu_nccl_collectives_compile_and_capture_in_the_step(tmp_path):
 
 def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
     """Rank ``rank`` on GPU ``rank``: the compiled, captured engine over two NCCL ranks, then (rank
-    0) the single-GPU engine on the same model, fp32, so the greedy tokens must be equal."""
+    0) the single-GPU engine on the same model, fp32. The sums run in another order over two
+    ranks (and one GPU splits the norm at several rows): a few ulps, which the tiny model's
+    greedy margins absorb, as the gloo tests of the same comparison show on the CPU."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))

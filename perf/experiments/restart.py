@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from minikv_compile.perf.argtypes import positive_float
 from minikv_compile.perf.serve_bench import Worker
 
 
@@ -31,7 +32,7 @@ def main() -> None:
     p.add_argument("--max-prompt-len", type=int, default=32768)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-queue", type=int, default=1024)
-    p.add_argument("--prefill-ms", type=float, default=50.0)
+    p.add_argument("--prefill-ms", type=positive_float, default=50.0)
     p.add_argument("--restarts", type=int, default=2)
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--cache", default=None,
