@@ -9,7 +9,8 @@ the H100"). Steps of up to ``models.llama.FUSED_MAX_ROWS`` rows run each project
 ``fused_linear`` launch; above it, cuBLAS GEMMs with inductor's kernels around them. This builds
 the Llama-3.1-8B shape (random bf16), admits ``--live`` slots of ``--context`` tokens into an
 engine of ``--slots`` slots and times the replayed step of their bucket by CUDA events, with
-``FUSED_MAX_ROWS`` set to ``--fused-max-rows`` before the engine is built. Run each value in a
+``FUSED_MAX_ROWS`` set to ``--fused-max-rows`` before the engine is built (``--recall K``:
+SpeCache's step, two rows a slot). Run each value in a
 process of its own with its own ``TORCHINDUCTOR_CACHE_DIR`` (the saved compiled layer of one plan
 must not be loaded by the other).
 """
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--fused-max-rows", type=int, default=None)
     p.add_argument("--profile", action="store_true", help="also the step's kernels by time")
+    p.add_argument("--recall", type=int, default=0,
+                   help="SpeCache's recall_top_k on KIVI's cache (two rows a slot); 0: off")
     a = p.parse_args()
 
     from minikv_compile import MiniKVConfig, minikv_compile
@@ -43,7 +46,10 @@ def main() -> None:
         llama.FUSED_MAX_ROWS = a.fused_max_rows
     dev = torch.device("cuda")
     model = H.build_model(a.model, dev, torch.bfloat16)
-    cfg = MiniKVConfig(max_batch_size=a.slots, max_prompt_len=a.context, max_new_tokens=1024)
+    recall = (dict(heavy_budget=1.0, recent_budget=1.0, recall_top_k=a.recall) if a.recall
+              else {})
+    cfg = MiniKVConfig(max_batch_size=a.slots, max_prompt_len=a.context, max_new_tokens=1024,
+                       **recall)
     engine = minikv_compile(model, cfg)
     rt = engine.runtime
     g = torch.Generator().manual_seed(0)
@@ -75,7 +81,7 @@ def main() -> None:
     times = sorted(e0.elapsed_time(e1) for e0, e1 in events)
     stats = engine.stats
     result = {"model": a.model, "live": a.live, "context": a.context, "slots": a.slots,
-              "bucket": bucket, "fused_max_rows": llama.FUSED_MAX_ROWS,
+              "bucket": bucket, "recall_top_k": a.recall, "fused_max_rows": llama.FUSED_MAX_ROWS,
               "plan": stats["kernels"][bucket], "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__,
               "step_ms": {"p50": round(statistics.median(times), 3),
