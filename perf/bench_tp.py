@@ -30,7 +30,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import torch
 import torch.distributed as dist

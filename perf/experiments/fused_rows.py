@@ -52,14 +52,11 @@ def main() -> None:
                        **recall)
     engine = minikv_compile(model, cfg)
     rt = engine.runtime
-    g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
     with engine_mode():
-        for slot in range(a.live):
-            rt.admit(slot, Request(torch.randint(0, vocab, (a.context,), generator=g).tolist(),
-                                   1024))
-        bucket = next(b for b in rt.buckets if b >= a.live)
-        key = (bucket, "greedy")
+        for slot, prompt in enumerate(H.make_prompts(a.live, a.context, model.config.vocab_size)):
+            rt.admit(slot, Request(prompt.tolist(), 1024))
+        key = rt.step_key()
+        bucket = key[0]
         rt.runner.prepare(key)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(a.steps)]

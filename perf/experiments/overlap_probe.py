@@ -54,7 +54,7 @@ def main() -> None:
         for slot in range(a.live):
             rt.admit(slot, Request(torch.randint(0, vocab, (a.context,), generator=g).tolist(),
                                    1024))
-        key = (rt.buckets[next(i for i, b in enumerate(rt.buckets) if b >= a.live)], "greedy")
+        key = rt.step_key()
         rt.runner.prepare(key)
         free = 2 * a.live - 1
         long_ids = torch.randint(0, vocab, (a.long_prompt,), generator=g).to(dev)

@@ -99,8 +99,8 @@ def main() -> None:
         rt.state.count[0] = 1
         rt.state.done[0] = False
     imports["torch"] = round(t_torch, 2)
-    result = dict(import_s=t_import + t_torch, imports_s=imports, model_s=t_model, engine_s=t_engine, buckets_s=t_buckets,
-                  total_to_ready_s=total, per_key_s=keys,
+    result = dict(import_s=t_import + t_torch, imports_s=imports, model_s=t_model,
+                  engine_s=t_engine, buckets_s=t_buckets, total_to_ready_s=total, per_key_s=keys,
                   compile_s={f"{k[0]}/{k[1]}": v for k, v in rt.runner.compile_seconds.items()},
                   capture_s={f"{k[0]}/{k[1]}": v for k, v in rt.runner.capture_seconds.items()},
                   compiles=rt.runner.compiles, loaded=rt.runner.loads,
