@@ -219,6 +219,15 @@ def test_budget_seconds_stops_starting_work(tmp_path):
     assert data["units"] == [] and len(data["skipped"]) == 6 and data["finished"]
 
 
+def test_fp32_on_cuda_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(cli, "load_subject", lambda *a: loaded.append(a))
+    with pytest.raises(SystemExit, match="--dtype: expected bf16 or fp16 on cuda.*got fp32"):
+        cli.main(["--quick", "--model", "tiny", "--device", "cuda", "--dtype", "fp32",
+                  "--out", str(tmp_path)])
+    assert loaded == [] and not any(tmp_path.iterdir())
+
+
 def _smollm2_unavailable():
     try:
         from minikv_compile.models.smollm2 import load_smollm2  # noqa: F401

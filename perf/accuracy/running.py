@@ -424,6 +424,11 @@ def compare_runs(a: dict, b: dict, ppl_tol: float = 0.02, es_tol: float = 0.1) -
 
 
 def _dtype(name: Optional[str], device: torch.device) -> torch.dtype:
+    """``--dtype`` on ``device``; fp32 on CUDA is refused before anything loads (the engine's
+    CUDA kernels take fp16 / bf16 models)."""
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda" and name == "fp32":
+        raise SystemExit("--dtype: expected bf16 or fp16 on cuda (the engine's CUDA kernels take "
+                         "fp16 / bf16 models), got fp32")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
