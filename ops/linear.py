@@ -346,10 +346,7 @@ def fused_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 def norm_out_blocks(M: int, N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
     """``(P, width)``: ``fused_linear(norm_out=...)`` sums the squares of each output row over
     ``P`` blocks of ``width`` columns (the launch's ``BLOCK_N``: one sum per program)."""
-    # BLOCK_N depends on the rows only as one or several: asked with a concrete count, so that a
-    # compiled step's symbolic batch gets no guard from the tile rule (an ``M <= 16`` guard
-    # compiled the step's layer again for bucket 32)
-    width = launch_config(1 if M == 1 else 2, N, K, dtype)["BLOCK_N"]
+    width = _block_n(M > 1, N, dtype)
     return triton.cdiv(N, width), width
 
 
@@ -369,6 +366,16 @@ def fused_linear_norm_out_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optio
 # ----------------------------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------------------------
+
+
+def _block_n(several: bool, N: int, dtype: torch.dtype) -> int:
+    """A launch's ``BLOCK_N`` (weight rows per program, ``launch_config``'s rule). It depends on
+    x's rows only as one or several, so ``norm_out_blocks`` sizes the norm's column blocks from
+    a compiled step's symbolic batch without a guard on its size (an ``M <= 16`` guard had
+    compiled the step's layer again for bucket 32)."""
+    if not several:
+        return 4
+    return 32 if dtype == torch.float32 or N <= 4096 else 64
 
 
 def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
@@ -391,15 +398,16 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
     gate/up, and at one row, whose first tile already loads before the wait). Every launch is a
     PDL one. ``perf/NOTES.md``, "Several rows", has the sweeps and A/Bs behind each choice.
     """
+    block_n = _block_n(M > 1, N, dtype)
     if M == 1:
         block_k = 1024 if K <= 8192 else 512
-        return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k, NUM_STAGES=1,
+        return dict(USE_DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=1,
                     num_warps=4, K_PREFETCH=0)
     if dtype == torch.float32:
-        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, NUM_STAGES=2, num_warps=4,
-                    K_PREFETCH=0)
-    block_n, block_k, stages, prefetch = ((32, 512, 4, 512) if N <= 4096 else
-                                          (64, 256, 4, 512) if N <= 8192 else (64, 256, 3, 0))
+        return dict(USE_DOT=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=32, NUM_STAGES=2,
+                    num_warps=4, K_PREFETCH=0)
+    block_k, stages, prefetch = ((512, 4, 512) if N <= 4096 else
+                                 (256, 4, 512) if N <= 8192 else (256, 3, 0))
     block_m = 16 if M <= 16 else 32
     if block_m == 32 and N <= 4096:  # the measured 32-row plan (fused_rows.py); 4 is untried
         stages = 3

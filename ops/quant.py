@@ -361,13 +361,19 @@ def _quantize_groups_ref(x: torch.Tensor, dim: int, bits: int):
         # `t * (1 / 3.0)`, which is not the correctly rounded quotient the kernels compute.
         scale_h = ((mx - mn) / torch.full_like(mx, qmax)).to(torch.float16)
         zero_h = mn.to(torch.float16)
+    return _encode_ref(x, scale_h, zero_h, bits), scale_h, zero_h
+
+
+def _encode_ref(x: torch.Tensor, scale_h: torch.Tensor, zero_h: torch.Tensor, bits: int
+                ) -> torch.Tensor:
+    """x fp32 -> int64 codes in ``[0, 2^bits)`` against the stored fp16 ``scale_h`` / ``zero_h``
+    (broadcastable); 0 where ``scale_h == 0``."""
     s, z = scale_h.float(), zero_h.float()
     constant = s == 0
     y = (x - z) / torch.where(constant, torch.ones_like(s), s) + 0.5
     # clamp(floor(y), 0, qmax) == trunc(clamp(y, 0, qmax)), and the cast truncates. (torch.floor
     # on CPU goes through MKL's threading, which stalls for milliseconds on a busy machine.)
-    codes = torch.where(constant, 0.0, y.clamp(0, qmax)).to(torch.int64)
-    return codes, scale_h, zero_h
+    return torch.where(constant, 0.0, y.clamp(0, (1 << bits) - 1)).to(torch.int64)
 
 
 def _pack_ref(codes: torch.Tensor, dim: int, bits: int) -> torch.Tensor:

@@ -87,7 +87,8 @@ def step_collectives_ms(tp: TensorParallel, batch: int, hidden: int, layers: int
     ``(batch, hidden)`` and one gather of the ``(batch, vocab_share)`` logits, back to back,
     on the GPU captured in one CUDA graph and replayed (timed alone with a host sync each, an
     all-reduce took 72 us on 2 H200s, which put the floor above the captured step itself);
-    on the CPU run eagerly."""
+    on the CPU run eagerly. Not ``measure.graph_ms``: its ``do_bench`` picks the replay count by
+    time, and every rank must replay the collectives the same number of times."""
     x = torch.randn(batch, hidden, dtype=dtype, device=device)
     logits = torch.randn(batch, vocab_share, dtype=dtype, device=device)
 

@@ -31,17 +31,11 @@ LIBRARY = quant._quantize_groups_ref
 SHRINK = [1.0 - 0.05 * i for i in range(11)]
 
 
-def _encode(x, scale_h, zero_h, qmax):
-    s, z = scale_h.float(), zero_h.float()
-    constant = s == 0
-    y = (x - z) / torch.where(constant, torch.ones_like(s), s) + 0.5
-    return torch.where(constant, 0.0, y.clamp(0, qmax)).to(torch.int64)
-
-
-def _stored(x, lo, hi, qmax):
-    scale_h = ((hi - lo) / torch.full_like(hi, qmax)).to(torch.float16)
+def _stored(x, lo, hi, bits):
+    """Levels ``lo`` .. ``hi`` stored and encoded as the library does (``quant._encode_ref``)."""
+    scale_h = ((hi - lo) / torch.full_like(hi, (1 << bits) - 1)).to(torch.float16)
     zero_h = lo.to(torch.float16)
-    return _encode(x, scale_h, zero_h, qmax), scale_h, zero_h
+    return quant._encode_ref(x, scale_h, zero_h, bits), scale_h, zero_h
 
 
 def _two_means(x, dim, mn, mx, rounds=4):
@@ -57,25 +51,25 @@ def _two_means(x, dim, mn, mx, rounds=4):
 
 def levels(x: torch.Tensor, dim: int, bits: int):
     """``_quantize_groups_ref``'s contract: x fp32, the G members of each group along ``dim``."""
-    qmax = (1 << bits) - 1
     mn, mx = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
     if bits == 1:
         if RULE.startswith("frac"):
             f = float(RULE[4:])
-            return _stored(x, mn + (mx - mn) * f, mx - (mx - mn) * f, qmax)
-        return _stored(x, *_two_means(x, dim, mn, mx), qmax)
+            return _stored(x, mn + (mx - mn) * f, mx - (mx - mn) * f, bits)
+        return _stored(x, *_two_means(x, dim, mn, mx), bits)
     if RULE != "mse":
         return LIBRARY(x, dim, bits)
     mid, half = (mx + mn) / 2, (mx - mn) / 2
     best = None
     for a in SHRINK:
-        codes, scale_h, zero_h = _stored(x, mid - a * half, mid + a * half, qmax)
+        codes, scale_h, zero_h = _stored(x, mid - a * half, mid + a * half, bits)
         err = ((codes.float() * scale_h.float() + zero_h.float() - x) ** 2).sum(dim, keepdim=True)
         if best is None:
             best = [err, codes, scale_h, zero_h]
             continue
         take = err < best[0]
-        best = [torch.where(take, new, old) for new, old in zip((err, codes, scale_h, zero_h), best)]
+        best = [torch.where(take, new, old)
+                for new, old in zip((err, codes, scale_h, zero_h), best)]
     return best[1], best[2], best[3]
 
 

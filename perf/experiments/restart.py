@@ -76,5 +76,6 @@ def main() -> None:
                                        "capacity": capacity, "python": python,
                                        "launches": launches}, indent=1))
 
+
 if __name__ == "__main__":
     main()

@@ -48,13 +48,14 @@ def run_case(bucket: int, live: int, kept: int, capacity: int) -> dict:
     dev = torch.device("cuda")
     sms = sm_count(dev)
 
-    def plan_for(kernel, splits=None):
+    def plan_for(kernel=None, splits=None):
         p = da._plan(dev, torch.bfloat16, 2, 16, cfg.D, bucket, cfg.H_q, cfg.H_kv, capacity, sms,
                      kernel)
         return p if splits is None else p._replace(num_splits=splits)
 
+    ref = da._decode_attention_triton(q, *caches[0], scale, 2, 16, plan_for(da.SPLIT))
+
     def timed(plan):
-        ref = da._decode_attention_triton(q, *caches[0], scale, 2, 16, plan_for(da.SPLIT))
         out = da._decode_attention_triton(q, *caches[0], scale, 2, 16, plan)
         ok = torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
         ms = graph_ms([lambda c=c: da._decode_attention_triton(q, *c, scale, 2, 16, plan)
@@ -62,7 +63,7 @@ def run_case(bucket: int, live: int, kept: int, capacity: int) -> dict:
         return {"kernel": plan.kernel, "splits": plan.num_splits, "ms": round(ms, 4),
                 "tb_s": round(nbytes / ms / 1e9, 3), "matches": ok}
 
-    default = da._plan(dev, torch.bfloat16, 2, 16, cfg.D, bucket, cfg.H_q, cfg.H_kv, capacity, sms)
+    default = plan_for()
     rows = [dict(timed(default), default=True)]
     for kernel in (da.FRAGMENTS, da.SPLIT):
         for s in SPLITS:
@@ -70,7 +71,8 @@ def run_case(bucket: int, live: int, kept: int, capacity: int) -> dict:
     best = min(rows, key=lambda r: r["ms"])
     print(f"B{bucket} live {live} x {kept} cap {capacity}: default {default.kernel} "
           f"{default.num_splits} splits {rows[0]['ms']:.3f} ms ({rows[0]['tb_s']} TB/s); best "
-          f"{best['kernel']} {best['splits']} {best['ms']:.3f} ms ({best['tb_s']} TB/s)", flush=True)
+          f"{best['kernel']} {best['splits']} {best['ms']:.3f} ms ({best['tb_s']} TB/s)",
+          flush=True)
     for r in rows[1:]:
         print(f"   {r['kernel']:9s} {r['splits']:3d} {r['ms']:.3f} {r['tb_s']:.2f}"
               f"{'' if r['matches'] else '  MISMATCH'}")
