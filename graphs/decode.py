@@ -248,12 +248,12 @@ class RecallDecodeStep(DecodeStep):
                one event per layer: each layer waits for its own gather only, and the gathers
                of later layers overlap the layers before them
         layer: q/k/v; T_t's k/v to its ring row and T'_{t+1}'s to the row after it (the spare
-               row when T_t fills the ring), attended with one ring token more than ``lens``
-               counts (row 1 sees itself, row 0 does not); attention over the low-bit cache with
-               this layer's recalled rows in place of theirs (minikv::decode_attention_recall),
-               which writes the speculative row's mass into this layer's plane; its lse becomes
-               the next step's mass reference; then, on the side stream, T_t's k/v to the host
-               copy (minikv::recall_store)
+               row when T_t fills the ring; one launch), which ``lens`` does not count (row 1
+               sees it, row 0 does not); attention over the low-bit cache with this layer's
+               recalled rows in place of theirs (minikv::decode_attention_recall), which writes
+               the speculative row's mass into this layer's plane, its lse as the next step's
+               mass reference, and gives back the pre-decoding slots' ring token; then, on the
+               side stream, T_t's k/v to the host copy (minikv::recall_store)
         choose: every layer's top-k from its mass plane in one ranking (recall_topk over
                ``(B, L, H_kv, T)``: one ``torch.topk`` instead of one per layer); row 0's
                logits -> T_{t+1} by the mode's rule, recorded; row 1's argmax -> T'_{t+2}
@@ -269,7 +269,7 @@ class RecallDecodeStep(DecodeStep):
     """
 
     batched = dict(DecodeStep.batched,
-                   layer=("ring_index", "undo", "h", "cos", "sin", "normed"))
+                   layer=("ring_index", "update", "h", "cos", "sin", "normed"))
 
     def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
                  compile_part: Optional[Callable[..., Callable]]):
@@ -279,12 +279,10 @@ class RecallDecodeStep(DecodeStep):
                        in zip(self.layers, self.recall.layers, self.recall.stores)]
         cuda = cache.device.type == "cuda"
         self._side = torch.cuda.Stream(device=cache.device) if cuda else None
-        # + one ring token for the attention: the speculative row's
-        self._spec_ring = torch.tensor([[0, 1]], dtype=torch.int32, device=cache.device)
 
     def __call__(self, slots: torch.Tensor, mode: str) -> None:
         batch = slots.shape[0]
-        h, cos, sin, ring_index, undo = self._begin(slots)
+        h, cos, sin, ring_index, update = self._begin(slots)
         main, side = torch.cuda.current_stream() if self._side else None, self._side
         gathered = []  # per layer: an event on the side stream (None without one)
         if side is not None:
@@ -299,7 +297,7 @@ class RecallDecodeStep(DecodeStep):
                                                          gathered):
             if done is not None:
                 main.wait_event(done)
-            h, normed = self._layer(unsplit(weights), kv, rec, self.recall.mass, ring, undo, h,
+            h, normed = self._layer(unsplit(weights), kv, rec, self.recall.mass, ring, update, h,
                                     cos, sin, normed)
             if side is not None:
                 side.wait_stream(main)
@@ -312,7 +310,8 @@ class RecallDecodeStep(DecodeStep):
     def begin(self, slots: torch.Tensor) -> tuple:
         """``DecodeStep.begin`` for the two rows of each slot: ``h (2B, 1, hidden)``, ``cos, sin
         (2B, 1, D)`` (rows ``2b``, ``2b + 1``: slot b's token and speculation), ``ring_index
-        (L, B)`` int32, and ``undo (B,)`` int32: 1 for the live slots that pre-decode."""
+        (L, B)`` int32, and ``update (B,)`` int32: -1 for the slots that are not live, 1 for
+        those that pre-decode (their token is given back after the attention), else 0."""
         a, st, batch = self.adapter, self.state, slots.shape[0]
         rows = slice(0, batch)
         live = slots & ~st.done[rows]
@@ -323,29 +322,23 @@ class RecallDecodeStep(DecodeStep):
         h = a.embed(tokens.view(-1, 1))                                        # (2B, 1, hidden)
         cos, sin = a.rope(h, positions.view(-1, 1))                            # (2B, 1, D)
         ring_index = ops.cache_begin_step(self.cache.layout, batch, live)
-        return h, cos, sin, ring_index, (live & pre).int()
+        return h, cos, sin, ring_index, torch.where(live, pre.int(), -1)
 
     def layer(self, weights, kv, rec, mass: torch.Tensor, ring_index: torch.Tensor,
-              undo: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              update: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               normed: Optional[tuple]) -> tuple:
         """One layer of the two-row step (the same code for every layer). rec: the layer's
         ``RecallLayer``; mass: the ``(Bmax, L, H_kv, T)`` buffer (this layer writes its plane);
-        undo ``(B,)`` int32 from ``begin``; the rest as ``DecodeStep.layer``, with ``2B`` rows."""
+        update ``(B,)`` int32 from ``begin``; the rest as ``DecodeStep.layer``, with ``2B`` rows."""
         a, n_rows = self.adapter, h.shape[0]
         batch = n_rows // 2
         q, k, v = a.qkv(weights, h, cos, sin, normed)  # q (2B, H_q, 1, D), k/v (2B, H_kv, 1, D)
         q2 = q[:, :, 0].unflatten(0, (batch, 2))                               # (B, 2, H_q, D)
         k2, v2 = k[:, :, 0].unflatten(0, (batch, 2)), v[:, :, 0].unflatten(0, (batch, 2))
-        live = ring_index >= 0
-        ops.cache_write_ring(k2[:, 0], v2[:, 0], kv.k_ring, kv.v_ring, ring_index)
-        ops.cache_write_ring(k2[:, 1], v2[:, 1], kv.k_ring, kv.v_ring,
-                             torch.where(live, ring_index + 1, -1))
-        o, lse = ops.decode_attention_recall(
-            q2, *kv[:8], kv.lens + self._spec_ring, rec.k, rec.v, rec.idx[:batch],
-            rec.lse_ref[:batch], mass, rec.layer, a.scale, self.cache.bits,
-            self.cache.group_size)
-        kv.lens[:batch, 1] -= undo
-        rec.lse_ref[:batch] = torch.where(live[:, None], lse[:, 1], rec.lse_ref[:batch])
+        ops.cache_write_ring(k2, v2, kv.k_ring, kv.v_ring, ring_index)  # rows i and i + 1
+        o = ops.decode_attention_recall(q2, *kv, rec.k, rec.v, rec.idx[:batch], rec.lse_ref,
+                                        mass, rec.layer, update, a.scale, self.cache.bits,
+                                        self.cache.group_size)
         return a.finish_layer_normed(weights, h, o.reshape(n_rows, 1, -1))
 
     def choose(self, slots: torch.Tensor, h: torch.Tensor, mode: str, mass: torch.Tensor,

@@ -55,12 +55,14 @@ compiled kernels it leaves as they are):
    are model-dtype tokens like the ring's, and the ring's program is the shortest of the launch).
    Query rows: ``q (B, R, H_q, D)``, R in {1, 2}; the R rows of a KV group share the dots' N
    axis (``R * GQA <= 8``), so K/V are read once for all of them; row ``r`` sees the ring up to
-   ``lens[b, 1] - (R - 1 - r)`` (each row sees itself, not the rows after it). The programs of
+   ``lens[b, 1] + r`` (``lens`` counts row 0's token; each row sees itself, not the rows after
+   it). The programs of
    the last row's heads also write, into the layer's plane of the ``(Bmax, L, H_kv, T)`` mass
    buffer, the attention mass of every position the next step holds quantized (the recall split
    at the recalled positions, from their full-precision scores; -inf for ring tokens the next
    step does not flush), so that one top-k ranks every layer's plane at the step's end.
-2. the combine, which also writes each row's log-sum-exp.
+2. the combine, which also writes the last row's log-sum-exp to ``lse_ref`` (the next step's
+   reference) and gives back the ring tokens the caller asks (``update``).
 
 ``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``), so the op has
 fixed shapes, never syncs with the host, and can be captured in a CUDA graph. It is a run-time
@@ -71,7 +73,7 @@ instruction counts of the compiled loops, Nsight Compute accounts) is in ``perf/
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -513,7 +515,10 @@ def _decode_attention_split_kernel(
     plane = b.to(tl.int64) * H_KV + h
     # Clamping keeps a corrupt length from reading outside the buffers.
     n_quant = tl.minimum(tl.load(lens_ptr + 2 * b), T_CAP)
-    n_ring = tl.minimum(tl.load(lens_ptr + 2 * b + 1), R)
+    n_ring = tl.load(lens_ptr + 2 * b + 1)
+    if RECALL:  # lens counts row 0's token; the later rows' follow it in the ring, uncounted
+        n_ring += ROWS - 1
+    n_ring = tl.minimum(n_ring, R)
 
     # columns >= ROWS * GQA are padding for tl.dot: q = 0, never stored
     heads = tl.arange(0, BLOCK_H)
@@ -718,14 +723,17 @@ def _decode_attention_split_kernel(
 
 @triton.jit
 def _decode_attention_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr,
-    H_Q, stride_ob, stride_oh, stride_od, S,
+    m_ptr, l_ptr, acc_ptr, out_ptr, lse_ref_ptr, lens_ptr, update_ptr,
+    H_Q, stride_ob, stride_oh, stride_od, stride_lb, stride_lh, S,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    LSE: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr, RECALL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, c), row = b * H_q + query head of ``out`` (B, H_q, D) (a slot's R query
-    rows are R rows of B * R here); LSE: also ``lse[row]`` (fp32, natural log), the log-sum-exp
-    of the row's scaled scores, written by the programs c == 0."""
+    rows are R rows of B * R here). RECALL, in the programs c == 0 of the slots with
+    ``update[slot] >= 0``: the last query row's log-sum-exp (fp32, natural log, of the scaled
+    scores) to ``lse_ref[slot, head]``, and the first head's program of row 0 gives back
+    ``update[slot]`` ring tokens from ``lens[slot, 1]`` (the split launch has read lens; no
+    program here reads it)."""
     # (the next kernel, the o projection, then streams its weights early)
     gdc.launch_dependents_then_wait(PDL)
     # One pass: every split's m, l and acc slice load together (BLOCK_S >= S), so the program
@@ -745,9 +753,16 @@ def _decode_attention_combine_kernel(
     l_sum = tl.sum(w * l, axis=0)
     acc = tl.sum(w[:, None] * a, axis=0)
     out = tl.where(l_sum > 0.0, acc / l_sum, 0.0)
-    if LSE:
-        tl.store(lse_ptr + row, (m_max + tl.log2(l_sum)) * 0.6931471805599453,
-                 mask=tl.program_id(1) == 0)
+    if RECALL:
+        slot = row // (ROWS * H_Q)
+        r = row // H_Q % ROWS
+        head = row % H_Q
+        update = tl.load(update_ptr + slot)
+        first = (tl.program_id(1) == 0) & (update >= 0)
+        tl.store(lse_ref_ptr + slot * stride_lb + head * stride_lh,
+                 (m_max + tl.log2(l_sum)) * 0.6931471805599453, mask=first & (r == ROWS - 1))
+        if first & (r == 0) & (head == 0):
+            tl.store(lens_ptr + 2 * slot + 1, tl.load(lens_ptr + 2 * slot + 1) - update)
     b = row // H_Q
     hq = row % H_Q
     out_ty = out_ptr.dtype.element_ty
@@ -890,33 +905,30 @@ def _decode_attention_triton(
     launch, ``_plan``'s by default (tests and the kernel benchmark pass others)."""
     out = q.new_empty(q.shape)                                              # (B, H_q, D)
     _launch(q.unsqueeze(1), (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring,
-                             lens), None, out, None, scale, bits, group_size, plan)
+                             lens), None, out, scale, bits, group_size, plan)
     return out
 
 
 def _decode_attention_recall_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    recall_k, recall_v, recall_idx, lse_ref, mass, layer,
+    recall_k, recall_v, recall_idx, lse_ref, mass, layer, update,
     scale: float, bits: int, group_size: int, plan: Optional[_Plan] = None,
-):
+) -> torch.Tensor:
     """The CUDA implementation of :func:`decode_attention_recall` (same conditions as
-    :func:`_decode_attention_triton`). Returns ``(out, lse)``."""
+    :func:`_decode_attention_triton`)."""
     batch, rows, h_q, d = q.shape
     out = q.new_empty(q.shape)                                              # (B, R, H_q, D)
-    lse = torch.empty(batch, rows, h_q, dtype=torch.float32, device=q.device)
     _launch(q, (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens),
-            (recall_k, recall_v, recall_idx, lse_ref, mass, layer), out.view(batch * rows, h_q, d),
-            lse,
-            scale, bits, group_size, plan)
-    return out, lse
+            (recall_k, recall_v, recall_idx, lse_ref, mass, layer, update),
+            out.view(batch * rows, h_q, d), scale, bits, group_size, plan)
+    return out
 
 
-def _launch(q, bufs, recall, out, lse, scale: float, bits: int, group_size: int,
+def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
             plan: Optional[_Plan]) -> None:
     """The launches of both ops. q: (B, R, H_q, D), any strides; bufs: the layer's nine
-    buffers; recall: None, or (recall_k, recall_v, recall_idx, lse_ref, mass, layer) as
-    :func:`decode_attention_recall` takes them; out: (B * R, H_q, D), written; lse: None, or
-    (B, R, H_q) fp32, written (with recall)."""
+    buffers; recall: None, or (recall_k, recall_v, recall_idx, lse_ref, mass, layer,
+    update) as :func:`decode_attention_recall` takes them; out: (B * R, H_q, D), written."""
     k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens = bufs
     batch, rows, h_q, d = q.shape
     h_kv = k_ring.shape[1]
@@ -954,10 +966,10 @@ def _launch(q, bufs, recall, out, lse, scale: float, bits: int, group_size: int,
     regs = {"maxnreg": plan.maxnreg} if plan.maxnreg else {}
     if recall is None:
         # never read (RECALL off): stand-ins of one dtype, so the kernel compiles once
-        bitmap = recall_k = recall_v = recall_idx = lse_ref = mass = layer = lens
+        bitmap = recall_k = recall_v = recall_idx = lse_ref = mass = layer = update = lens
         k_rec, t_mass, n_layers, r_flush, stride_lse = 0, 0, 0, 0, (0, 0)
     else:
-        recall_k, recall_v, recall_idx, lse_ref, mass, layer = recall
+        recall_k, recall_v, recall_idx, lse_ref, mass, layer, update = recall
         k_rec, n_layers, t_mass = recall_k.shape[2], mass.shape[1], mass.shape[3]
         r_flush, stride_lse = ring_length(ring_cap, bits, group_size), lse_ref.stride()
         words = triton.cdiv(capacity, 32)
@@ -996,9 +1008,10 @@ def _launch(q, bufs, recall, out, lse, scale: float, bits: int, group_size: int,
     # batch 1: 32 programs, 10 dependent loads each.) At most 256 x 32 fp32 values per program.
     block_d = min(d, 32)
     _decode_attention_combine_kernel[(batch * rows * h_q, d // block_d)](
-        m, l, acc, out, m if lse is None else lse, h_q, *out.stride(), n_slots,
-        D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
-        BF16_BY_HAND=bf16_by_hand, LSE=lse is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        m, l, acc, out, m if recall is None else lse_ref, lens, update, h_q, *out.stride(),
+        *stride_lse, n_slots, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
+        BF16_BY_HAND=bf16_by_hand, ROWS=rows, RECALL=recall is not None, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
 
 
@@ -1043,29 +1056,32 @@ def decode_attention_ref(
 
 def decode_attention_recall_ref(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    recall_k, recall_v, recall_idx, lse_ref, mass, layer, scale: float, bits: int,
+    recall_k, recall_v, recall_idx, lse_ref, mass, layer, update, scale: float, bits: int,
     group_size: int,
-):
-    """Reference for :func:`decode_attention_recall`, in fp32 (same arguments; mutates ``mass``).
+) -> torch.Tensor:
+    """Reference for :func:`decode_attention_recall`, in fp32 (same arguments; mutates ``mass``,
+    ``lse_ref`` and ``lens``).
 
     Per slot ``b < B``: the quantized region is dequantized to fp32, every recall row ``j`` with
     ``0 <= recall_idx[b, h, j] < lens[b, 0]`` replaces position ``recall_idx[b, h, j]`` of head
     ``h`` by ``recall_k[b, h, j]`` / ``recall_v[b, h, j]``, and query row ``r`` attends to it
-    followed by the first ``lens[b, 1] - (R - 1 - r)`` ring tokens. The last row's scores give
+    followed by the first ``lens[b, 1] + r`` ring tokens. The last row's scores give
     ``mass[b, layer, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the query heads ``i``
     of KV group ``h``, for ``t < lens[b, 0]`` and for the ring's first R tokens (ring token j at
     ``lens[b, 0] + j``) when row 0 sees R of them (R: the ring's length, ``ring_length``); -inf
-    for its other ring tokens; the rest of ``mass`` is left as it is.
+    for its other ring tokens; the rest of ``mass`` is left as it is. Then ``lse_ref[b]`` = the
+    last row's log-sum-exp and ``lens[b, 1] -= update[b]``, for the slots with ``update[b] >=
+    0``.
 
-    Returns ``(out, lse)``: ``(B, R, H_q, D)`` in q's dtype, ``(B, R, H_q)`` fp32.
+    Returns ``out (B, R, H_q, D)`` in q's dtype.
     """
     batch, rows, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     gqa = h_q // h_kv
     ring = ring_length(k_ring.shape[2], bits, group_size)
     out = q.new_empty(q.shape)
-    lse = torch.empty(batch, rows, h_q, dtype=torch.float32, device=q.device)
     for b, (n_quant, n_ring) in enumerate(lens[:batch].tolist()):
+        n_ring += rows - 1  # the later rows' tokens follow row 0's, uncounted
         k, v = _region_ref(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, b, n_quant, bits,
                            group_size)                                 # (H_kv, n_quant, D)
         pos = recall_idx[b].long()                                       # (H_kv, K)
@@ -1080,13 +1096,15 @@ def decode_attention_recall_ref(
             qr = q[b, r].float().reshape(h_kv, gqa, d)                    # (H_kv, gqa, D)
             scores = qr @ kr.transpose(1, 2) * scale                      # (H_kv, gqa, T_br)
             out[b, r] = (torch.softmax(scores, dim=-1) @ vr).view(h_q, d).to(q.dtype)
-            lse[b, r] = torch.logsumexp(scores, dim=-1).view(h_q)
         ref = lse_ref[b].float().view(h_kv, gqa, 1)
         got = torch.exp(scores - ref).sum(1)        # (H_kv, T_b): the last row sees every token
         flush = ring if n_ring - (rows - 1) >= ring else 0     # ring tokens the next step holds
         got[:, n_quant + flush:] = float("-inf")
         mass[b, int(layer[0]), :, :got.shape[1]] = got.to(mass.dtype)
-    return out, lse
+        if update[b] >= 0:
+            lse_ref[b] = torch.logsumexp(scores, dim=-1).view(h_q)
+            lens[b, 1] -= update[b]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1114,24 +1132,25 @@ def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, len
 _decode_attention_op.register_kernel("cuda")(_decode_attention_triton)
 
 
-@torch.library.custom_op("minikv::decode_attention_recall", mutates_args=("mass",))
+@torch.library.custom_op("minikv::decode_attention_recall",
+                         mutates_args=("lens", "lse_ref", "mass"))
 def _decode_attention_recall_op(
     q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
-    lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor,
+    lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor, update: torch.Tensor,
     scale: float, bits: int, group_size: int,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     return decode_attention_recall_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                                        k_ring, v_ring, lens, recall_k, recall_v, recall_idx,
-                                       lse_ref, mass, layer, scale, bits, group_size)
+                                       lse_ref, mass, layer, update, scale, bits, group_size)
 
 
 @_decode_attention_recall_op.register_fake
 def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      recall_k, recall_v, recall_idx, lse_ref, mass, layer, scale, bits, group_size):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+      recall_k, recall_v, recall_idx, lse_ref, mass, layer, update, scale, bits, group_size):
+    return q.new_empty(q.shape)
 
 
 _decode_attention_recall_op.register_kernel("cuda")(_decode_attention_recall_triton)
@@ -1226,20 +1245,22 @@ def decode_attention_recall(
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
-    lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor,
+    lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor, update: torch.Tensor,
     scale: float, bits: int = 2, group_size: int = 16,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Decode attention with recall (SpeCache): R query rows per sequence over one layer's
     compressed cache in which the recalled positions take their full-precision K/V; also the
-    statistic that chooses the next step's recall.
+    statistic that chooses the next step's recall, and the step's bookkeeping after it.
 
     For slot ``b < B``, query row ``r`` and query head ``i`` (KV head ``h = i // (H_q /
     H_kv)``): one softmax over the slot's quantized tokens, where every position ``t =
     recall_idx[b, h, j]`` with ``0 <= t < lens[b, 0]`` has ``recall_k[b, h, j]`` /
     ``recall_v[b, h, j]`` in place of its dequantized key / value, followed by the first
-    ``lens[b, 1] - (R - 1 - r)`` ring tokens (the R rows are consecutive tokens whose K/V are
-    all in the ring already: each row sees itself, not the rows after it). K/V are read once
-    for the R rows. With no valid recall row and R = 1 it is :func:`decode_attention`.
+    ``lens[b, 1] + r`` ring tokens: ``lens`` counts row 0's token (the ring row
+    :func:`.cache_update.cache_begin_step` gave it), and the later rows' tokens sit in the ring
+    rows after it, uncounted (:func:`.cache_update.cache_write_ring` with R tokens a slot); each
+    row sees itself, not the rows after it. K/V are read once for the R rows. With no valid
+    recall row and R = 1 it is :func:`decode_attention`.
 
     The last row also writes, into this layer's plane ``mass[b, layer]``, for every position
     ``t`` the next step holds quantized, the attention its KV group pays it: ``mass[b, layer, h,
@@ -1248,19 +1269,24 @@ def decode_attention_recall(
     ``t < lens[b, 0]`` and, when the ring is full (row 0 sees its R tokens, R its length), the
     ring's tokens, which its flush moves to ``t = lens[b, 0] + j`` (ring row j); the ring's
     tokens it does not hold get -inf (the speculative row's, and all while the ring fills), so
-    that :func:`.recall.recall_topk` ranks the buffer as it is, every layer at once. ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second
-    pass: the previous step's (returned here as ``lse``) scales the masses of a head by one
-    factor, so the ranking by one head is exact and only the weights of a group's heads in the
-    sum that :func:`.recall.recall_topk` ranks are off. ``mass`` is fp32:
-    4 bytes per position against the ~128 bytes of codes, scales and zeros read per position
-    and head at bits 2, D 128, and no ties among close masses as bf16's 8-bit mantissa would
-    make them. Positions ``>= lens[b, 0] + lens[b, 1]``, other layers and slots ``>= B`` keep
-    what they held (-inf for an emptied slot: the caller's reset). A caller that gives a ring
-    token back after the call (``lens[b, 1]`` lowered: SpeCache's pre-decoding) may leave a full
-    ring's positions ranked one step early; the next attention ignores them (they are not below
-    its ``lens[b, 0]``), they only take recall rows of that step.
-    A reference far below this step's scores (by more than ~83 nats) saturates the mass instead of
-    overflowing.
+    that :func:`.recall.recall_topk` ranks the buffer as it is, every layer at once.
+    ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second pass: the
+    previous step's scales the masses of a head by one factor, so the ranking by one head is
+    exact and only the weights of a group's heads in the sum that :func:`.recall.recall_topk`
+    ranks are off. ``mass`` is fp32: 4 bytes per position against the ~128 bytes of codes,
+    scales and zeros read per position and head at bits 2, D 128, and no ties among close
+    masses as bf16's 8-bit mantissa would make them. Positions ``>= lens[b, 0] + lens[b, 1]``,
+    other layers and slots ``>= B`` keep what they held (-inf for an emptied slot: the caller's
+    reset). A reference far below this step's scores (by more than ~83 nats) saturates the mass
+    instead of overflowing.
+
+    After the attention, for every slot ``b < B`` with ``update[b] >= 0``: ``lse_ref[b]``
+    becomes the last row's own log-sum-exp (the next step's reference), and ``lens[b, 1] -=
+    update[b]`` (SpeCache's pre-decoding gives its token back: it feeds it again next step). A
+    token given back from a full ring leaves that ring's positions ranked one step early; the
+    next attention ignores them (they are not below its ``lens[b, 0]``), they only take recall
+    rows of that step. Both updates ride on the combine launch: as separate launches they cost
+    the step a launch each per layer.
 
     Reads ``lens`` and ``recall_idx`` on the device (no host sync); safe to capture in a CUDA
     graph and replay after ``lens``, ``recall_idx``, the recall rows and ``lse_ref`` change in
@@ -1269,31 +1295,36 @@ def decode_attention_recall(
     Args:
         q: ``(B, R, H_q, D)``, R in {1, 2}, any strides; the rest as :func:`decode_attention`,
             and ``R * H_q / H_kv <= 8``.
-        k_cache ... lens: the layer's buffers, as :func:`decode_attention`.
+        k_cache ... v_ring: the layer's buffers, as :func:`decode_attention`.
+        lens: the layer's ``(Bmax, 2)`` counters (the buffer itself, not a view); mutated.
         recall_k, recall_v: ``(Bmax, H_kv, K, D)`` in q's dtype, contiguous, K >= 1.
         recall_idx: ``(B', H_kv, K)`` int32, contiguous, ``B <= B' <= Bmax`` (a leading slice of
             the index buffer is fine): the quantized position of each recall row; -1 (or any
             value outside ``[0, lens[b, 0])``) = unused row. The valid positions of one (slot,
             KV head) must be distinct (not checked: that would sync); top-k positions are.
-        lse_ref: ``(B, H_q)`` fp32, any strides: the reference log-sum-exp of the last row's
-            heads (natural log, of the scaled scores).
+        lse_ref: ``(Bmax, H_q)`` fp32, contiguous, the buffer itself: the reference log-sum-exp
+            of the last row's heads (natural log, of the scaled scores); rows ``b < B`` are
+            overwritten with this step's.
         mass: ``(Bmax, L, H_kv, T_mass)`` fp32, ``T_mass >= T_cap + ring rows``, contiguous,
             the whole buffer (one plane per layer and slot, the largest capacity's length);
             mutated.
         layer: ``(1,)`` int32 on q's device: which of the L planes (a tensor, so that one
             compiled step serves every layer; read on the device, clamped to ``[0, L)``).
+        update: ``(B,)`` int32, contiguous: per slot, -1 leaves its ``lse_ref`` and ``lens`` as
+            they are (a slot the step does not advance); ``n >= 0`` updates ``lse_ref`` and
+            gives back ``n`` ring tokens (0, or 1 when it pre-decodes; not checked).
         scale, bits, group_size: as :func:`decode_attention`.
         All on q's device.
 
     Returns:
-        ``(out, lse)``: ``(B, R, H_q, D)`` in q's dtype and ``(B, R, H_q)`` fp32 (natural log),
-        contiguous.
+        ``(B, R, H_q, D)`` in q's dtype, contiguous.
 
     Raises:
         ValueError: a shape, dtype or device inconsistent with the above.
     """
     _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
                   bits, group_size, rows=True)
+    check_base("lens", lens)
     batch, rows, h_q, d = q.shape
     b_max, h_kv = k_ring.shape[:2]
     _check_group(rows, h_q // h_kv)
@@ -1310,8 +1341,9 @@ def decode_attention_recall(
     if not batch <= recall_idx.shape[0] <= b_max:
         raise ValueError(f"recall_idx: expected B={batch} <= recall_idx.shape[0] <= "
                          f"max_batch_size={b_max}, got shape {tuple(recall_idx.shape)}")
-    check_tensor("lse_ref", lse_ref, shape=(batch, h_q), dtypes=(torch.float32,),
-                 device=q.device)
+    check_tensor("lse_ref", lse_ref, shape=(b_max, h_q), dtypes=(torch.float32,),
+                 device=q.device, contiguous=True)
+    check_base("lse_ref", lse_ref)
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
     check_tensor("mass", mass, shape=(b_max, None, h_kv, None), dtypes=(torch.float32,),
                  device=q.device, contiguous=True)
@@ -1321,6 +1353,9 @@ def decode_attention_recall(
                          f"{tuple(mass.shape)}")
     check_base("mass", mass)
     check_tensor("layer", layer, shape=(1,), dtypes=(torch.int32,), device=q.device)
+    check_tensor("update", update, shape=(batch,), dtypes=(torch.int32,), device=q.device,
+                 contiguous=True)
     return torch.ops.minikv.decode_attention_recall(
         q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-        recall_k, recall_v, recall_idx, lse_ref, mass, layer, float(scale), bits, group_size)
+        recall_k, recall_v, recall_idx, lse_ref, mass, layer, update, float(scale), bits,
+        group_size)

@@ -278,16 +278,19 @@ def _table_row_kernel(row, a0, a1, a2, a3, a4, a5, a6, a7, a8, t_cap):
 @triton.jit
 def _write_ring_kernel(
     k_new, v_new, k_ring, v_ring, ring_index,
-    stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     H, D, RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    # cache_write_ring: one program per slot, all heads, to the row cache_begin_step gave it.
+    # cache_write_ring: program (b, s), all heads: slot b's token s to ring row
+    # ring_index[b] + s (the row cache_begin_step gave it, and the rows after).
     gdc.launch_dependents_then_wait(PDL)
     b = tl.program_id(0)
+    s = tl.program_id(1)
     index = tl.load(ring_index + b)
     if index >= 0:
-        _write_token(k_new, v_new, k_ring, v_ring, b.to(tl.int64), index, stride_kb, stride_kh,
-                     stride_kd, stride_vb, stride_vh, stride_vd, H, D, RING, BLOCK_H, BLOCK_D)
+        _write_token(k_new + s * stride_ks, v_new + s * stride_vs, k_ring, v_ring,
+                     b.to(tl.int64), index + s, stride_kb, stride_kh, stride_kd, stride_vb,
+                     stride_vh, stride_vd, H, D, RING, BLOCK_H, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,9 +373,11 @@ def _cache_begin_step_triton(table, table_host, k_cache, k_scale, k_zero, v_cach
 
 
 def _cache_write_ring_triton(k_new, v_new, k_ring, v_ring, ring_index) -> None:
-    B, H, D = k_new.shape
+    if k_new.dim() == 3:  # one token per slot
+        k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
+    B, S, H, D = k_new.shape
     pdl = gdc.supported(k_new.device)
-    _write_ring_kernel[(B,)](
+    _write_ring_kernel[(B, S)](
         k_new, v_new, k_ring, v_ring, ring_index, *k_new.stride(), *v_new.stride(), H, D,
         RING=k_ring.shape[2], PDL=pdl, launch_pdl=pdl, **_write_constants(H, D))
 
@@ -422,10 +427,12 @@ def _begin_slot_ref(b, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_rin
 
 def cache_write_ring_ref(k_new, v_new, k_ring, v_ring, ring_index) -> None:
     """Reference for :func:`cache_write_ring`."""
+    if k_new.dim() == 3:
+        k_new, v_new = k_new.unsqueeze(1), v_new.unsqueeze(1)
     for b, index in enumerate(ring_index.tolist()):
         if index >= 0:
-            k_ring[b, :, index] = k_new[b]
-            v_ring[b, :, index] = v_new[b]
+            k_ring[b, :, index:index + k_new.shape[1]] = k_new[b].transpose(0, 1)
+            v_ring[b, :, index:index + v_new.shape[1]] = v_new[b].transpose(0, 1)
 
 
 def cache_begin_step_ref(table, table_host, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
@@ -512,8 +519,16 @@ _cache_write_ring_op.register_kernel("cuda")(_cache_write_ring_triton)
 
 
 def _check_new_tokens(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Tensor) -> None:
-    Bmax, H, _, D = k_ring.shape
-    check_tensor("k_new", k_new, shape=(None, H, D), dtypes=(k_ring.dtype,), device=k_ring.device)
+    Bmax, H, R, D = k_ring.shape
+    if k_new.dim() == 4:  # (B, S, H, D): S consecutive tokens per slot
+        check_tensor("k_new", k_new, shape=(None, None, H, D), dtypes=(k_ring.dtype,),
+                     device=k_ring.device)
+        if not 0 < k_new.shape[1] <= R:
+            raise ValueError(f"k_new: expected 1 <= tokens per slot (dim 1) <= ring rows={R}, "
+                             f"got shape {tuple(k_new.shape)}")
+    else:
+        check_tensor("k_new", k_new, shape=(None, H, D), dtypes=(k_ring.dtype,),
+                     device=k_ring.device)
     check_tensor("v_new", v_new, shape=tuple(k_new.shape), dtypes=(k_ring.dtype,),
                  device=k_ring.device)
     if not 0 < k_new.shape[0] <= Bmax:
@@ -566,13 +581,16 @@ def cache_write_ring(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Ten
                      v_ring: torch.Tensor, ring_index: torch.Tensor) -> None:
     """Write each slot's new k and v to the ring row :func:`cache_begin_step` gave it:
     ``k_ring[b, :, i] = k_new[b]`` (and v) for ``i = ring_index[b] >= 0``; slots with -1 and
-    slots ``>= B`` are not touched.
+    slots ``>= B`` are not touched. With S tokens per slot (SpeCache's token and speculation),
+    token s goes to row ``i + s``: the rows after the counted one, which ``lens`` does not count.
 
     Args:
-        k_new, v_new: ``(B, H, D)`` in the ring's dtype, ``B <= Bmax``, any strides.
+        k_new, v_new: ``(B, H, D)``, or ``(B, S, H, D)`` for S tokens per slot, in the ring's
+            dtype, ``B <= Bmax``, any strides.
         k_ring, v_ring: one layer's rings ``(Bmax, H, R, D)``, contiguous, not views; mutated.
         ring_index: ``(B,)`` int32, contiguous: that layer's row of ``cache_begin_step``'s
-            result (values in ``[-1, R)``).
+            result (values in ``[-1, R - S]``: a ring of ``R + 1`` rows has the spare row the
+            second of two tokens needs when the first fills the ring).
     """
     check_tensor("k_ring", k_ring, ndim=4, dtypes=FLOAT_DTYPES, contiguous=True)
     check_tensor("v_ring", v_ring, shape=tuple(k_ring.shape), dtypes=(k_ring.dtype,),

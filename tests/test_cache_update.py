@@ -418,7 +418,7 @@ build(cu._commit_kernel, {"table": "*i64", "live": "*i1", "ring_index": "*i32", 
 build(cu._write_ring_kernel,
       dict({"k_new": "*bf16", "v_new": "*bf16", "k_ring": "*bf16", "v_ring": "*bf16",
             "ring_index": "*i32", "H": "i32", "D": "i32"},
-           **{f"stride_{t}{d}": "i32" for t in "kv" for d in "bhd"}),
+           **{f"stride_{t}{d}": "i32" for t in "kv" for d in "bshd"}),
       dict(RING=128, PDL=True, **cu._write_constants(8, 128)))
 """
 
@@ -507,6 +507,41 @@ def test_begin_step_bad_inputs():
     with pytest.raises(ValueError, match="batch <= max_batch_size=2"):
         cache_write_ring(torch.cat([k_new] * 2), torch.cat([v_new] * 2), ring, layers[0][7],
                          torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("impl", ["op", "ref", pytest.param("triton", marks=pytest.mark.interpret)])
+def test_write_ring_several_tokens_per_slot(impl):
+    """(B, S, H, D): slot b's token s to ring row ring_index[b] + s (a ring of R + 1 rows: the
+    spare row takes the second token when the first fills the ring); -1 and slots >= B
+    untouched. k/v strided as the two-row step hands them (rows 2b and 2b + 1 of a batch)."""
+    Bmax, H, D, R, S = 4, 3, 32, 16, 2
+    g = torch.Generator().manual_seed(5)
+    k_ring, v_ring = (torch.randn(Bmax, H, R + 1, D, generator=g).half() for _ in range(2))
+    k_rows, v_rows = (torch.randn(3 * S, H, 2, D, generator=g).half() for _ in range(2))
+    k_new, v_new = k_rows[:, :, 0].unflatten(0, (3, S)), v_rows[:, :, 0].unflatten(0, (3, S))
+    ring_index = torch.tensor([R - 1, -1, 4], dtype=torch.int32)
+    want_k, want_v = k_ring.clone(), v_ring.clone()
+    for b, i in enumerate(ring_index.tolist()):
+        for t in range(S if i >= 0 else 0):
+            want_k[b, :, i + t], want_v[b, :, i + t] = k_new[b, t], v_new[b, t]
+    write = {"op": cache_write_ring, "ref": cache_write_ring_ref,
+             "triton": _cache_write_ring_triton}[impl]
+    write(k_new, v_new, k_ring, v_ring, ring_index)
+    assert torch.equal(k_ring, want_k) and torch.equal(v_ring, want_v)
+
+
+def test_write_ring_several_tokens_bad_inputs():
+    k_ring = torch.zeros(2, 3, 4, 8, dtype=torch.float16)
+    index = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"tokens per slot \(dim 1\) <= ring rows=4"):
+        cache_write_ring(*(torch.zeros(2, 5, 3, 8, dtype=torch.float16) for _ in range(2)),
+                         k_ring, k_ring.clone(), index)
+    with pytest.raises(ValueError, match="k_new: expected shape"):
+        cache_write_ring(*(torch.zeros(2, 2, 4, 8, dtype=torch.float16) for _ in range(2)),
+                         k_ring, k_ring.clone(), index)
+    with pytest.raises(ValueError, match="v_new: expected shape"):
+        cache_write_ring(torch.zeros(2, 2, 3, 8, dtype=torch.float16),
+                         torch.zeros(2, 3, 8, dtype=torch.float16), k_ring, k_ring.clone(), index)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -283,11 +283,12 @@ def _layer(b_max, h_kv, t_cap, d, ring, bits, g, dtype, n_quant, n_ring):
 def _recall_ref_one_row(q, bufs, rk, rv, idx, scale, bits):
     """The reference with one query row (q (B, H_q, D)); its lse and mass are left out."""
     b_max, h_kv = bufs[6].shape[:2]
-    lse_ref = torch.zeros(q.shape[0], q.shape[1])
+    lse_ref = torch.zeros(b_max, q.shape[1])
     mass = torch.zeros(b_max, 1, h_kv, bufs[3].shape[2] + bufs[6].shape[2])
     layer = torch.zeros(1, dtype=torch.int32)
-    out, _ = decode_attention_recall_ref(q[:, None], *bufs, rk, rv, idx, lse_ref, mass, layer,
-                                         scale, bits, 16)
+    update = torch.zeros(q.shape[0], dtype=torch.int32)
+    out = decode_attention_recall_ref(q[:, None], *bufs, rk, rv, idx, lse_ref, mass, layer,
+                                      update, scale, bits, 16)
     return out[:, 0]
 
 
@@ -415,7 +416,12 @@ class RecallCase:
 
     cache: Case
     q: torch.Tensor               # (B, R, H_q, D)
-    recall: List[torch.Tensor]    # recall_k, recall_v, recall_idx, lse_ref, mass, layer
+    recall: List[torch.Tensor]    # recall_k, recall_v, recall_idx, lse_ref, mass, layer, update
+
+    def args(self) -> List[torch.Tensor]:
+        """The recall arguments for one call: ``lse_ref`` (which the op overwrites) a copy, so
+        that ``recall[3]`` stays the reference the oracle computes the mass with."""
+        return self.recall[:3] + [self.recall[3].clone()] + self.recall[4:]
 
     @property
     def plane(self) -> torch.Tensor:
@@ -447,9 +453,11 @@ def _recall_indices(b_max, h_kv, k, t_cap, lens, batch):
 
 def recall_case(batch, b_max, h_kv, gqa, rows, d, capacity, ring, bits, dtype, n_quant, n_ring,
                 k, group_size=16, device="cpu", idx=None) -> RecallCase:
+    # n_ring: the ring tokens the last row sees; lens counts those of row 0 (the op's contract)
     cache = make_case(batch, b_max, h_kv, d, capacity, ring, bits, group_size, dtype, n_quant,
                       n_ring, outliers=True)
     lens = cache.bufs[-1]
+    lens[:batch, 1] -= rows - 1
     if idx is None:
         idx = _recall_indices(b_max, h_kv, k, capacity, lens, batch)
     # the full-precision rows: the dequantized truth plus noise of the quantization's size
@@ -458,10 +466,12 @@ def recall_case(batch, b_max, h_kv, gqa, rows, d, capacity, ring, bits, dtype, n
     q = torch.randn(batch, rows, h_kv * gqa, d).to(dtype)
     mass = torch.full((b_max, 2, h_kv, capacity + ring), float("nan"))
     layer = torch.tensor([LAYER], dtype=torch.int32)
-    rc = RecallCase(cache, q, [rk, rv, idx, torch.zeros(batch, h_kv * gqa), mass, layer])
+    update = torch.zeros(batch, dtype=torch.int32)
+    lse_ref = torch.full((b_max, h_kv * gqa), float("nan"))  # slots >= B: never read
+    rc = RecallCase(cache, q, [rk, rv, idx, lse_ref, mass, layer, update])
     # lse_ref: the last row's own log-sum-exp, off by up to a nat per head (a stale one)
-    rc.recall[3] = (recall_truth(rc, d ** -0.5, torch.float64)[1][:, -1].float()
-                    + 2 * torch.rand(batch, h_kv * gqa) - 1)
+    lse_ref[:batch] = (recall_truth(rc, d ** -0.5, torch.float64)[1][:, -1].float()
+                       + 2 * torch.rand(batch, h_kv * gqa) - 1)
     cache.bufs = [t.to(device) for t in cache.bufs]
     cache.keys = [t.to(device) for t in cache.keys]
     cache.values = [t.to(device) for t in cache.values]
@@ -486,6 +496,7 @@ def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
     lse = torch.empty(q.shape[:3], dtype=dtype, device=q.device)
     masses, probs = [], []
     for b, (n_quant, n_ring) in enumerate(cache.bufs[-1][:batch].tolist()):
+        n_ring += rows - 1  # lens counts row 0's ring tokens
         k_reg, v_reg = cache.keys[b][:, :n_quant].clone(), cache.values[b][:, :n_quant].clone()
         for h in range(h_kv):
             for j, t in enumerate(idx[b, h].tolist()):
@@ -509,12 +520,17 @@ def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
 
 
 def assert_recall_within_2x(out, lse, rc: RecallCase, scale: float) -> None:
-    """The 2x rule (test_decode_attention's) for out, lse and the written mass (plus 1e-5 of
-    the largest mass: the kernel takes it through exp2 of log2-domain differences, a few more
-    fp32 roundings than exp(s - lse)), -inf exactly where the oracle has it; the mass past each
-    slot's tokens, of the slots >= B and of the other layer is untouched (NaN)."""
+    """The 2x rule (test_decode_attention's) for out, the written lse_ref ``lse`` (the last
+    row's) and the written mass (plus 1e-5 of the largest mass: the kernel takes it through
+    exp2 of log2-domain differences, a few more fp32 roundings than exp(s - lse)), -inf exactly
+    where the oracle has it; lse_ref of the slots >= B, the mass past each slot's tokens, of
+    the slots >= B and of the other layer are untouched (NaN)."""
     oracle = recall_truth(rc, scale, torch.float64)
     base = recall_truth(rc, scale, rc.q.dtype)
+    batch = rc.q.shape[0]
+    assert lse[batch:].isnan().all()
+    lse = lse[:batch]
+    oracle, base = ((o[0], o[1][:, -1], *o[2:]) for o in (oracle, base))
     mass = rc.plane
     got = [mass[b, :, :m.shape[1]] for b, m in enumerate(oracle[2])]
     inf = float("-inf")
@@ -539,15 +555,23 @@ def assert_recall_within_2x(out, lse, rc: RecallCase, scale: float) -> None:
 
 def run_recall_kernel(rc: RecallCase, scale: float, bufs=None, recall=None, **fields):
     """The recall launch (Triton; the interpreter on the CPU) on ``_plan``'s tiles, ``fields``
-    replaced."""
+    replaced. Returns out and the lse_ref it wrote (into a copy of the case's)."""
     cache, q = rc.cache, rc.q
     capacity = cache.bufs[0].shape[2] if cache.bits == 16 else cache.bufs[3].shape[2]
     h_kv = cache.bufs[6].shape[1]
     plan = _plan(q.device, q.dtype, cache.bits, cache.group_size, q.shape[3], q.shape[0],
                  q.shape[2], h_kv, capacity, sm_count(q.device), rows=q.shape[1], recall=True)
-    return _decode_attention_recall_triton(q, *(bufs or cache.bufs), *(recall or rc.recall),
-                                           scale, cache.bits, cache.group_size,
-                                           plan._replace(**fields))
+    args = recall or rc.args()
+    out = _decode_attention_recall_triton(q, *(bufs or cache.bufs), *args, scale, cache.bits,
+                                          cache.group_size, plan._replace(**fields))
+    return out, args[3]
+
+
+def run_recall_op(rc: RecallCase, scale: float, fn=decode_attention_recall):
+    """``fn`` (the public op, or the reference) on the case; out and the lse_ref it wrote."""
+    args = rc.args()
+    out = fn(rc.q, *rc.cache.bufs, *args, scale, rc.cache.bits, rc.cache.group_size)
+    return out, args[3]
 
 
 # (bits, dtype, gqa, rows): every kernel path (half2 fp16/bf16, fp32 dequantization, bits 16),
@@ -564,10 +588,38 @@ def test_triton_recall_matches_oracle(bits, dtype, gqa, rows):
     # 3 splits over 64 tokens in blocks of 16 (some get none); 20 recall rows: 2 recall blocks;
     # a ring of 16 tokens and a spare row, slot 1's full (bits < 16: its tokens are held next)
     rc = recall_case(2, 3, 2, gqa, rows, 16, 64, 17, bits, dtype, [48, 64], [3, 17], k=20)
+    lens = rc.cache.bufs[8].clone()
     out, lse = run_recall_kernel(rc, 0.25, num_splits=3, block_n=16)
     assert out.shape == rc.q.shape and out.dtype == dtype
-    assert lse.shape == rc.q.shape[:3] and lse.dtype == torch.float32
     assert_recall_within_2x(out, lse, rc, 0.25)
+    assert torch.equal(rc.cache.bufs[8], lens)  # nothing given back
+
+
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=pytest.mark.interpret),
+                                  "reference"])
+def test_recall_update_gives_back_and_skips_slots(impl):
+    """update [1, -1]: slot 0 gives its token back after the attention (lens[0, 1] - 1), slot 1
+    (not live) keeps its lse_ref and lens; out, mass and slot 0's lse_ref as with update 0."""
+    rc = recall_case(2, 3, 2, 3, 2, 16, 64, 17, 2, torch.float16, [48, 64], [3, 17], k=20)
+    lens = rc.cache.bufs[8].clone()
+    runs = []
+    for update in ([0, 0], [1, -1]):
+        rc.cache.bufs[8].copy_(lens)
+        rc.recall[4].fill_(float("nan"))
+        rc.recall[6].copy_(torch.tensor(update, dtype=torch.int32))
+        if impl == "triton":
+            out, lse = run_recall_kernel(rc, 0.25, num_splits=3, block_n=16)
+        else:
+            out, lse = run_recall_op(rc, 0.25, decode_attention_recall_ref)
+        runs.append((out, lse, rc.recall[4].clone(), rc.cache.bufs[8].clone()))
+    (out0, lse0, mass0, lens0), (out1, lse1, mass1, lens1) = runs
+    assert torch.equal(out0, out1)
+    _assert_same(mass0, mass1)
+    assert torch.equal(lse1[0], lse0[0]) and not torch.equal(lse0[0], rc.recall[3][0])
+    assert torch.equal(lse1[1], rc.recall[3][1])
+    assert torch.equal(lens0, lens)
+    assert lens1[:, 1].tolist() == [int(lens[0, 1]) - 1, int(lens[1, 1]), int(lens[2, 1])]
+    assert torch.equal(lens1[:, 0], lens[:, 0])
 
 
 @pytest.mark.interpret
@@ -584,11 +636,12 @@ def test_triton_recall_one_bit_matches_oracle(dtype):
                                                  (16, torch.bfloat16, 2, 2)])
 def test_reference_matches_oracle(bits, dtype, gqa, rows):
     rc = recall_case(2, 3, 2, gqa, rows, 16, 64, 16, bits, dtype, [48, 64], [3, 16], k=20)
-    out, lse = decode_attention_recall_ref(rc.q, *rc.cache.bufs, *rc.recall, 0.25, bits, 16)
+    out, lse = run_recall_op(rc, 0.25, decode_attention_recall_ref)
     oracle = recall_truth(rc, 0.25, torch.float64)
     tol = {torch.float32: 1e-5, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
     torch.testing.assert_close(out.double(), oracle[0], rtol=tol, atol=tol)
-    torch.testing.assert_close(lse.double(), oracle[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[:2].double(), oracle[1][:, -1], rtol=1e-5, atol=1e-5)
+    assert lse[2:].isnan().all()
     for b, m in enumerate(oracle[2]):
         torch.testing.assert_close(rc.plane[b, :, :m.shape[1]].double(), m, rtol=1e-4, atol=0)
 
@@ -619,9 +672,9 @@ def test_triton_recall_of_everything_is_full_precision_attention(bits, dtype):
     full = make_case(2, b_max, h_kv, d, t_cap, 16, 16, 16, dtype, [64, 32], [3, 16])
     full.bufs[0], full.bufs[3] = k_full, v_full
     full.bufs[6:8] = rc.cache.bufs[6:8]
-    for r in range(2):  # row r is a one-row query over a ring one token shorter per row after it
+    for r in range(2):  # row r is a one-row query over a ring of lens + r tokens
         full.bufs[8] = rc.cache.bufs[8].clone()
-        full.bufs[8][:2, 1] -= 1 - r
+        full.bufs[8][:2, 1] += r
         plain = _decode_attention_triton(rc.q[:, r], *full.bufs, 0.25, 16, 16)
         oracle = recall_truth(rc, 0.25, torch.float64)[0][:, r]
         base = recall_truth(rc, 0.25, dtype)[0][:, r]
@@ -654,7 +707,7 @@ def test_triton_recall_never_reads_unused_rows_and_capacity(bits):
     batch = 2
     rc = recall_case(batch, 4, 2, 2, 2, 16, 64, 32, bits, torch.float16, [16, 48], [5, 32], k=9)
     clean_mass = rc.recall[4].clone()
-    clean = run_recall_kernel(rc, 0.25, recall=rc.recall[:4] + [clean_mass, rc.recall[5]],
+    clean = run_recall_kernel(rc, 0.25, recall=rc.args()[:4] + [clean_mass, *rc.recall[5:]],
                               num_splits=3, block_n=16)
     rk, rv, idx = (t.clone() for t in rc.recall[:3])
     lens = rc.cache.bufs[-1]
@@ -664,10 +717,17 @@ def test_triton_recall_never_reads_unused_rows_and_capacity(bits):
                 if b >= batch or not 0 <= t < int(lens[b, 0]):
                     rk[b, h, j] = rv[b, h, j] = float("nan")
     dirty_mass = rc.recall[4].clone()
-    dirty = run_recall_kernel(rc, 0.25, bufs=poisoned(rc.cache, batch),
-                              recall=[rk, rv, idx, rc.recall[3], dirty_mass, rc.recall[5]],
+    bufs = poisoned(rc.cache, batch)
+    for b in range(batch):  # the second row's ring token, past lens[b, 1], is read
+        n_ring = int(lens[b, 1])
+        for dirty_ring, ring in zip(bufs[6:8], rc.cache.bufs[6:8]):
+            dirty_ring[b, :, n_ring] = ring[b, :, n_ring]
+    dirty = run_recall_kernel(rc, 0.25, bufs=bufs,
+                              recall=[rk, rv, idx, rc.recall[3].clone(), dirty_mass,
+                                      *rc.recall[5:]],
                               num_splits=3, block_n=16)
-    assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
+    assert torch.equal(clean[0], dirty[0])
+    _assert_same(clean[1], dirty[1])
     _assert_same(clean_mass, dirty_mass)
 
 
@@ -676,18 +736,19 @@ def test_triton_recall_default_plan_and_group_sizes():
     # the launcher's own plan (1 split on the CPU), group 32, BLOCK_N from the plan
     rc = recall_case(2, 2, 2, 4, 2, 64, 128, 32, 2, torch.float16, [64, 128], [2, 32], k=11,
                      group_size=32)
-    out, lse = _decode_attention_recall_triton(rc.q, *rc.cache.bufs, *rc.recall, 0.125, 2, 32)
-    assert_recall_within_2x(out, lse, rc, 0.125)
+    args = rc.args()
+    out = _decode_attention_recall_triton(rc.q, *rc.cache.bufs, *args, 0.125, 2, 32)
+    assert_recall_within_2x(out, args[3], rc, 0.125)
 
 
 def test_public_recall_op_runs_reference_on_cpu():
     rc = recall_case(2, 3, 2, 3, 2, 16, 64, 16, 2, torch.bfloat16, [48, 0], [3, 16], k=7)
-    expected_mass = rc.recall[4].clone()
-    expected = decode_attention_recall_ref(rc.q, *rc.cache.bufs, *rc.recall[:4], expected_mass,
-                                           rc.recall[5], 0.25, 2, 16)
-    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
-    _assert_same(out, expected[0])
-    _assert_same(lse, expected[1])
+    expected_mass, expected_lse = rc.recall[4].clone(), rc.recall[3].clone()
+    expected = decode_attention_recall_ref(rc.q, *rc.cache.bufs, *rc.recall[:3], expected_lse,
+                                           expected_mass, *rc.recall[5:], 0.25, 2, 16)
+    out, lse = run_recall_op(rc, 0.25)
+    _assert_same(out, expected)
+    _assert_same(lse, expected_lse)
     _assert_same(rc.recall[4], expected_mass)
 
 
@@ -695,7 +756,7 @@ def test_public_recall_op_runs_reference_on_cpu():
 def test_public_recall_op_one_row_without_recall_is_decode_attention(bits):
     rc = recall_case(2, 3, 2, 2, 1, 16, 64, 16, bits, torch.float32, [48, 16], [3, 16], k=4)
     rc.recall[2].fill_(-1)
-    out, _ = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, bits, 16)
+    out, _ = run_recall_op(rc, 0.25)
     _assert_same(out[:, 0], decode_attention(rc.q[:, 0], *rc.cache.bufs, 0.25, bits, 16))
 
 
@@ -709,11 +770,11 @@ def test_public_recall_op_of_everything_is_full_precision_attention():
                      k=t_cap, idx=idx)
     k_full, v_full = torch.randn(b_max, h_kv, t_cap, d), torch.randn(b_max, h_kv, t_cap, d)
     recall_gather(HostStore(k_full, v_full, "cpu"), idx, rc.recall[0], rc.recall[1])
-    out, _ = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
+    out, _ = run_recall_op(rc, 0.25)
     empty = torch.empty(0, dtype=torch.float16)
     for r in range(2):
         lens = rc.cache.bufs[8].clone()
-        lens[:, 1] -= 1 - r
+        lens[:2, 1] += r
         full = decode_attention(rc.q[:, r], k_full, empty, empty, v_full, empty, empty,
                                 *rc.cache.bufs[6:8], lens, 0.25, 16, 16)
         _assert_same(out[:, r], full)
@@ -725,9 +786,9 @@ def test_mass_with_own_lse_is_the_group_probability_and_topk_follows():
     positions from those probabilities (the rings are not full: their tokens are -inf)."""
     rc = recall_case(2, 2, 2, 3, 2, 16, 64, 16, 2, torch.float32, [64, 48], [3, 16], k=5)
     rc.recall[4].fill_(float("-inf"))  # as the cache allocates it
-    _, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
-    rc.recall[3] = lse[:, -1]  # a strided (B, H_q) view, as the engine will pass it
-    decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
+    # the first call leaves its own lse in lse_ref: the second call's reference
+    for _ in range(2):
+        decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
     probs = recall_truth(rc, 0.25, torch.float64)[3]
     for b, p in enumerate(probs):                                    # p: (H_kv, gqa, n_quant)
         n_quant = p.shape[2]
@@ -767,6 +828,34 @@ build(r._recall_gather_kernel, {"host_k": "*bf16", "host_v": "*bf16", "idx": "*i
 build(r._recall_store_kernel, {"k_ring": "*bf16", "v_ring": "*bf16", "lens": "*i32",
       "ring_index": "*i32", "host_k": "*bf16", "host_v": "*bf16", "H": "i32", "T_cap": "i32",
       "D": "i32"}, dict(ROWS=129, BLOCK_H=8, BLOCK_D=128))
+""")
+
+
+def test_recall_attention_kernels_compile_for_sm90():
+    # The split launch with recall (two query rows, the 8B shape's GQA 4) and the combine that
+    # writes lse_ref and gives tokens back, for an H100/H200, without a GPU (tests/aot.py).
+    compile_for_sm90("""
+from minikv_compile.ops import attention_decode as a
+ptrs = ["q_ptr", "k_ptr", "ks_ptr", "kz_ptr", "v_ptr", "vs_ptr", "vz_ptr", "kr_ptr", "vr_ptr",
+        "lens_ptr", "m_ptr", "l_ptr", "acc_ptr", "bm_ptr", "rk_ptr", "rv_ptr", "ridx_ptr",
+        "lse_ref_ptr", "mass_ptr", "layer_ptr"]
+types = dict(q_ptr="*bf16", k_ptr="*i32", ks_ptr="*fp16", kz_ptr="*fp16", v_ptr="*i32",
+             vs_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*bf16", vr_ptr="*bf16", lens_ptr="*i32",
+             bm_ptr="*i32", rk_ptr="*bf16", rv_ptr="*bf16", ridx_ptr="*i32", layer_ptr="*i32")
+sig = {p: types.get(p, "*fp32") for p in ptrs}
+sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
+    "stride_qb", "stride_qr", "stride_qh", "stride_qd", "stride_lb", "stride_lh", "H_KV",
+    "T_CAP", "R", "NUM_SPLITS", "K_REC", "T_MASS", "N_LAYERS", "R_FLUSH")}})
+build(a._decode_attention_split_kernel, sig,
+      dict(GQA=4, BLOCK_H=8, D=128, ROWS=2, RECALL=True, BITS=2, G=16, BLOCK_N=64, HALF2=True,
+           DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32", BF16_BY_HAND=False, INTERPRET=False,
+           PREFETCH=True, PDL=True))
+build(a._decode_attention_combine_kernel,
+      {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
+       "lse_ref_ptr": "*fp32", "lens_ptr": "*i32", "update_ptr": "*i32", "H_Q": "i32",
+       "stride_ob": "i32", "stride_oh": "i32", "stride_od": "i32", "stride_lb": "i32",
+       "stride_lh": "i32", "S": "i32"},
+      dict(D=128, BLOCK_D=32, BLOCK_S=64, BF16_BY_HAND=False, ROWS=2, RECALL=True, PDL=True))
 """)
 
 
@@ -824,31 +913,34 @@ def test_compiled_recall_step_fullgraph_no_recompile():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     rc = recall_case(2, 2, 2, 2, 2, 16, 64, 16, 2, torch.float32, [64, 32], [3, 16], k=6)
-    rk, rv, idx, lse_ref, mass, layer = rc.recall
+    rk, rv, idx, lse_ref, mass, layer, update = rc.recall
     mass.fill_(float("-inf"))  # as the cache allocates it
     bufs = rc.cache.bufs
 
     @torch.compile(backend=counter, fullgraph=True)
-    def step(q, lse_ref):
-        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, layer, 0.25,
-                                           2, 16)
-        return out * 2.0, lse, recall_topk(mass[:2], 6)
+    def step(q):
+        out = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, layer, update, 0.25,
+                                      2, 16)
+        return out * 2.0, recall_topk(mass[:2], 6)
 
-    for _ in range(2):
-        expected_mass = mass.clone()
-        out_ref, lse_ref_out = decode_attention_recall_ref(rc.q, *bufs, rk, rv, idx, lse_ref,
-                                                           expected_mass, layer, 0.25, 2, 16)
-        out, lse, nxt = step(rc.q, lse_ref)
+    for given_back in ([0, 0], [1, 0]):  # the second step: slot 0 gives its token back
+        update.copy_(torch.tensor(given_back, dtype=torch.int32))
+        expected_mass, expected_lse, expected_lens = mass.clone(), lse_ref.clone(), bufs[8].clone()
+        out_ref = decode_attention_recall_ref(rc.q, *bufs[:8], expected_lens, rk, rv, idx,
+                                              expected_lse, expected_mass, layer, update, 0.25,
+                                              2, 16)
+        out, nxt = step(rc.q)
         torch.testing.assert_close(out, out_ref * 2)
-        torch.testing.assert_close(lse, lse_ref_out)
+        torch.testing.assert_close(lse_ref, expected_lse)
+        _assert_same(bufs[8], expected_lens)
         _assert_same(mass, expected_mass)
         assert nxt.tolist() == recall_topk(expected_mass[:2], 6).tolist()
         assert (nxt[:, 1 - LAYER] == -1).all()  # the other layer holds nothing
-        # the next step: its indices, one more ring token, a new q, this step's lse
+        # the next step: its indices, one more ring token, a new q (lse_ref: this step's)
         idx[:2].copy_(nxt[:, LAYER])
-        bufs[8][:2, 1] = torch.tensor([4, 15], dtype=torch.int32)
+        bufs[8][:2, 1] = torch.tensor([4, 14], dtype=torch.int32)
         rc.q.normal_()
-        lse_ref = lse[:, -1].contiguous()
+    assert expected_lens[:2, 1].tolist() == [3, 14]  # (the second step's, given back)
     assert counter.frame_count == 1
 
 
@@ -857,7 +949,7 @@ def _recall_valid_args():
     return [rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16]
 
 
-RQ, RK, RV, RIDX, LSE_REF, MASS, LAYER_ARG = 0, 10, 11, 12, 13, 14, 15
+RQ, LENS, RK, RV, RIDX, LSE_REF, MASS, LAYER_ARG, UPDATE = 0, 9, 10, 11, 12, 13, 14, 15, 16
 BAD_RECALL = [
     ("q rank", RQ, lambda t: t[:, 0], "q: expected 4 dims"),
     ("rows", RQ, lambda t: t.repeat(1, 2, 1, 1), r"rows \(q.shape\[1\]\)"),
@@ -873,8 +965,12 @@ BAD_RECALL = [
     ("recall_idx < B", RIDX, lambda t: t[:1].contiguous(), "recall_idx: expected B=2"),
     ("recall_idx strided", RIDX, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1),
      "recall_idx: expected a contiguous"),
+    ("lens view", LENS, lambda t: torch.zeros(4, 2, dtype=torch.int32)[:3],
+     "lens: expected a whole"),
     ("lse_ref dtype", LSE_REF, lambda t: t.half(), "lse_ref: expected dtype"),
     ("lse_ref shape", LSE_REF, lambda t: t[:, :2], "lse_ref: expected shape"),
+    ("lse_ref B rows", LSE_REF, lambda t: t[:2].contiguous(), "lse_ref: expected shape"),
+    ("lse_ref view", LSE_REF, lambda t: torch.zeros(4, 4)[:3], "lse_ref: expected a whole"),
     ("mass dtype", MASS, lambda t: t.bfloat16(), "mass: expected dtype"),
     ("mass one layer", MASS, lambda t: t[:, 0].contiguous(), "mass: expected shape"),
     ("mass short", MASS, lambda t: t[..., :64].contiguous(),
@@ -882,6 +978,8 @@ BAD_RECALL = [
     ("mass view", MASS, lambda t: torch.zeros(4, 2, 2, 80)[:3], "mass: expected a whole"),
     ("layer dtype", LAYER_ARG, lambda t: t.long(), "layer: expected dtype"),
     ("layer 0-d", LAYER_ARG, lambda t: t[0], "layer: expected shape"),
+    ("update dtype", UPDATE, lambda t: t.bool(), "update: expected dtype"),
+    ("update slots", UPDATE, lambda t: t[:1], "update: expected shape"),
 ]
 
 
@@ -1048,8 +1146,7 @@ def test_gpu_recall_matches_oracle(h_kv, gqa, d, bits, group_size, dtype):
     # slot 2 holds a single group
     rc = recall_case(4, 5, h_kv, gqa, 2, d, 4096, 128, bits, dtype, [4096, 1024, group_size, 2048],
                      [128, 2, 65, 7], k=64, group_size=group_size, device="cuda")
-    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, d ** -0.5, bits,
-                                       group_size)
+    out, lse = run_recall_op(rc, d ** -0.5)
     assert_recall_within_2x(out, lse, rc, d ** -0.5)
 
 
@@ -1061,7 +1158,7 @@ def test_gpu_one_row_without_recall_is_decode_attention_bit_for_bit(bits, dtype)
     rc = recall_case(4, 4, 8, 4, 1, 128, 4096, 128, bits, dtype, [4096, 1024, 16, 2048],
                      [128, 2, 65, 7], k=64, device="cuda")
     rc.recall[2].fill_(-1)
-    out, _ = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 128 ** -0.5, bits, 16)
+    out, _ = run_recall_op(rc, 128 ** -0.5)
     assert torch.equal(out[:, 0], decode_attention(rc.q[:, 0], *rc.cache.bufs, 128 ** -0.5,
                                                    bits, 16))
 
@@ -1081,7 +1178,7 @@ def test_gpu_recall_of_everything_is_full_precision_attention(bits):
     store.k.copy_(torch.randn(store.k.shape).bfloat16())
     store.v.copy_(torch.randn(store.v.shape).bfloat16())
     recall_gather(store, rc.recall[2], rc.recall[0], rc.recall[1])
-    out, lse = decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, d ** -0.5, bits, 16)
+    out, lse = run_recall_op(rc, d ** -0.5)
     assert_recall_within_2x(out, lse, rc, d ** -0.5)
 
 
@@ -1097,7 +1194,7 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
     rc = recall_case(batch, b_max, h_kv, gqa, 2, d, t_cap, 128, 2, torch.bfloat16,
                      [2048, 512, 16], [100, 3, 64], k=k, device="cuda")
     bufs, q = rc.cache.bufs, rc.q
-    rk, rv, idx, lse_ref, mass, layer = rc.recall
+    rk, rv, idx, lse_ref, mass, layer, update = rc.recall
     idx.fill_(-1)
     mass.fill_(float("-inf"))  # as the cache allocates it
     store = HostStore.allocate(max_batch_size=b_max, num_kv_heads=h_kv, capacity=t_cap,
@@ -1107,14 +1204,14 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
 
     def eager_step():
         recall_gather(store, idx[:batch], rk, rv)
-        out, lse = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, layer,
-                                           d ** -0.5, 2, 16)
+        out = decode_attention_recall(q, *bufs, rk, rv, idx, lse_ref, mass, layer, update,
+                                      d ** -0.5, 2, 16)
         idx[:batch].copy_(recall_topk(mass[:batch], k)[:, LAYER])
-        lse_ref.copy_(lse[:, -1])
-        return out, lse
+        return out
 
     step = torch.compile(eager_step, fullgraph=True) if compiled else eager_step
-    state = [idx, lse_ref, mass]
+    update.copy_(torch.tensor([0, 1, -1], dtype=torch.int32))  # advance, give back, not live
+    state = [idx, lse_ref, mass, bufs[8]]
     start = [t.clone() for t in state]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -1129,7 +1226,7 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph):
-            out, lse = step()
+            out = step()
     finally:
         torch.cuda.set_sync_debug_mode(previous)
 
@@ -1141,11 +1238,14 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
         before = [t.clone() for t in state]
         graph.replay()
         torch.cuda.synchronize()
-        got = [out.clone(), lse.clone()] + [t.clone() for t in state]
+        got = [out.clone()] + [t.clone() for t in state]
         # slot 2 holds 16 positions: the rest of its k are -1
-        assert (got[2][:2] >= 0).all() and int((got[2][2] == -1).sum()) == h_kv * (k - 16)
+        assert (got[1][:2] >= 0).all() and int((got[1][2] == -1).sum()) == h_kv * (k - 16)
+        # slot 1 gave its token back, slot 2 (not live) kept its lse_ref and lens
+        assert got[4][:batch, 1].tolist() == [n_ring[0], n_ring[1] - 1, n_ring[2]]
+        assert torch.equal(got[2][2], before[1][2]) and not torch.equal(got[2][0], before[1][0])
         for t, s in zip(state, before):
             t.copy_(s)
-        expected = list(eager_step()) + [t.clone() for t in state]
+        expected = [eager_step()] + [t.clone() for t in state]
         for a, b in zip(got, expected):
             _assert_same(a, b)
