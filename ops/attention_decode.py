@@ -40,23 +40,27 @@ are stored to the values' channels). Not bit-exact with the reference (fp16 inst
 model-dtype operands and probabilities; for bf16 models that is more precise): held, like every
 path, to twice the error of a same-precision PyTorch attention against fp64.
 
-``minikv::decode_attention_recall`` (SpeCache, issue 25) runs the same two launches under the
-split kernel's constexpr ``RECALL`` (off for the op above, whose compiled kernels it leaves as
-they are):
+``minikv::decode_attention_recall`` (SpeCache, issue 25) runs the same two launches after a third,
+smaller one, all three under the split kernel's constexpr ``RECALL`` (off for the op above, whose
+compiled kernels it leaves as they are):
 
-1. the split launch: the quantized splits mask the recalled positions out (each block turns
-   the plane's ``recall_idx`` into bits of its own words, ``_kept``); the ring's program first
-   attends the recall rows (``recall_k``/``recall_v``, full precision, seen by every query
+0. ``_recall_bitmap_kernel``, grid ``(B * H_kv, words / BLOCK_W)``, turns ``recall_idx`` into one
+   bit per quantized position, ``(B, H_kv, ceil(T_cap / 32))`` int32: the quantized splits skip
+   a recalled position by its bit (8 bytes per 64-token block, against the 8 KB of codes, scales
+   and zeros the block reads at bits 2, D 128) instead of comparing each token with all K
+   indices.
+1. the split launch: the quantized splits mask the recalled positions out; the ring's program
+   first attends the recall rows (``recall_k``/``recall_v``, full precision, seen by every query
    row) and then the ring, so the partials and the combine keep their shapes (the recall rows
    are model-dtype tokens like the ring's, and the ring's program is the shortest of the launch).
    Query rows: ``q (B, R, H_q, D)``, R in {1, 2}; the R rows of a KV group share the dots' N
    axis (``R * GQA <= 8``), so K/V are read once for all of them; row ``r`` sees the ring up to
    ``lens[b, 1] + r`` (``lens`` counts row 0's token; each row sees itself, not the rows after
-   it). The programs of the last row's heads also write, into the layer's plane of the
-   ``(Bmax, L, H_kv, T)`` mass buffer, the attention mass of every position the next step holds
-   quantized (the recall split at the recalled positions, from their full-precision scores;
-   -inf for ring tokens the next step does not flush), so that one top-k ranks every layer's
-   plane at the step's end.
+   it). The programs of
+   the last row's heads also write, into the layer's plane of the ``(Bmax, L, H_kv, T)`` mass
+   buffer, the attention mass of every position the next step holds quantized (the recall split
+   at the recalled positions, from their full-precision scores; -inf for ring tokens the next
+   step does not flush), so that one top-k ranks every layer's plane at the step's end.
 2. the combine, which also writes the last row's log-sum-exp to ``lse_ref`` (the next step's
    reference) and gives back the ring tokens the caller asks (``update``).
 
@@ -429,29 +433,13 @@ def _attend_block_masked(q_t, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.c
 
 
 @triton.jit
-def _kept(ridx_plane, K_REC, tokens, start, hi, BLOCK_N: tl.constexpr, RECALL: tl.constexpr):
-    """(BLOCK_N,) bool: ``tokens < hi``, less (with RECALL) the recalled ones. tokens: the block
-    ``[start, start + BLOCK_N)`` in any order, ``start`` a multiple of BLOCK_N.
-
-    The block's recalled tokens become bits of its words (token t: bit ``t % 32`` of word ``t //
-    32``) from the plane's K indices, 64 at a time, then each token reads its bit: ``2 K``
-    compares a block of 64 (a bitmap launch before the splits cost a launch per layer; each
-    token against every index, ``64 K``, would cost ~10% of a 2-bit block's instructions)."""
+def _kept(bm_plane, tokens, hi, RECALL: tl.constexpr):
+    """(BLOCK_N,) bool: ``tokens < hi``, less (with RECALL) the recalled ones, whose bit
+    ``t % 32`` of word ``t // 32`` is set in the plane's recall bitmap."""
     keep = tokens < hi
     if RECALL:
-        WORDS: tl.constexpr = (BLOCK_N + 31) // 32
-        base = start // 32
-        w = tl.arange(0, WORDS)
-        words = tl.zeros((WORDS,), tl.int32)
-        for j0 in range(0, K_REC, 64):
-            j = j0 + tl.arange(0, 64)
-            pos = tl.load(ridx_plane + j, mask=j < K_REC, other=-1)
-            bit = tl.where((pos >= start) & (pos < start + BLOCK_N), 1 << (pos & 31), 0)
-            hits = tl.where((pos // 32 - base)[None, :] == w[:, None], bit[None, :], 0)
-            words = words | tl.reduce(hits, 1, _or)                         # (WORDS,)
-        word = tl.sum(tl.where((tokens // 32 - base)[:, None] == w[None, :], words[None, :], 0),
-                      axis=1)
-        keep = keep & (((word >> (tokens & 31)) & 1) == 0)
+        word = tl.load(bm_plane + tokens // 32, mask=keep, other=0)
+        keep = keep & (((word >> (tokens % 32)) & 1) == 0)
     return keep
 
 
@@ -478,10 +466,33 @@ def _or(a, b):
 
 
 @triton.jit
+def _recall_bitmap_kernel(idx_ptr, lens_ptr, bm_ptr, H_KV, T_CAP, K, W,
+                          BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    """Program (b * H_kv + h, c): words [c * BLOCK_W, (c + 1) * BLOCK_W) of plane (b, h) of the
+    recall bitmap: bit ``t % 32`` of word ``t // 32`` is set iff ``idx[b, h, j] == t`` for some
+    row j with ``0 <= t < lens[b, 0]``.
+
+    idx: (>= B, H_kv, K) int32; lens: (Bmax, 2) int32; bitmap: (B, H_kv, W) int32,
+    W = ceil(T_cap / 32). Every word is written: no memset before.
+    """
+    gdc.launch_dependents_then_wait(PDL)
+    plane = tl.program_id(0)
+    n_quant = tl.minimum(tl.load(lens_ptr + 2 * (plane // H_KV)), T_CAP)
+    j = tl.arange(0, BLOCK_K)
+    pos = tl.load(idx_ptr + plane.to(tl.int64) * K + j, mask=j < K, other=-1)
+    ok = (pos >= 0) & (pos < n_quant)
+    word = tl.where(ok, pos // 32, -1)
+    bit = tl.full((BLOCK_K,), 1, tl.int32) << (pos & 31)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    hits = tl.where(word[None, :] == w[:, None], bit[None, :], 0)             # (BLOCK_W, BLOCK_K)
+    tl.store(bm_ptr + plane.to(tl.int64) * W + w, tl.reduce(hits, 1, _or), mask=w < W)
+
+
+@triton.jit
 def _decode_attention_split_kernel(
     q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
     m_ptr, l_ptr, acc_ptr,
-    rk_ptr, rv_ptr, ridx_ptr, lse_ref_ptr, mass_ptr, layer_ptr,
+    bm_ptr, rk_ptr, rv_ptr, ridx_ptr, lse_ref_ptr, mass_ptr, layer_ptr,
     qk_scale,
     stride_qb, stride_qr, stride_qh, stride_qd, stride_lb, stride_lh,
     H_KV, T_CAP, R, NUM_SPLITS, K_REC, T_MASS, N_LAYERS, R_FLUSH,
@@ -494,7 +505,7 @@ def _decode_attention_split_kernel(
     """Program (b, h, s); ``_decode_attention_triton`` and ``_decode_attention_recall_triton``
     give the layouts. ROWS: query rows per slot (q (B, ROWS, H_q, D), partials (B * ROWS, H_q,
     S)); column n of the dots' N axis is row n // GQA, query head h * GQA + n % GQA. RECALL: the
-    recall launch (recall mask, recall rows, the mass of the last row, causal ring rows); without
+    recall launch (bitmap, recall rows, the mass of the last row, causal ring rows); without
     it, the pointers and strides of the recall arguments are never read."""
     gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
     b = tl.program_id(0)
@@ -533,7 +544,7 @@ def _decode_attention_split_kernel(
         mass_plane = mass_ptr + ((b.to(tl.int64) * N_LAYERS + layer) * H_KV + h) * T_MASS
     else:
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    ridx_plane = ridx_ptr + plane * K_REC  # (read only with RECALL)
+    bm_plane = bm_ptr + plane * tl.cdiv(T_CAP, 32)  # (read only with RECALL)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((D, BLOCK_H), tl.float32)
     elem_ty = kr_ptr.dtype.element_ty
@@ -604,7 +615,7 @@ def _decode_attention_split_kernel(
                     vw_n, vs_n, vz_n = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
                                                     v_tokens < hi, D, BITS, G)
                     tokens = start + order_n
-                    keep = _kept(ridx_plane, K_REC, tokens, start, hi, BLOCK_N, RECALL)
+                    keep = _kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
                         kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
                     if RECALL:
@@ -617,7 +628,7 @@ def _decode_attention_split_kernel(
                     kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
                                               D, BITS, G, BLOCK_N)
                     tokens = start + order_n
-                    keep = _kept(ridx_plane, K_REC, tokens, start, hi, BLOCK_N, RECALL)
+                    keep = _kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
                         kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
                     if RECALL:
@@ -648,7 +659,7 @@ def _decode_attention_split_kernel(
                     k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
                     v = _round_to(v, elem_ty, BF16_BY_HAND)
                 if RECALL:
-                    keep = _kept(ridx_plane, K_REC, tokens, start, hi, BLOCK_N, RECALL)
+                    keep = _kept(bm_plane, tokens, hi, RECALL)
                     m_i, l_i, acc, p = _attend_block_masked(
                         q_d, k_t, v, keep[:, None], m_i, l_i, acc, qk_scale, elem_ty, DOT_DTYPE,
                         INPUT_PRECISION, BF16_BY_HAND)
@@ -842,7 +853,7 @@ def _plan(device: torch.device, dtype: torch.dtype, bits: int, group_size: int, 
     :data:`KERNELS` instead (tests run each kernel on shapes where the other one would be
     picked); ValueError where it does not cover the call. ``rows``, ``recall``: the recall
     launch (query rows per slot, recall on); it always runs the Triton kernel (the Gluon one
-    has neither the recall mask nor the recall rows), on the same tiles. The ``rows * h_q /
+    has neither the bitmap mask nor the recall rows), on the same tiles. The ``rows * h_q /
     h_kv`` query rows of a KV group fill the dots' N axis, padded to 8: at most 8 (BLOCK_H 16
     hit an illegal memory access on the H200, perf/NOTES.md).
 
@@ -955,12 +966,20 @@ def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
     regs = {"maxnreg": plan.maxnreg} if plan.maxnreg else {}
     if recall is None:
         # never read (RECALL off): stand-ins of one dtype, so the kernel compiles once
-        recall_k = recall_v = recall_idx = lse_ref = mass = layer = update = lens
+        bitmap = recall_k = recall_v = recall_idx = lse_ref = mass = layer = update = lens
         k_rec, t_mass, n_layers, r_flush, stride_lse = 0, 0, 0, 0, (0, 0)
     else:
         recall_k, recall_v, recall_idx, lse_ref, mass, layer, update = recall
         k_rec, n_layers, t_mass = recall_k.shape[2], mass.shape[1], mass.shape[3]
         r_flush, stride_lse = ring_length(ring_cap, bits, group_size), lse_ref.stride()
+        words = triton.cdiv(capacity, 32)
+        bitmap = torch.empty(batch, h_kv, words, dtype=torch.int32, device=q.device)
+        block_k = triton.next_power_of_2(k_rec)
+        block_w = max(1, min(triton.next_power_of_2(words), 4096 // block_k))
+        _recall_bitmap_kernel[(batch * h_kv, triton.cdiv(words, block_w))](
+            recall_idx, lens, bitmap, h_kv, capacity, k_rec, words,
+            BLOCK_K=block_k, BLOCK_W=block_w, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )
     if plan.kernel == FRAGMENTS:
         q = q[:, 0]                                                         # (B, H_q, D)
         if q.stride(2) != 1:
@@ -974,7 +993,7 @@ def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
         _decode_attention_split_kernel[(batch, h_kv, n_slots)](
             q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
             m, l, acc,
-            recall_k, recall_v, recall_idx, lse_ref, mass, layer,
+            bitmap, recall_k, recall_v, recall_idx, lse_ref, mass, layer,
             scale * _LOG2E,
             q.stride(0), q.stride(1) if rows > 1 else 0, q.stride(2), q.stride(3), *stride_lse,
             h_kv, capacity, ring_cap, plan.num_splits, k_rec, t_mass, n_layers, r_flush,
@@ -1271,7 +1290,7 @@ def decode_attention_recall(
 
     Reads ``lens`` and ``recall_idx`` on the device (no host sync); safe to capture in a CUDA
     graph and replay after ``lens``, ``recall_idx``, the recall rows and ``lse_ref`` change in
-    place. On CUDA two launches (splits, combine), the Triton kernel always.
+    place. On CUDA three launches (recall bitmap, splits, combine), the Triton kernel always.
 
     Args:
         q: ``(B, R, H_q, D)``, R in {1, 2}, any strides; the rest as :func:`decode_attention`,

@@ -837,11 +837,11 @@ def test_recall_attention_kernels_compile_for_sm90():
     compile_for_sm90("""
 from minikv_compile.ops import attention_decode as a
 ptrs = ["q_ptr", "k_ptr", "ks_ptr", "kz_ptr", "v_ptr", "vs_ptr", "vz_ptr", "kr_ptr", "vr_ptr",
-        "lens_ptr", "m_ptr", "l_ptr", "acc_ptr", "rk_ptr", "rv_ptr", "ridx_ptr",
+        "lens_ptr", "m_ptr", "l_ptr", "acc_ptr", "bm_ptr", "rk_ptr", "rv_ptr", "ridx_ptr",
         "lse_ref_ptr", "mass_ptr", "layer_ptr"]
 types = dict(q_ptr="*bf16", k_ptr="*i32", ks_ptr="*fp16", kz_ptr="*fp16", v_ptr="*i32",
              vs_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*bf16", vr_ptr="*bf16", lens_ptr="*i32",
-             rk_ptr="*bf16", rv_ptr="*bf16", ridx_ptr="*i32", layer_ptr="*i32")
+             bm_ptr="*i32", rk_ptr="*bf16", rv_ptr="*bf16", ridx_ptr="*i32", layer_ptr="*i32")
 sig = {p: types.get(p, "*fp32") for p in ptrs}
 sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
     "stride_qb", "stride_qr", "stride_qh", "stride_qd", "stride_lb", "stride_lh", "H_KV",
