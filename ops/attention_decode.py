@@ -40,27 +40,25 @@ are stored to the values' channels). Not bit-exact with the reference (fp16 inst
 model-dtype operands and probabilities; for bf16 models that is more precise): held, like every
 path, to twice the error of a same-precision PyTorch attention against fp64.
 
-``minikv::decode_attention_recall`` (SpeCache, issue 25) runs the same two launches after a third,
-smaller one, all three under the split kernel's constexpr ``RECALL`` (off for the op above, whose
-compiled kernels it leaves as they are):
+``minikv::decode_attention_recall`` (SpeCache, issue 25) runs the same two launches under the
+split kernel's constexpr ``RECALL`` (off for the op above, whose compiled kernels it leaves as
+they are):
 
-0. ``_recall_bitmap_kernel``, grid ``(B * H_kv, words / BLOCK_W)``, turns ``recall_idx`` into one
-   bit per quantized position, ``(B, H_kv, ceil(T_cap / 32))`` int32: the quantized splits skip
-   a recalled position by its bit (8 bytes per 64-token block, against the 8 KB of codes, scales
-   and zeros the block reads at bits 2, D 128) instead of comparing each token with all K
-   indices.
-1. the split launch: the quantized splits mask the recalled positions out; the ring's program
-   first attends the recall rows (``recall_k``/``recall_v``, full precision, seen by every query
-   row) and then the ring, so the partials and the combine keep their shapes (the recall rows
-   are model-dtype tokens like the ring's, and the ring's program is the shortest of the launch).
-   Query rows: ``q (B, R, H_q, D)``, R in {1, 2}; the R rows of a KV group share the dots' N
-   axis (``R * GQA <= 8``), so K/V are read once for all of them; row ``r`` sees the ring up to
-   ``lens[b, 1] + r`` (``lens`` counts row 0's token; each row sees itself, not the rows after
-   it). The programs of
-   the last row's heads also write, into the layer's plane of the ``(Bmax, L, H_kv, T)`` mass
-   buffer, the attention mass of every position the next step holds quantized (the recall split
-   at the recalled positions, from their full-precision scores; -inf for ring tokens the next
-   step does not flush), so that one top-k ranks every layer's plane at the step's end.
+1. the split launch: each quantized split first turns the plane's ``recall_idx`` into one bit
+   per position of its range (``_mark_recalled``, into a ``(B, H_kv, ceil(T_cap / 32))`` int32
+   scratch), then its blocks skip a recalled position by its bit (8 bytes per 64-token block,
+   against the 8 KB of codes, scales and zeros the block reads at bits 2, D 128); the ring's
+   program first attends the recall rows (``recall_k``/``recall_v``, full precision, seen by
+   every query row) and then the ring, so the partials and the combine keep their shapes (the
+   recall rows are model-dtype tokens like the ring's, and the ring's program is the shortest
+   of the launch). Query rows: ``q (B, R, H_q, D)``, R in {1, 2}; the R rows of a KV group
+   share the dots' N axis (``R * GQA <= 8``), so K/V are read once for all of them; row ``r``
+   sees the ring up to ``lens[b, 1] + r`` (``lens`` counts row 0's token; each row sees
+   itself, not the rows after it). The programs of the last row's heads also write, into the
+   layer's plane of the ``(Bmax, L, H_kv, T)`` mass buffer, the attention mass of every
+   position the next step holds quantized (the recall split at the recalled positions, from
+   their full-precision scores; -inf for ring tokens the next step does not flush), so that
+   one top-k ranks every layer's plane at the step's end.
 2. the combine, which also writes the last row's log-sum-exp to ``lse_ref`` (the next step's
    reference) and gives back the ring tokens the caller asks (``update``).
 
@@ -466,26 +464,21 @@ def _or(a, b):
 
 
 @triton.jit
-def _recall_bitmap_kernel(idx_ptr, lens_ptr, bm_ptr, H_KV, T_CAP, K, W,
-                          BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
-    """Program (b * H_kv + h, c): words [c * BLOCK_W, (c + 1) * BLOCK_W) of plane (b, h) of the
-    recall bitmap: bit ``t % 32`` of word ``t // 32`` is set iff ``idx[b, h, j] == t`` for some
-    row j with ``0 <= t < lens[b, 0]``.
-
-    idx: (>= B, H_kv, K) int32; lens: (Bmax, 2) int32; bitmap: (B, H_kv, W) int32,
-    W = ceil(T_cap / 32). Every word is written: no memset before.
-    """
-    gdc.launch_dependents_then_wait(PDL)
-    plane = tl.program_id(0)
-    n_quant = tl.minimum(tl.load(lens_ptr + 2 * (plane // H_KV)), T_CAP)
-    j = tl.arange(0, BLOCK_K)
-    pos = tl.load(idx_ptr + plane.to(tl.int64) * K + j, mask=j < K, other=-1)
-    ok = (pos >= 0) & (pos < n_quant)
-    word = tl.where(ok, pos // 32, -1)
-    bit = tl.full((BLOCK_K,), 1, tl.int32) << (pos & 31)
-    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    hits = tl.where(word[None, :] == w[:, None], bit[None, :], 0)             # (BLOCK_W, BLOCK_K)
-    tl.store(bm_ptr + plane.to(tl.int64) * W + w, tl.reduce(hits, 1, _or), mask=w < W)
+def _mark_recalled(bm_plane, ridx_plane, K_REC, lo, hi):
+    """Words ``[lo // 32, ceil(hi / 32))`` of a plane's recall bitmap, from its K indices: bit
+    ``t % 32`` of word ``t // 32`` is set iff some index is ``t`` (-1: none). Whole words, so
+    that two splits sharing a word write the same value."""
+    w_hi = tl.cdiv(hi, 32)
+    for w0 in range(lo // 32, w_hi, 32):
+        w = w0 + tl.arange(0, 32)
+        words = tl.zeros((32,), tl.int32)
+        for j0 in range(0, K_REC, 64):
+            j = j0 + tl.arange(0, 64)
+            pos = tl.load(ridx_plane + j, mask=j < K_REC, other=-1)
+            bit = tl.where(pos >= 0, 1 << (pos & 31), 0)
+            hits = tl.where((pos // 32)[None, :] == w[:, None], bit[None, :], 0)   # (32, 64)
+            words = words | tl.reduce(hits, 1, _or)
+        tl.store(bm_plane + w, words, mask=w < w_hi)
 
 
 @triton.jit
@@ -555,6 +548,11 @@ def _decode_attention_split_kernel(
         split_len = tl.cdiv(tl.cdiv(n_quant, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, n_quant)
+        if RECALL:
+            # this split's words of the recall bitmap, read back by its blocks (``_kept``):
+            # built here, not by a launch before the splits (one launch a layer less)
+            _mark_recalled(bm_plane, ridx_ptr + plane * K_REC, K_REC, lo, hi)
+            tl.debug_barrier()  # every thread's words written before any thread reads them
         if BITS == 16:
             k_plane = k_ptr + plane * T_CAP * D
             v_plane = v_ptr + plane * T_CAP * D
@@ -972,14 +970,9 @@ def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
         recall_k, recall_v, recall_idx, lse_ref, mass, layer, update = recall
         k_rec, n_layers, t_mass = recall_k.shape[2], mass.shape[1], mass.shape[3]
         r_flush, stride_lse = ring_length(ring_cap, bits, group_size), lse_ref.stride()
-        words = triton.cdiv(capacity, 32)
-        bitmap = torch.empty(batch, h_kv, words, dtype=torch.int32, device=q.device)
-        block_k = triton.next_power_of_2(k_rec)
-        block_w = max(1, min(triton.next_power_of_2(words), 4096 // block_k))
-        _recall_bitmap_kernel[(batch * h_kv, triton.cdiv(words, block_w))](
-            recall_idx, lens, bitmap, h_kv, capacity, k_rec, words,
-            BLOCK_K=block_k, BLOCK_W=block_w, PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
+        # the split programs' scratch: each writes and reads back its own words
+        bitmap = torch.empty(batch, h_kv, triton.cdiv(capacity, 32), dtype=torch.int32,
+                             device=q.device)
     if plan.kernel == FRAGMENTS:
         q = q[:, 0]                                                         # (B, H_q, D)
         if q.stride(2) != 1:
@@ -1290,7 +1283,7 @@ def decode_attention_recall(
 
     Reads ``lens`` and ``recall_idx`` on the device (no host sync); safe to capture in a CUDA
     graph and replay after ``lens``, ``recall_idx``, the recall rows and ``lse_ref`` change in
-    place. On CUDA three launches (recall bitmap, splits, combine), the Triton kernel always.
+    place. On CUDA two launches (splits, combine), the Triton kernel always.
 
     Args:
         q: ``(B, R, H_q, D)``, R in {1, 2}, any strides; the rest as :func:`decode_attention`,
