@@ -60,13 +60,17 @@ from .cache_layout import check_base
 # rows of D 128, 32 KB of host reads in flight per program (8 rows: 9.07 ms a step at 8 x 4k on
 # the H100 against 8.78).
 _TILE_ELEMENTS = 8192
-# Programs along the planes, each looping over its share: a gather program waits on host reads
-# for its whole life, and each one resident takes an SM's share from the step's kernels on the
-# main stream. H100, kivi-specache ms a step at 8 x 4k (64 planes) / 1 x 32k (8 planes): a
-# program per plane 8.78 / 7.6, 16 programs 8.40 / -, 8: 7.80-7.83 / 7.57-7.63, 4: 7.84 /
-# 7.42, 2: 9.87 / 7.39; no gather at all 7.42 / 7.33 (``perf/NOTES.md``, "SpeCache in the
-# engine").
-_GATHER_PROGRAMS = 4
+
+
+def _gather_programs(planes: int) -> int:
+    """Programs along the (slot, KV head) planes, each looping over its share: a gather program
+    waits on host reads for its whole life, and each one resident takes an SM's share from the
+    step's kernels on the main stream, while too few make the gathers the step's critical path
+    (they end before the store of the step's first layer on the same stream). KIVI-2 + K 64 on
+    the 8B shape, ms a step on the H200: 1 x 32k (8 planes) 5.51 at 4 programs, 5.63 at 8;
+    8 x 4k (64 planes) 5.97 at 4, 5.88 at 8, 6.09 at 12 (on the H100 a program per plane was
+    8.78 at 8 x 4k; ``perf/NOTES.md``, "SpeCache in the engine")."""
+    return 4 if planes <= 32 else 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,7 +142,7 @@ def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
         return
     block_d = triton.next_power_of_2(D)
     block_k = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(K)))
-    grid = (min(B * H, _GATHER_PROGRAMS), triton.cdiv(K, block_k))
+    grid = (min(B * H, _gather_programs(B * H)), triton.cdiv(K, block_k))
     _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, B * H,
                                 BLOCK_K=block_k, BLOCK_D=block_d)
 

@@ -64,7 +64,7 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("programs", [1 << 30, 2])  # a program per plane; 2 looping over them
 def test_triton_gather_matches_reference(dtype, b_max, batch, h_kv, t_cap, k, d, programs,
                                          monkeypatch):
-    monkeypatch.setattr(recall_module, "_GATHER_PROGRAMS", programs)
+    monkeypatch.setattr(recall_module, "_gather_programs", lambda planes: programs)
     store, rk, rv = _gather_case(b_max, h_kv, t_cap, k, d, dtype)
     idx = _indices(batch, h_kv, k, t_cap)
     idx[0, 0, 0] = -1
