@@ -252,8 +252,8 @@ class RecallDecodeStep(DecodeStep):
                sees it, row 0 does not); attention over the low-bit cache with this layer's
                recalled rows in place of theirs (minikv::decode_attention_recall), which writes
                the speculative row's mass into this layer's plane, its lse as the next step's
-               mass reference, and gives back the pre-decoding slots' ring token; then, on a
-               stream of their own, T_t's k/v to the host copy (minikv::recall_store)
+               mass reference, and gives back the pre-decoding slots' ring token; then, on the
+               side stream, T_t's k/v to the host copy (minikv::recall_store)
         rank:  on the side stream, beside choose: every layer's top-k from its mass plane in
                one ranking (recall_topk over ``(B, L, H_kv, T)``: one ``torch.topk`` instead
                of one per layer), the next step's indices
@@ -279,10 +279,7 @@ class RecallDecodeStep(DecodeStep):
         self.layers = [(w, kv, rec, store) for (w, kv), rec, store
                        in zip(self.layers, self.recall.layers, self.recall.stores)]
         cuda = cache.device.type == "cuda"
-        # the gathers (then the ranking) on one side stream, the stores on another: on the
-        # gathers' stream each store would wait for every layer's gather
         self._side = torch.cuda.Stream(device=cache.device) if cuda else None
-        self._stores = torch.cuda.Stream(device=cache.device) if cuda else None
         self._rank = (self.rank if compile_part is None
                       else compile_part(self.rank, batched=self.batched["rank"]))
 
@@ -290,7 +287,6 @@ class RecallDecodeStep(DecodeStep):
         batch = slots.shape[0]
         h, cos, sin, ring_index, update = self._begin(slots)
         main, side = torch.cuda.current_stream() if self._side else None, self._side
-        stores = self._stores
         gathered = []  # per layer: an event on the side stream (None without one)
         if side is not None:
             side.wait_stream(main)
@@ -306,18 +302,18 @@ class RecallDecodeStep(DecodeStep):
                 main.wait_event(done)
             h, normed = self._layer(unsplit(weights), kv, rec, self.recall.mass, ring, update, h,
                                     cos, sin, normed)
-            if stores is not None:
-                stores.wait_stream(main)
-            with torch.cuda.stream(stores) if stores is not None else contextlib.nullcontext():
+            if side is not None:
+                side.wait_stream(main)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 ops.recall_store(store, kv.k_ring, kv.v_ring, kv.lens, ring)
-        if side is not None:  # (every gather done: the layers waited for them)
+        if side is not None:  # the stores done; the side stream then ranks beside the LM head
+            main.wait_stream(side)
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self._rank(update, self.recall.mass, self.recall.idx)
         self._choose(slots, h, mode)
         if side is not None:
             main.wait_stream(side)
-            main.wait_stream(stores)
 
     def begin(self, slots: torch.Tensor) -> tuple:
         """``DecodeStep.begin`` for the two rows of each slot: ``h (2B, 1, hidden)``, ``cos, sin
