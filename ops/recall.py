@@ -65,11 +65,11 @@ _TILE_ELEMENTS = 8192
 def _gather_programs(planes: int) -> int:
     """Programs along the (slot, KV head) planes, each looping over its share: a gather program
     waits on host reads for its whole life, and each one resident takes an SM's share from the
-    step's kernels on the main stream, while too few make the gathers the step's critical path
-    (they end before the store of the step's first layer on the same stream). KIVI-2 + K 64 on
-    the 8B shape, ms a step on the H200: 1 x 32k (8 planes) 5.51 at 4 programs, 5.63 at 8;
-    8 x 4k (64 planes) 5.97 at 4, 5.88 at 8, 6.09 at 12 (on the H100 a program per plane was
-    8.78 at 8 x 4k; ``perf/NOTES.md``, "SpeCache in the engine")."""
+    step's kernels on the main stream; too few make the gathers themselves the step's critical
+    path (H100, 8 x 4k: 2 programs 9.87 ms a step, 4 programs 7.84). KIVI-2 + K 64 on the 8B
+    shape, ms a step on the H200: 1 x 32k (8 planes) 5.51 at 4 programs, 5.63 at 8; 8 x 4k
+    (64 planes) 5.97 at 4, 5.88 at 8, 6.09 at 12 (``perf/NOTES.md``, "SpeCache in the
+    engine")."""
     return 4 if planes <= 32 else 8
 
 
