@@ -358,9 +358,9 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = 
     took 72-87 us that way against 62 us for the norm + cuBLAS chain
     (``linear_sweep_b8_61fdd92.txt``). So the launch before hands over ``normed`` =
     (``norm.weight * x``, x's sums of squares) and the projection scales its product by the
-    1 / RMS (``fused_linear``'s ``norm_out`` and ``rms_sumsq``): no launch for the norm. Without ``normed`` (the first layer, fp16),
-    ``ops.rms_norm`` runs first, a PDL launch, so the projection's programs start and prefetch
-    their weights while it runs.
+    1 / RMS (``fused_linear``'s ``norm_out`` and ``rms_sumsq``): no launch for the norm.
+    Without ``normed`` (the first layer, fp16), ``ops.rms_norm`` runs first, a PDL launch, so
+    the projection's programs start and prefetch their weights while it runs.
     """
     if x.shape[0] == 1:
         return x, dict(rms_weight=norm.weight, eps=norm.variance_epsilon)

@@ -537,7 +537,9 @@ def _decode_attention_split_kernel(
         mass_plane = mass_ptr + ((b.to(tl.int64) * N_LAYERS + layer) * H_KV + h) * T_MASS
     else:
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    bm_plane = bm_ptr + plane * tl.cdiv(T_CAP, 32)  # (read only with RECALL)
+    # (read only with RECALL) the plane's recall bitmap scratch and its K recall indices
+    bm_plane = bm_ptr + plane * tl.cdiv(T_CAP, 32)
+    rec_plane = plane * K_REC
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((D, BLOCK_H), tl.float32)
     elem_ty = kr_ptr.dtype.element_ty
@@ -552,7 +554,7 @@ def _decode_attention_split_kernel(
             # this split's words of the recall bitmap, read back by its blocks (``_kept``):
             # built here, not by a launch before the splits (H200, 8B shape, 1 x 32k, against
             # the launch: 5.50 -> 5.45 ms a step; in the block loop instead: 5.59 -> 5.64)
-            _mark_recalled(bm_plane, ridx_ptr + plane * K_REC, K_REC, lo, hi)
+            _mark_recalled(bm_plane, ridx_ptr + rec_plane, K_REC, lo, hi)
             tl.debug_barrier()  # every thread's words written before any thread reads them
         if BITS == 16:
             k_plane = k_ptr + plane * T_CAP * D
@@ -676,7 +678,6 @@ def _decode_attention_split_kernel(
         if RECALL:
             # -- first the recall rows: full-precision K/V of quantized positions, every row
             #    sees them; their mass goes to their positions
-            rec_plane = plane * K_REC
             for start in tl.range(0, K_REC, BLOCK_N, num_stages=1):
                 j = start + tl.arange(0, BLOCK_N)
                 pos = tl.load(ridx_ptr + rec_plane + j, mask=j < K_REC, other=-1)
