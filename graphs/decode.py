@@ -244,9 +244,9 @@ class RecallDecodeStep(DecodeStep):
 
         begin: cache_begin_step (T_t's ring row, every layer), embed and RoPE of the 2B rows
         then, on a side stream (CUDA; at capture), every layer's recalled rows for this step
-               from the host copy (minikv::recall_gather, by the indices the step before chose),
-               one event per layer: each layer waits for its own gather only, and the gathers
-               of later layers overlap the layers before them
+               but the first's from the host copy (minikv::recall_gather, by the indices the
+               step before chose), one event per layer: each layer waits for its own gather
+               only, and the gathers of later layers overlap the layers before them
         layer: q/k/v; T_t's k/v to its ring row and T'_{t+1}'s to the row after it (the spare
                row when T_t fills the ring; one launch), which ``lens`` does not count (row 1
                sees it, row 0 does not); attention over the low-bit cache with this layer's
@@ -256,7 +256,9 @@ class RecallDecodeStep(DecodeStep):
                side stream, T_t's k/v to the host copy (minikv::recall_store)
         rank:  on the side stream, beside choose: every layer's top-k from its mass plane in
                one ranking (recall_topk over ``(B, L, H_kv, T)``: one ``torch.topk`` instead
-               of one per layer), the next step's indices
+               of one per layer), the next step's indices; then the first layer's rows for the
+               next step, so that its first layer does not wait for a gather (a slot's indices
+               change between steps only when it is emptied: -1, no row read)
         choose: row 0's logits -> T_{t+1} by the mode's rule, recorded; row 1's argmax ->
                T'_{t+2} (greedy whatever the mode: it only steers the recall; teacher mode takes
                the forced token instead, see ``choose``)
@@ -287,11 +289,13 @@ class RecallDecodeStep(DecodeStep):
         batch = slots.shape[0]
         h, cos, sin, ring_index, update = self._begin(slots)
         main, side = torch.cuda.current_stream() if self._side else None, self._side
-        gathered = []  # per layer: an event on the side stream (None without one)
+        # per layer: an event on the side stream (None without one); the first layer's rows
+        # were gathered at the end of the step before
+        gathered = [None]
         if side is not None:
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for _, _, rec, store in self.layers:
+            for _, _, rec, store in self.layers[1:]:
                 ops.recall_gather(store, rec.idx[:batch], rec.k, rec.v)
                 gathered.append(side.record_event() if side is not None else None)
         normed: Optional[tuple] = None
@@ -311,6 +315,8 @@ class RecallDecodeStep(DecodeStep):
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             self._rank(update, self.recall.mass, self.recall.idx)
+            _, _, rec, store = self.layers[0]
+            ops.recall_gather(store, rec.idx[:batch], rec.k, rec.v)
         self._choose(slots, h, mode)
         if side is not None:
             main.wait_stream(side)
