@@ -56,10 +56,11 @@ import triton.language as tl
 from ._checks import FLOAT_DTYPES, check_tensor
 from .cache_layout import check_base
 
-# A gather program copies a plane's rows in tiles of this many elements of k (and of v): 64
-# rows of D 128, 32 KB of host reads in flight per program (8 rows: 9.07 ms a step at 8 x 4k on
-# the H100 against 8.78).
+# A gather program copies its rows in tiles of this many elements of k (and of v), across
+# planes: 64 rows of D 128, 32 KB of host reads in flight per program (8 rows: 9.07 ms a step
+# at 8 x 4k on the H100 against 8.78).
 _TILE_ELEMENTS = 8192
+_GATHER_WARPS = 4
 
 
 def _gather_programs(planes: int) -> int:
@@ -79,32 +80,31 @@ def _gather_programs(planes: int) -> int:
 
 
 @triton.jit
-def _recall_gather_kernel(host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, PLANES,
-                          BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (p, c): rows ``[c * BLOCK_K, (c + 1) * BLOCK_K)`` of the planes (b * H_kv + h)
-    ``p, p + P, ...`` below ``PLANES`` (P programs along axis 0).
+def _recall_gather_kernel(host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, ROWS,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program p: the tiles ``p, p + P, ...`` of ``BLOCK_R`` rows of the ``ROWS = B * H_kv * K``
+    recall rows taken in order (P programs; a tile may span planes).
 
     host_k, host_v: (Bmax, H_kv, T_cap, D), possibly host memory; idx: (B, H_kv, K) int32;
     recall_k, recall_v: (Bmax, H_kv, K, D). The first B * H_kv planes of all of them are the
-    planes of slots < B, so one plane index serves every tensor.
+    planes of slots < B, so row r of ``idx`` is row r of the recall buffers, of plane r // K.
     """
-    j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     d = tl.arange(0, BLOCK_D)
-    j_ok = j < K
     d_ok = d < D
     first, n_prog = tl.program_id(0), tl.num_programs(0)
-    for i in range(0, tl.cdiv(PLANES - first, n_prog)):
-        bh = first.to(tl.int64) + i * n_prog
+    for i in range(0, tl.cdiv(tl.cdiv(ROWS, BLOCK_R) - first, n_prog)):
+        r = (first.to(tl.int64) + i * n_prog) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < ROWS
         # -- which host rows: -1 (and anything outside [0, T_cap), never read) gives a zero row
-        t = tl.load(idx + bh * K + j, mask=j_ok, other=-1)
+        t = tl.load(idx + r, mask=r_ok, other=-1)
         hit = (t >= 0) & (t < T_cap)
-        src = (bh * T_cap + t)[:, None] * D + d[None, :]
+        src = ((r // K) * T_cap + t)[:, None] * D + d[None, :]
         src_mask = hit[:, None] & d_ok[None, :]
         # -- read both host rows before storing either: two reads in flight per row
         k = tl.load(host_k + src, mask=src_mask, other=0.0)
         v = tl.load(host_v + src, mask=src_mask, other=0.0)
-        dst = (bh * K + j)[:, None] * D + d[None, :]
-        dst_mask = j_ok[:, None] & d_ok[None, :]
+        dst = r[:, None] * D + d[None, :]
+        dst_mask = r_ok[:, None] & d_ok[None, :]
         tl.store(recall_k + dst, k, mask=dst_mask)
         tl.store(recall_v + dst, v, mask=dst_mask)
 
@@ -138,13 +138,14 @@ def _recall_store_triton(k_ring, v_ring, lens, ring_index, host_k, host_v) -> No
 def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
     B, H, K = idx.shape
     T_cap, D = host_k.shape[2], host_k.shape[3]
-    if B * H * K == 0:
+    rows = B * H * K
+    if rows == 0:
         return
     block_d = triton.next_power_of_2(D)
-    block_k = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(K)))
-    grid = (min(B * H, _gather_programs(B * H)), triton.cdiv(K, block_k))
-    _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, B * H,
-                                BLOCK_K=block_k, BLOCK_D=block_d)
+    block_r = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
+    grid = (min(triton.cdiv(rows, block_r), _gather_programs(B * H)),)
+    _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, rows,
+                                BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_GATHER_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------
