@@ -56,22 +56,17 @@ import triton.language as tl
 from ._checks import FLOAT_DTYPES, check_tensor
 from .cache_layout import check_base
 
-# A gather program copies its rows in tiles of this many elements of k (and of v), across
-# planes: 64 rows of D 128, 32 KB of host reads in flight per program (8 rows: 9.07 ms a step
-# at 8 x 4k on the H100 against 8.78).
-_TILE_ELEMENTS = 8192
-_GATHER_WARPS = 4
-
-
-def _gather_programs(planes: int) -> int:
-    """Programs along the (slot, KV head) planes, each looping over its share: a gather program
-    waits on host reads for its whole life, and each one resident takes an SM's share from the
-    step's kernels on the main stream; too few make the gathers themselves the step's critical
-    path (H100, 8 x 4k: 2 programs 9.87 ms a step, 4 programs 7.84). KIVI-2 + K 64 on the 8B
-    shape, ms a step on the H200: 1 x 32k (8 planes) 5.51 at 4 programs, 5.63 at 8; 8 x 4k
-    (64 planes) 5.97 at 4, 5.88 at 8, 6.09 at 12 (``perf/NOTES.md``, "SpeCache in the
-    engine")."""
-    return 4 if planes <= 32 else 8
+# The gather's launch. A gather program waits on host reads for its whole life, and each one
+# resident takes an SM's share from the step's kernels on the main stream, so few programs with
+# many reads in flight each: tiles of 32768 elements of k (and of v) over 8 warps, 128 of each
+# per thread (256 rows of D 128, 128 KB of host reads in flight per program), at most 4
+# programs. KIVI-2 + K 64 on the 8B shape, one H200, ms a step (``perf/NOTES.md``, "SpeCache in
+# the engine"): 8 x 4k 5.71 against 6.35 with the tiles of 8192 elements over 4 warps and 8
+# programs before; 1 x 32k 5.44 against 5.56; 64 or 256 elements of each a thread were slower
+# (6.35-6.72, 6.27-8.08), 2 or 8 programs too (5.89, 5.80).
+_TILE_ELEMENTS = 32768
+_GATHER_WARPS = 8
+_GATHER_PROGRAMS = 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +138,7 @@ def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
         return
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
-    grid = (min(triton.cdiv(rows, block_r), _gather_programs(B * H)),)
+    grid = (min(triton.cdiv(rows, block_r), _GATHER_PROGRAMS),)
     _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, rows,
                                 BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_GATHER_WARPS)
 

@@ -65,7 +65,7 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("tile", [8192, 32])  # 32: tiles of 1-4 rows, straddling planes
 def test_triton_gather_matches_reference(dtype, b_max, batch, h_kv, t_cap, k, d, programs, tile,
                                          monkeypatch):
-    monkeypatch.setattr(recall_module, "_gather_programs", lambda planes: programs)
+    monkeypatch.setattr(recall_module, "_GATHER_PROGRAMS", programs)
     monkeypatch.setattr(recall_module, "_TILE_ELEMENTS", tile)
     store, rk, rv = _gather_case(b_max, h_kv, t_cap, k, d, dtype)
     idx = _indices(batch, h_kv, k, t_cap)
