@@ -62,8 +62,8 @@ from .cache_layout import check_base
 # per thread (256 rows of D 128, 128 KB of host reads in flight per program), at most 4
 # programs. KIVI-2 + K 64 on the 8B shape, one H200, ms a step (``perf/NOTES.md``, "SpeCache in
 # the engine"): 8 x 4k 5.71 against 6.35 with the tiles of 8192 elements over 4 warps and 8
-# programs before; 1 x 32k 5.44 against 5.56; 64 or 256 elements of each a thread were slower
-# (6.35-6.72, 6.27-8.08), 2 or 8 programs too (5.89, 5.80).
+# programs before; 1 x 32k 5.44 against 5.56; 16 programs of 64 KB were slower (6.69), 256
+# elements of each a thread too (6.27-8.08), 2 or 8 programs of 128 KB too (5.89, 5.80).
 _TILE_ELEMENTS = 32768
 _GATHER_WARPS = 8
 _GATHER_PROGRAMS = 4
