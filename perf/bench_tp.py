@@ -184,6 +184,20 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     rows: List[dict] = []
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "git": git_info(Path.cwd()).get("sha")}
+
+    def save() -> None:
+        """Rank 0 rewrites the file after every row, so that a run cut short keeps its rows."""
+        for row in rows:  # each engine row against HF's of its case
+            hf = [r for r in rows if r["method"].startswith("hf")
+                  and (r["batch"], r["prompt_len"]) == (row["batch"], row["prompt_len"])]
+            if hf and not row["method"].startswith("hf"):
+                row["x_hf"] = {r["method"]: row["ms_per_token"] / r["ms_per_token"] for r in hf}
+        if tp.rank == 0 and args.out:
+            write_json(args.out, {"shape": shape, "summary_per_rank": summary, "env": env,
+                                  "bandwidth": bandwidth, "rows": rows})
+
     ours = [m for m in args.methods if not m.startswith("hf")]
     theirs = [m for m in args.methods if m.startswith("hf")]
     summary = None
@@ -194,6 +208,7 @@ def main(argv=None) -> int:
             for batch, prompt_len in cases:
                 rows.append(_engine_row(model, method, batch, prompt_len, tp, summary, dtype,
                                         device, bandwidth, args))
+                save()
         del model
         _free(device)
     if theirs:
@@ -208,22 +223,13 @@ def main(argv=None) -> int:
                 rows.append({"method": method, "batch": batch, "prompt_len": prompt_len,
                              "ranks": tp.world, "ms_per_token": timing["ms_per_token"],
                              "setup": runner.setup_info()})
+                save()
                 runner.close()
                 if tp.rank == 0:
                     print(f"{method} {batch}x{prompt_len} on {tp.world} ranks: "
                           f"{timing['ms_per_token']:.2f} ms/token", flush=True)
         del model
         _free(device)
-    for row in rows:  # each engine row against HF's of its case
-        hf = [r for r in rows if r["method"].startswith("hf")
-              and (r["batch"], r["prompt_len"]) == (row["batch"], row["prompt_len"])]
-        if hf and not row["method"].startswith("hf"):
-            row["x_hf"] = {r["method"]: row["ms_per_token"] / r["ms_per_token"] for r in hf}
-    if tp.rank == 0 and args.out:
-        env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "git": git_info(Path.cwd()).get("sha")}
-        write_json(args.out, {"shape": shape, "summary_per_rank": summary, "env": env,
-                              "bandwidth": bandwidth, "rows": rows})
     dist.destroy_process_group()
     return 0
 
