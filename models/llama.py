@@ -9,7 +9,7 @@ own: the engine owns the cache and the attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -159,8 +159,9 @@ class LlamaFamilyAdapter:
         attention output's rotation back folded into o_proj (columns of each query head:
         ``W_o,h H``), so decode pays nothing for V. The user's modules are never written: the
         folded weights are the adapter's own copies (on the fused path v's rows of the fused
-        [q; k; v], whose v_proj module gets its original rows back as a tensor of its own).
-        Extra memory: one v_proj and one o_proj per layer.
+        [q; k; v], whose v_proj module gets its original rows back as a tensor of its own;
+        a [q; k; v] shared with an earlier engine is copied first, and that engine's left alone).
+        Extra memory: one v_proj and one o_proj per layer (and the copied [q; k; v]).
         """
         if rotation == "none":
             return
@@ -182,10 +183,15 @@ class LlamaFamilyAdapter:
                     self.rotated_v.append((v_w, v_b))
                     continue
                 fw, fb = self.fused[layer]["qkv"]
-                attn.v_proj.weight.data = fw[nq + nkv:].clone()
+                if self.fused[layer]["shared"]:  # another engine's [q; k; v]: rotate a copy
+                    fw, fb = fw.clone(), None if fb is None else fb.clone()
+                    self.fused[layer]["qkv"] = (fw, fb)
+                else:
+                    attn.v_proj.weight.data = fw[nq + nkv:].clone()
+                    if fb is not None:
+                        attn.v_proj.bias.data = fb[nq + nkv:].clone()
                 fw[nq + nkv:] = v_w
                 if fb is not None:
-                    attn.v_proj.bias.data = fb[nq + nkv:].clone()
                     fb[nq + nkv:] = v_b
 
     def unfuse(self) -> None:
@@ -385,17 +391,27 @@ def _fuse_layer(block: nn.Module) -> dict:
     matrix replaces three (two) launches, and the small k/v GEMVs no longer run far under the
     bandwidth. The modules' own parameters are re-pointed at slices of the fused tensors, so the
     model keeps working unchanged and no weight is stored twice (``unfuse`` undoes it).
+    ``shared``: the layer was fused already (an earlier engine on the same model) and its
+    tensors are taken as they are: a second engine stores no weight twice either (a copy did
+    not fit beside a Llama-3.1-70B shard of 66.7 GiB on an 80 GB H100).
     """
     attn, mlp = block.self_attn, block.mlp
-    return {"qkv": _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
-            "gate_up": _concat_linears([mlp.gate_proj, mlp.up_proj])}
+    qkv, qkv_shared = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, _ = _concat_linears([mlp.gate_proj, mlp.up_proj])
+    return {"qkv": qkv, "gate_up": gate_up, "shared": qkv_shared}
 
 
-def _concat_linears(linears):
-    weight = torch.cat([m.weight.data for m in linears])
+def _concat_linears(linears) -> Tuple[Tuple[torch.Tensor, Optional[torch.Tensor]], bool]:
+    """((weight, bias), shared): the linears' rows concatenated; ``shared`` when they already
+    were consecutive rows of one tensor, which is then returned as a view, not copied."""
     has_bias = [m.bias is not None for m in linears]
     if any(has_bias) and not all(has_bias):
         raise NotImplementedError("expected all or none of the fused projections to have a bias")
+    weight = _joined([m.weight.data for m in linears])
+    bias = _joined([m.bias.data for m in linears]) if all(has_bias) else None
+    if weight is not None and (bias is not None or not all(has_bias)):
+        return (weight, bias), True
+    weight = torch.cat([m.weight.data for m in linears])
     bias = torch.cat([m.bias.data for m in linears]) if all(has_bias) else None
     row = 0
     for m in linears:
@@ -404,7 +420,23 @@ def _concat_linears(linears):
         if bias is not None:
             m.bias.data = bias[row: row + n]
         row += n
-    return weight, bias
+    return (weight, bias), False
+
+
+def _joined(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor whose consecutive rows ``parts`` are (contiguous, in order, in one storage),
+    as a view; None if they are not."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for t in parts:
+        if (not t.is_contiguous() or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in parts)
+    return first.as_strided((rows,) + tuple(first.shape[1:]), first.stride(),
+                            first.storage_offset())
 
 
 def shard_model(model: nn.Module, tp: TensorParallel) -> None:

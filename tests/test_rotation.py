@@ -125,6 +125,38 @@ def test_fused_projections_fold_like_the_modules(kind):
         assert torch.equal(block.self_attn.v_proj.weight, v)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases fused too
+def test_a_second_fused_adapter_shares_the_first_ones_weights(kind):
+    """A second engine on one model takes the fused tensors the first one made (no copy: a
+    70B shard had no room for one); a rotated second engine rotates a copy of [q; k; v] and
+    leaves the first engine's tensors and the user's modules as they were."""
+    model = tiny(kind)
+    ref_model = copy.deepcopy(model)
+    first = get_adapter(model, 64, fuse_projections=True)
+    qkv = [f["qkv"][0].clone() for f in first.fused]
+    second = get_adapter(model, 64, fuse_projections=True)
+    for a, b in zip(first.fused, second.fused):
+        assert not a["shared"] and b["shared"]
+        for key in ("qkv", "gate_up"):
+            for x, y in zip(a[key], b[key]):
+                assert (x is None) == (y is None)
+                if x is not None:
+                    assert x.data_ptr() == y.data_ptr() and torch.equal(x, y)
+    rotated = get_adapter(model, 64, fuse_projections=True)
+    rotated.rotate_heads("hadamard")
+    ref = get_adapter(ref_model, 64, fuse_projections=True)  # the same, on a model of its own
+    ref.rotate_heads("hadamard")
+    for f, saved in zip(first.fused, qkv):
+        assert torch.equal(f["qkv"][0], saved)
+    for a, b in zip(model.model.layers, ref_model.model.layers):
+        assert torch.equal(a.self_attn.v_proj.weight, b.self_attn.v_proj.weight)
+    h = torch.randn(1, 9, 128)
+    cos, sin = ref.rope(h, torch.arange(9)[None])
+    for layer in range(ref.num_layers):
+        for x, y in zip(rotated.qkv(layer, h, cos, sin), ref.qkv(layer, h, cos, sin)):
+            assert torch.equal(x, y)
+
+
 def test_compiled_rotated_step_equals_eager():
     # The q/k rotation runs inside the compiled layers (CPU inductor here): greedy and sampled
     # tokens equal the eager engine's, at batch 1 and at a dynamic batch size (bucket 4).
