@@ -102,9 +102,11 @@ class LlamaFamilyAdapter:
     ``vocab_size``.
     """
 
-    # Prefill runs o_proj and the MLP over this many tokens at a time: the MLP's intermediate
-    # activations (L x 14336 x 3 bf16 for an 8B model: 2.6 GB at 32k) are what limits the longest
-    # prompt otherwise, and every op there is per token, so chunking changes no result.
+    # Prefill runs the fused q/k/v projection (with its norm), o_proj and the MLP over this many
+    # tokens at a time: the MLP's intermediate activations (L x 14336 x 3 bf16 for an 8B model:
+    # 2.6 GB at 32k) and the input norm's fp32 copy of h (4 GiB at 131k tokens of the 70B
+    # width, which did not fit beside its 66.7 GiB shard on an 80 GB H100) are what limit the
+    # longest prompt otherwise, and every op there is per token, so chunking changes no result.
     prefill_chunk = 8192
 
     def __init__(self, model: nn.Module, max_positions: int, fuse_projections: bool = False,
@@ -259,7 +261,9 @@ class LlamaFamilyAdapter:
                 qkv, spun = ops.hadamard_heads(qkv, self.head_dim, nq + nkv), True
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
         elif w.qkv is not None:
-            q, k, v = F.linear(block.input_layernorm(h), *w.qkv).split([nq, nkv, nkv], dim=-1)
+            qkv = self._by_chunks(lambda x: F.linear(block.input_layernorm(x), *w.qkv), h,
+                                  nq + 2 * nkv)
+            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         else:
             x = block.input_layernorm(h)
             q, k = attn.q_proj(x), attn.k_proj(x)
@@ -283,13 +287,18 @@ class LlamaFamilyAdapter:
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """attn_out (B, S, H_q * D) -> the layer's output h (B, S, hidden)."""
         w = self.layer_weights(layer)
+        return self._by_chunks(lambda x, a: self._finish(w, x, a, False)[0], h, h.shape[-1],
+                               attn_out)
+
+    def _by_chunks(self, fn, h: torch.Tensor, width: int, *more: torch.Tensor) -> torch.Tensor:
+        """``fn(h, *more)`` (B, S, width), run over ``prefill_chunk`` tokens at a time (``fn``
+        is per token; ``more`` are cut along S alike)."""
         S, chunk = h.shape[1], self.prefill_chunk
         if S <= chunk:
-            return self._finish(w, h, attn_out, False)[0]
-        out = torch.empty_like(h)
+            return fn(h, *more)
+        out = h.new_empty(h.shape[0], S, width)
         for i in range(0, S, chunk):
-            out[:, i: i + chunk] = self._finish(w, h[:, i: i + chunk],
-                                                attn_out[:, i: i + chunk], False)[0]
+            out[:, i: i + chunk] = fn(h[:, i: i + chunk], *(m[:, i: i + chunk] for m in more))
         return out
 
     def finish_layer_normed(self, layer: Union[int, LayerWeights], h: torch.Tensor,

@@ -285,8 +285,11 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
     attn = torch.randn(1, 9, 4 * 64)
     whole = fused.finish_layer(1, h, attn)
     assert torch.equal(plain.finish_layer(1, h, attn), whole)
+    whole_qkv = fused.qkv(1, h, cos, sin)
     fused.prefill_chunk = 4  # 9 tokens in chunks of 4, 4, 1: per-token ops, GEMM blocking aside
     torch.testing.assert_close(fused.finish_layer(1, h, attn), whole, rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused.qkv(1, h, cos, sin), whole_qkv):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # Decode steps (one row, or several at their own positions) run ops.fused_linear (norm,
     # RoPE, SiLU-gate and residual inside): on the CPU its reference is the module chain, so the
     # result is the same to the bit; at several rows the post-attention norm (and, with
