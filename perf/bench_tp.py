@@ -154,7 +154,8 @@ def _engine_row(model, method: str, batch: int, prompt_len: int, tp: TensorParal
 
 
 def _free(device: torch.device) -> None:
-    """Give a freed model's memory back before the next phase builds its own."""
+    """Give a closed engine's or a freed model's memory back before the next one is built (an
+    engine is freed by the collector, not when its last name goes)."""
     import gc
 
     gc.collect()
@@ -209,6 +210,7 @@ def main(argv=None) -> int:
                 rows.append(_engine_row(model, method, batch, prompt_len, tp, summary, dtype,
                                         device, bandwidth, args))
                 save()
+                _free(device)  # the last case's engine (its cache, its graphs' pool)
         del model
         _free(device)
     if theirs:
@@ -225,6 +227,7 @@ def main(argv=None) -> int:
                              "setup": runner.setup_info()})
                 save()
                 runner.close()
+                _free(device)
                 if tp.rank == 0:
                     print(f"{method} {batch}x{prompt_len} on {tp.world} ranks: "
                           f"{timing['ms_per_token']:.2f} ms/token", flush=True)
