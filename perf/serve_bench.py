@@ -62,7 +62,7 @@ PRESETS: Dict[str, Dict[str, object]] = {
                  prompt_len=(16, 64), output_len=(4, 12), long_prompt=160, long_every=3,
                  max_batch_size=4, max_queue=64, prefill_ms=50.0, requests=8, min_requests=6,
                  rate_seconds=1.0, max_rates=3, refine=0, drain_seconds=10.0, ttft_limit=0.5,
-                 single_requests=2, offline_requests=12, budget_seconds=45.0,
+                 single_requests=2, offline_requests=12, budget_seconds=100.0,
                  startup_timeout=90.0),
 }
 # The real SmolLM2 reads 8192 positions: prompts up to 6k, the long ones 7k (+ 512 generated).
