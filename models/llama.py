@@ -416,12 +416,12 @@ def _concat_linears(linears) -> Tuple[Tuple[torch.Tensor, Optional[torch.Tensor]
     has_bias = [m.bias is not None for m in linears]
     if any(has_bias) and not all(has_bias):
         raise NotImplementedError("expected all or none of the fused projections to have a bias")
-    weight = _joined([m.weight.data for m in linears])
-    bias = _joined([m.bias.data for m in linears]) if all(has_bias) else None
-    if weight is not None and (bias is not None or not all(has_bias)):
+    weights = [m.weight.data for m in linears]
+    biases = [m.bias.data for m in linears] if all(has_bias) else None
+    weight, bias = _joined(weights), biases and _joined(biases)
+    if weight is not None and (biases is None or bias is not None):
         return (weight, bias), True
-    weight = torch.cat([m.weight.data for m in linears])
-    bias = torch.cat([m.bias.data for m in linears]) if all(has_bias) else None
+    weight, bias = torch.cat(weights), biases and torch.cat(biases)
     row = 0
     for m in linears:
         n = m.weight.shape[0]
