@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import json
 import os
 import time
@@ -515,9 +516,10 @@ def test_gpu_nccl_collectives_compile_and_capture_in_the_step(tmp_path):
 
 
 def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
-    """Rank ``rank`` on GPU ``rank``: the compiled, captured engine over two NCCL ranks, then (rank
-    0) the single-GPU engine on the same model, in bf16 and (log-probabilities only) in fp16.
-    The CUDA kernels take no fp32."""
+    """Rank ``rank`` on GPU ``rank``: the compiled, captured engine over two NCCL ranks; then,
+    the group destroyed by both ranks together (an NCCL communicator's destruction waits for
+    every rank's), rank 0 alone runs the single-GPU engine on the same model, in bf16 and
+    (log-probabilities only) in fp16. The CUDA kernels take no fp32."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -525,8 +527,13 @@ def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
     out = {}
     for name, tp, dtype in (("ranks", 2, torch.bfloat16), ("alone", 1, torch.bfloat16),
                             ("fp16", 1, torch.float16)):
-        if tp == 1 and rank != 0:
-            break
+        if tp == 1 and dist.is_initialized():
+            cm = None
+            gc.collect()  # the two-rank engine's graphs (it lives in reference cycles)
+            dist.barrier()
+            dist.destroy_process_group()
+            if rank != 0:
+                break
         cm = minikv_compile(tiny(dtype=dtype, device=f"cuda:{rank}"),
                             MiniKVConfig(**CAP, tensor_parallel=tp))
         out[name] = run = {}
@@ -544,7 +551,6 @@ def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
         run["forced"] = [lp.tolist() for lp in cm.teacher_force(PROMPTS, targets)]
     with open(os.path.join(out_dir, f"nccl{rank}.json"), "w") as f:
         json.dump(out, f)
-    dist.destroy_process_group()
     os._exit(0)
 
 
