@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Two-GPU calls for issue #26, from the repo root: run.sh SHA PART... (test 70b 131k | 8b2 8b1):
+# install, then the parts named, in order, each under its own time limit, into $OUT.
+set -uo pipefail
+ROOT=$(pwd); SHA=$1; shift; L=$OUT/all.log
+export MINIKV_GIT_SHA=$SHA PYTHONUNBUFFERED=1
+perf/gpu_check.sh $OUT > $L 2>&1
+export PYTHONPATH=/tmp/mk; cd /tmp/run
+T="python -m torch.distributed.run --standalone --nproc-per-node"
+B="-m minikv_compile.perf.bench_tp --warm-tokens 4 --timed-tokens 32"
+s() { echo "=== $(date +%T) $*" | tee -a $L; }
+for part in "$@"; do
+  s $part
+  case $part in
+    test) timeout 450 python -m pytest -q -m gpu -p no:cacheprovider --rootdir $ROOT $ROOT/tests/test_tensor_parallel.py -k two_nccl >> $L 2>&1; tail -3 $L ;;
+    70b) timeout 540 $T 2 $B --cases 1x32768,8x4096 --methods minikv,hf-static --out $OUT/tp70_hf.json >> $L 2>&1; grep "ms/token" $L ;;
+    131k) timeout 150 $T 2 $B --cases 1x131000 --warm-tokens 2 --timed-tokens 16 --out $OUT/tp70_131k.json >> $L 2>&1; grep "ms/token" $L | tail -1 ;;
+    8b2) timeout 150 $T 2 $B --shape llama3.1-8b --cases 1x32768,8x4096 --out $OUT/tp8_2.json >> $L 2>&1; grep "ms/token" $L | tail -2 ;;
+    8b1) timeout 150 $T 1 $B --shape llama3.1-8b --cases 1x32768,8x4096 --out $OUT/tp8_1.json >> $L 2>&1; grep "ms/token" $L | tail -2 ;;
+  esac
+done
+s done
+grep -v "Warning\|warn(" $L > $OUT/run.log
