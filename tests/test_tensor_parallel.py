@@ -520,6 +520,12 @@ def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
     the group destroyed by both ranks together (an NCCL communicator's destruction waits for
     every rank's), rank 0 alone runs the single-GPU engine on the same model, in bf16 and
     (log-probabilities only) in fp16. The CUDA kernels take no fp32."""
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:  # what the test's failure message shows if a rank stalls
+        with open(os.path.join(out_dir, f"progress{rank}.txt"), "a") as f:
+            f.write(f"rank {rank} {time.monotonic() - t0:6.1f} s: {what}\n")
+
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -532,8 +538,10 @@ def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
             gc.collect()  # the two-rank engine's graphs (it lives in reference cycles)
             dist.barrier()
             dist.destroy_process_group()
+            mark("group destroyed")
             if rank != 0:
                 break
+        mark(f"{name}: building")
         cm = minikv_compile(tiny(dtype=dtype, device=f"cuda:{rank}"),
                             MiniKVConfig(**CAP, tensor_parallel=tp))
         out[name] = run = {}
@@ -548,7 +556,9 @@ def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
                        kv=[[layer.codes, layer.scale_zero, layer.ring, layer.recall]
                            for layer in cm.kv_memory(prompt_len=100, new_tokens=NEW,
                                                      batch=3).layers])
+            mark(f"{name}: generated")
         run["forced"] = [lp.tolist() for lp in cm.teacher_force(PROMPTS, targets)]
+        mark(f"{name}: teacher-forced")
     with open(os.path.join(out_dir, f"nccl{rank}.json"), "w") as f:
         json.dump(out, f)
     os._exit(0)
@@ -579,7 +589,10 @@ def test_gpu_two_nccl_ranks_compute_what_one_gpu_does(tmp_path):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"ranks still running after {NCCL_DEADLINE_S} s")
+            progress = "".join((tmp_path / f"progress{r}.txt").read_text()
+                               for r in range(2) if (tmp_path / f"progress{r}.txt").exists())
+            pytest.fail(f"ranks still running after {NCCL_DEADLINE_S} s; their progress:\n"
+                        f"{progress}")
     ranks = [json.loads((tmp_path / f"nccl{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["ranks"] == ranks[1]["ranks"]  # every token and log-prob, every count
     mine, alone = ranks[0]["ranks"], ranks[0]["alone"]
