@@ -38,7 +38,7 @@ class Adapter(Protocol):  # what prefill and decode need of a model (see models/
     def rope(self, h, positions): ...
     def layer_weights(self, layer): ...  # what qkv / finish_layer_normed take instead of an index
     def qkv(self, layer, h, cos, sin, normed=None): ...
-    def finish_layer(self, layer, h, attn_out, out=None): ...  # out may be h itself
+    def finish_layer(self, layer, h, attn_out, overwrite=False): ...  # h consumed
     def finish_layer_normed(self, layer, h, attn_out): ...  # (h, normed for the next qkv)
     def logits(self, h): ...
 
@@ -90,7 +90,7 @@ def prefill_pieces(adapter: Adapter, cache: StaticKVCache, configs: Sequence,
                                     q[:, :, rows], k[:, :, rows], v[:, :, rows])
             attn[:, rows] = out.transpose(1, 2)            # (1, L, H_q, D)
         del q, k, v, out  # before the MLP's chunks: 1.3 GiB a rank at 131k on the 70B shape
-        h = adapter.finish_layer(layer, h, attn.view(1, h.shape[1], -1), out=h)
+        h = adapter.finish_layer(layer, h, attn.view(1, h.shape[1], -1), overwrite=True)
         if (layer + 1) % layers_per_piece == 0 and layer + 1 < n_layers:
             yield
     # each prompt's last position by slicing: an index tensor from the host would wait for

@@ -285,27 +285,23 @@ class LlamaFamilyAdapter:
         return q, k, v
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """attn_out (B, S, H_q * D) -> the layer's output h (B, S, hidden), written into
-        ``out`` where given, which may be ``h`` itself (prefill overwrites its h: at 131k
-        tokens of the 70B shape a second h is 2 GiB a rank)."""
+                     overwrite: bool = False) -> torch.Tensor:
+        """attn_out (B, S, H_q * D) -> the layer's output h (B, S, hidden). ``overwrite``:
+        chunks of a long h are written over it, which the caller then must not read (prefill:
+        at 131k tokens of the 70B shape a second h is 2 GiB a rank)."""
         w = self.layer_weights(layer)
         return self._by_chunks(lambda x, a: self._finish(w, x, a, False)[0], h, h.shape[-1],
-                               attn_out, out=out)
+                               attn_out, overwrite=overwrite)
 
     def _by_chunks(self, fn, h: torch.Tensor, width: int, *more: torch.Tensor,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   overwrite: bool = False) -> torch.Tensor:
         """``fn(h, *more)`` (B, S, width), run over ``prefill_chunk`` tokens at a time (``fn``
-        is per token; ``more`` are cut along S alike), into ``out`` where given (``h`` itself
-        will do: a chunk's rows are read before they are written)."""
+        is per token; ``more`` are cut along S alike). ``overwrite`` (width = h's) writes the
+        chunks over h: a chunk's rows are read before they are written."""
         S, chunk = h.shape[1], self.prefill_chunk
-        if out is not None and out.shape != (h.shape[0], S, width):
-            raise ValueError(f"out: expected shape {(h.shape[0], S, width)}, got "
-                             f"{tuple(out.shape)}")
         if S <= chunk:
-            return fn(h, *more) if out is None else out.copy_(fn(h, *more))
-        if out is None:
-            out = h.new_empty(h.shape[0], S, width)
+            return fn(h, *more)
+        out = h if overwrite else h.new_empty(h.shape[0], S, width)
         for i in range(0, S, chunk):
             out[:, i: i + chunk] = fn(h[:, i: i + chunk], *(m[:, i: i + chunk] for m in more))
         return out

@@ -288,13 +288,11 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
     whole_qkv = fused.qkv(1, h, cos, sin)
     fused.prefill_chunk = 4  # 9 tokens in chunks of 4, 4, 1: per-token ops, GEMM blocking aside
     torch.testing.assert_close(fused.finish_layer(1, h, attn), whole, rtol=1e-5, atol=1e-5)
-    for chunk in (4, 64):  # prefill's form: the output written over its own input, chunked or not
+    for chunk in (4, 64):  # prefill's form: the chunks written over their own input
         fused.prefill_chunk, own = chunk, h.clone()
-        assert fused.finish_layer(1, own, attn, out=own) is own
-        torch.testing.assert_close(own, whole, rtol=1e-5, atol=1e-5)
-    fused.prefill_chunk = 4
-    with pytest.raises(ValueError, match=r"out: expected shape \(1, 9, 128\), got \(1, 8, 128\)"):
-        fused.finish_layer(1, h, attn, out=h[:, :8])
+        got = fused.finish_layer(1, own, attn, overwrite=True)
+        assert (got is own) == (chunk < 9)
+        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
     for a, b in zip(fused.qkv(1, h, cos, sin), whole_qkv):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # Decode steps (one row, or several at their own positions) run ops.fused_linear (norm,
