@@ -423,10 +423,10 @@ def _concat_linears(linears) -> Tuple[Tuple[torch.Tensor, Optional[torch.Tensor]
         raise NotImplementedError("expected all or none of the fused projections to have a bias")
     weights = [m.weight.data for m in linears]
     biases = [m.bias.data for m in linears] if all(has_bias) else None
-    weight, bias = _joined(weights), biases and _joined(biases)
+    weight, bias = _joined(weights), None if biases is None else _joined(biases)
     if weight is not None and (biases is None or bias is not None):
         return (weight, bias), True
-    weight, bias = torch.cat(weights), biases and torch.cat(biases)
+    weight, bias = torch.cat(weights), None if biases is None else torch.cat(biases)
     row = 0
     for m in linears:
         n = m.weight.shape[0]

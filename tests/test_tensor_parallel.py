@@ -226,16 +226,25 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, scenario: str):
     os._exit(0)
 
 
+def _join_within(ctx, seconds: float, what: str, progress=()) -> None:
+    """Wait for every process of ``ctx`` (a failed one raises with its traceback); past
+    ``seconds`` kill them all and fail naming ``what``, with the text of those ``progress``
+    files that exist."""
+    deadline = time.monotonic() + seconds
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            notes = "".join(f.read_text() for f in progress if f.exists())
+            pytest.fail(f"{what} still running after {seconds} s"
+                        + (f"; their progress:\n{notes}" if notes else ""))
+
+
 def run_ranks(tmp_path, scenario: str) -> list:
     """Every rank's result of ``scenario`` (each rank a fresh process), within ``DEADLINE_S``."""
     ctx = mp.start_processes(_rank_main, nprocs=RANKS, join=False, start_method="spawn",
                              args=(RANKS, str(tmp_path / "store"), str(tmp_path), scenario))
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=5):  # raises with the rank's traceback if one fails
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{scenario}: ranks still running after {DEADLINE_S} s")
+    _join_within(ctx, DEADLINE_S, f"{scenario}: ranks")
     results = []
     for r in range(RANKS):
         with open(tmp_path / f"rank{r}.json") as f:
@@ -503,11 +512,7 @@ def test_gpu_nccl_collectives_compile_and_capture_in_the_step(tmp_path):
     out_path = tmp_path / "out.json"
     ctx = mp.start_processes(_nccl_one_rank, nprocs=1, join=False,
                              start_method="spawn", args=(str(tmp_path / "store"), str(out_path)))
-    deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            ctx.processes[0].kill()
-            pytest.fail(f"still running after {DEADLINE_S} s")
+    _join_within(ctx, DEADLINE_S, "the rank")
     out = json.loads(out_path.read_text())
     plain, coll = out["plain"], out["collectives"]
     assert coll["alone"] == plain["alone"] and coll["batch"] == plain["batch"]
@@ -584,15 +589,8 @@ def test_gpu_two_nccl_ranks_compute_what_one_gpu_does(tmp_path):
     0.12 / 0.53; a head or a sum dropped or misplaced moves them by whole units."""
     ctx = mp.start_processes(_nccl_two_ranks, nprocs=2, join=False, start_method="spawn",
                              args=(str(tmp_path / "store"), str(tmp_path)))
-    deadline = time.monotonic() + NCCL_DEADLINE_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            progress = "".join((tmp_path / f"progress{r}.txt").read_text()
-                               for r in range(2) if (tmp_path / f"progress{r}.txt").exists())
-            pytest.fail(f"ranks still running after {NCCL_DEADLINE_S} s; their progress:\n"
-                        f"{progress}")
+    _join_within(ctx, NCCL_DEADLINE_S, "ranks",
+                 [tmp_path / f"progress{r}.txt" for r in range(2)])
     ranks = [json.loads((tmp_path / f"nccl{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["ranks"] == ranks[1]["ranks"]  # every token and log-prob, every count
     mine, alone = ranks[0]["ranks"], ranks[0]["alone"]
