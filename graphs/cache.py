@@ -36,11 +36,12 @@ class RecallBuffers:
     """SpeCache's buffers: per layer the full-precision K/V of every token the quantized cache
     holds, in host memory (``stores``, a :class:`HostStore` of ``(Bmax, H_kv, T_cap, D)``,
     pinned on CUDA), the device buffers of ``RecallLayer``, and the two that one ranking of
-    every layer at the step's end needs: ``mass (Bmax, L, H_kv, max T_cap + ring rows)`` fp32,
-    which each layer's attention writes (its plane; -inf = not held), and ``idx (L, Bmax, H_kv,
-    K)`` int32, which the ranking writes and each layer's gather and attention read (its plane).
-    The mass is 4 bytes per token, layer and KV head: 1/64 of a bf16 cache's bytes at D 128,
-    the price of ranking 32 layers in one ``torch.topk`` instead of 32 (1.5 ms a step at 1 x 32k).
+    every layer at the step's end needs: ``mass (Bmax, L, H_kv, max T_cap + ring rows)`` uint8,
+    which each layer's attention writes (its plane; a code of the mass's logarithm, 0 = not
+    held), and ``idx (L, Bmax, H_kv, K)`` int32, which the ranking writes and each layer's gather
+    and attention read (its plane). The mass is 1 byte per token, layer and KV head (1/256 of a
+    bf16 cache's bytes at D 64), the price of ranking every layer in one ``torch.topk`` instead
+    of one a layer (1.5 ms a step at 1 x 32k on the 8B shape).
 
     The pinned bytes are checked against the host's available memory before anything is
     allocated: pinned memory cannot be swapped, and an allocation that takes the last of it
@@ -59,8 +60,8 @@ class RecallBuffers:
                        for cap in capacities]
         L = len(capacities)
         self.idx = torch.full((L, B, H, K), -1, dtype=torch.int32, device=device)
-        self.mass = torch.full((B, L, H, max(capacities) + ring_rows), float("-inf"),
-                               dtype=torch.float32, device=device)
+        self.mass = torch.zeros((B, L, H, max(capacities) + ring_rows), dtype=torch.uint8,
+                                device=device)
         self.layer_ids = torch.arange(L, dtype=torch.int32, device=device)
         self.layers = [RecallLayer(torch.zeros(B, H, K, D, dtype=dtype, device=device),
                                    torch.zeros(B, H, K, D, dtype=dtype, device=device),
@@ -78,7 +79,7 @@ class RecallBuffers:
     def empty_slots(self, start: int, stop: int) -> None:
         """Slots ``[start, stop)``: nothing recalled, nothing ranked (eager; between replays)."""
         self.idx[:, start:stop].fill_(-1)
-        self.mass[start:stop].fill_(float("-inf"))
+        self.mass[start:stop].fill_(0)
         for layer in self.layers:
             layer.lse_ref[start:stop].fill_(0.0)
 

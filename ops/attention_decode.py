@@ -57,8 +57,9 @@ they are):
    itself, not the rows after it). The programs of the last row's heads also write, into the
    layer's plane of the ``(Bmax, L, H_kv, T)`` mass buffer, the attention mass of every
    position the next step holds quantized (the recall split at the recalled positions, from
-   their full-precision scores; -inf for ring tokens the next step does not flush), so that
-   one top-k ranks every layer's plane at the step's end.
+   their full-precision scores; one byte a position, a code of its logarithm, 0 for ring
+   tokens the next step does not flush), so that one top-k ranks every layer's plane at the
+   step's end.
 2. the combine, which also writes the last row's log-sum-exp to ``lse_ref`` (the next step's
    reference) and gives back the ring tokens the caller asks (``update``).
 
@@ -83,6 +84,10 @@ from ._checks import (FLOAT_DTYPES, check_choice, check_tensor,
 from . import attention_decode_gluon as dag
 from .cache_layout import check_base, check_layer, ring_length
 from .quant import dequantize_keys_ref, dequantize_values_ref
+from .recall import MASS_STEPS, MASS_ZERO, mass_codes
+
+_MASS_STEPS = tl.constexpr(MASS_STEPS)
+_MASS_ZERO = tl.constexpr(MASS_ZERO)
 
 _LOG2E = 1.4426950408889634
 
@@ -444,18 +449,21 @@ def _kept(bm_plane, tokens, hi, RECALL: tl.constexpr):
 @triton.jit
 def _store_mass(mass_plane, tokens, keep, p, m_i, lse2, held):
     """The attention mass of a block's kept tokens, ``sum_n exp2(s[t, n] - lse2[n])`` over the
-    columns n, computed as ``sum_n p[t, n] * exp2(m_i[n] - lse2[n])`` (p = exp2(s - m_i)).
+    columns n, computed as ``sum_n p[t, n] * exp2(m_i[n] - lse2[n])`` (p = exp2(s - m_i)), stored
+    as its one-byte code (:func:`.recall.mass_codes`).
 
     tokens, keep: (BLOCK_N,); p: (BLOCK_N, BLOCK_H) fp32; m_i: (BLOCK_H,) the running max p was
     taken against; lse2: (BLOCK_H,) the reference log-sum-exp (log2 domain) of the last row's
     columns, +inf in the others (weight 0); held: (BLOCK_N,) or a scalar, False for a token the
-    next step does not hold quantized: -inf (never ranked). The exponent is capped at 120: a
-    reference far below this step's scores saturates the mass near 2^120 instead of making
+    next step does not hold quantized: code 0 (never ranked). The exponent is capped at 120: a
+    reference far below this step's scores saturates the mass (at code 255) instead of making
     inf * 0 = NaN.
     """
     w = tl.exp2(tl.minimum(m_i - lse2, 120.0))
-    mass = tl.where(held, tl.sum(p * w[None, :], axis=1), float("-inf"))
-    tl.store(mass_plane + tokens, mass, mask=keep)
+    mass = tl.sum(p * w[None, :], axis=1)
+    code = tl.floor(tl.log2(tl.maximum(mass, 1e-30)) * _MASS_STEPS + (_MASS_ZERO + 0.5))
+    code = tl.where(held, tl.minimum(tl.maximum(code, 1.0), 255.0), 0.0)
+    tl.store(mass_plane + tokens, code.to(tl.uint8), mask=keep)
 
 
 @triton.jit
@@ -1062,9 +1070,10 @@ def decode_attention_recall_ref(
     ``h`` by ``recall_k[b, h, j]`` / ``recall_v[b, h, j]``, and query row ``r`` attends to it
     followed by the first ``lens[b, 1] + r`` ring tokens. The last row's scores give
     ``mass[b, layer, h, t] = sum_i exp(s[b, i, t] - lse_ref[b, i])`` over the query heads ``i``
-    of KV group ``h``, for ``t < lens[b, 0]`` and for the ring's first R tokens (ring token j at
-    ``lens[b, 0] + j``) when row 0 sees R of them (R: the ring's length, ``ring_length``); -inf
-    for its other ring tokens; the rest of ``mass`` is left as it is. Then ``lse_ref[b]`` = the
+    of KV group ``h`` (stored as :func:`.recall.mass_codes`), for ``t < lens[b, 0]`` and for the
+    ring's first R tokens (ring token j at ``lens[b, 0] + j``) when row 0 sees R of them (R: the
+    ring's length, ``ring_length``); code 0 for its other ring tokens; the rest of ``mass`` is
+    left as it is. Then ``lse_ref[b]`` = the
     last row's log-sum-exp and ``lens[b, 1] -= update[b]``, for the slots with ``update[b] >=
     0``.
 
@@ -1095,7 +1104,7 @@ def decode_attention_recall_ref(
         got = torch.exp(scores - ref).sum(1)        # (H_kv, T_b): the last row sees every token
         flush = ring if n_ring - (rows - 1) >= ring else 0     # ring tokens the next step holds
         got[:, n_quant + flush:] = float("-inf")
-        mass[b, int(layer[0]), :, :got.shape[1]] = got.to(mass.dtype)
+        mass[b, int(layer[0]), :, :got.shape[1]] = mass_codes(got)
         if update[b] >= 0:
             lse_ref[b] = torch.logsumexp(scores, dim=-1).view(h_q)
             lens[b, 1] -= update[b]
@@ -1263,17 +1272,17 @@ def decode_attention_recall(
     scaled score (from the recalled key where ``t`` is recalled). The next step holds every
     ``t < lens[b, 0]`` and, when the ring is full (row 0 sees its R tokens, R its length), the
     ring's tokens, which its flush moves to ``t = lens[b, 0] + j`` (ring row j); the ring's
-    tokens it does not hold get -inf (the speculative row's, and all while the ring fills), so
-    that :func:`.recall.recall_topk` ranks the buffer as it is, every layer at once.
+    tokens it does not hold get code 0 (the speculative row's, and all while the ring fills),
+    so that :func:`.recall.recall_topk` ranks the buffer as it is, every layer at once.
     ``lse_ref`` stands in for this row's own log-sum-exp, which would take a second pass: the
     previous step's scales the masses of a head by one factor, so the ranking by one head is
     exact and only the weights of a group's heads in the sum that :func:`.recall.recall_topk`
-    ranks are off. ``mass`` is fp32: 4 bytes per position against the ~128 bytes of codes,
-    scales and zeros read per position and head at bits 2, D 128, and no ties among close
-    masses as bf16's 8-bit mantissa would make them. Positions ``>= lens[b, 0] + lens[b, 1]``,
-    other layers and slots ``>= B`` keep what they held (-inf for an emptied slot: the caller's
-    reset). A reference far below this step's scores (by more than ~83 nats) saturates the mass
-    instead of overflowing.
+    ranks are off. ``mass`` holds one byte per position, the code of ``log2`` of the mass in
+    steps of 1/8 (:func:`.recall.mass_codes`: masses within 9% may tie), against the 4 bytes of
+    fp32, which were 1.6% of a bf16 cache's bytes at D 64 and kept SpeCache's resident bytes
+    above 16% of fp16's. Positions ``>= lens[b, 0] + lens[b, 1]``, other layers and slots
+    ``>= B`` keep what they held (code 0 for an emptied slot: the caller's reset). A mass
+    above 2^8 (a reference far below this step's scores) saturates at code 255.
 
     After the attention, for every slot ``b < B`` with ``update[b] >= 0``: ``lse_ref[b]``
     becomes the last row's own log-sum-exp (the next step's reference), and ``lens[b, 1] -=
@@ -1301,7 +1310,7 @@ def decode_attention_recall(
         lse_ref: ``(Bmax, H_q)`` fp32, contiguous, the buffer itself: the reference log-sum-exp
             of the last row's heads (natural log, of the scaled scores); rows ``b < B`` are
             overwritten with this step's.
-        mass: ``(Bmax, L, H_kv, T_mass)`` fp32, ``T_mass >= T_cap + ring rows``, contiguous,
+        mass: ``(Bmax, L, H_kv, T_mass)`` uint8, ``T_mass >= T_cap + ring rows``, contiguous,
             the whole buffer (one plane per layer and slot, the largest capacity's length);
             mutated.
         layer: ``(1,)`` int32 on q's device: which of the L planes (a tensor, so that one
@@ -1341,7 +1350,7 @@ def decode_attention_recall(
                  device=q.device, contiguous=True)
     check_base("lse_ref", lse_ref)
     capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
-    check_tensor("mass", mass, shape=(b_max, None, h_kv, None), dtypes=(torch.float32,),
+    check_tensor("mass", mass, shape=(b_max, None, h_kv, None), dtypes=(torch.uint8,),
                  device=q.device, contiguous=True)
     if mass.shape[3] < capacity + k_ring.shape[2]:
         raise ValueError(f"mass: expected at least T_cap + ring rows = "

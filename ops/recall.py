@@ -19,9 +19,9 @@ Attention with recall is attention over the quantized region in which every posi
 value, followed by the ring as usual. Ring tokens are full precision already and never recalled.
 That attention is ``minikv::decode_attention_recall`` (:mod:`.attention_decode`, the decode
 attention kernels with recall on), which also writes the statistic the next step's recall is
-chosen from: ``mass (Bmax, L, H_kv, >= T_cap + ring rows)`` fp32, one plane per slot and layer,
+chosen from: ``mass (Bmax, L, H_kv, >= T_cap + ring rows)`` uint8, one plane per slot and layer,
 the attention a KV group pays each position the next step holds (a full ring's tokens at the
-positions its flush gives them), -inf at the others.
+positions its flush gives them) as a code of its logarithm (:func:`mass_codes`), 0 at the others.
 
 The ops here:
 
@@ -55,6 +55,13 @@ import triton.language as tl
 
 from ._checks import FLOAT_DTYPES, check_tensor
 from .cache_layout import check_base
+
+# The ranking's mass in one byte a position: code = clamp(round(MASS_STEPS * log2(mass)) +
+# MASS_ZERO, 1, 255), 0 = not held. Codes 9% apart span masses 2^-23.75 .. 2^8 (a position's
+# attention, summed over a group's query heads, against the step before's log-sum-exp); fp32
+# was 1.6% of fp16's K/V bytes at head dim 64, this is 0.4%.
+MASS_STEPS = 8
+MASS_ZERO = 191
 
 # The gather's launch. A gather program waits on host reads for its whole life, and each one
 # resident takes an SM's share from the step's kernels on the main stream, so few programs with
@@ -171,6 +178,19 @@ def recall_store_ref(k_ring, v_ring, lens, ring_index, host_k, host_v) -> None:
             host_v[b, :, t] = v_ring[b, :, i].to(host_v.device)
 
 
+def mass_codes(mass: torch.Tensor) -> torch.Tensor:
+    """fp32 masses (any shape; -inf = not held, 0 and below 2^-23.75 = the lowest code) to the
+    uint8 codes the attention writes (``MASS_STEPS`` codes a doubling, mass 1 at ``MASS_ZERO``)."""
+    code = torch.floor(torch.log2(mass) * MASS_STEPS + (MASS_ZERO + 0.5))
+    return torch.where(mass == float("-inf"), 0, code.clamp(1, 255)).to(torch.uint8)
+
+
+def mass_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes back to fp32 masses (the middle of each code's range; 0 for code 0)."""
+    m = torch.exp2((codes.float() - MASS_ZERO) / MASS_STEPS)
+    return torch.where(codes > 0, m, 0.0)
+
+
 def recall_topk_ref(probs: torch.Tensor, k: int, num_kv_heads: int) -> torch.Tensor:
     """The positions to recall: per (slot, KV head), the ``k`` with the most attention mass.
 
@@ -230,17 +250,15 @@ _recall_store_op.register_kernel("cuda")(_recall_store_triton)
 
 def _recall_topk_ops(mass: torch.Tensor, k: int, block: int = 1) -> torch.Tensor:
     """:func:`recall_topk`'s computation (the same arguments, checked by it)."""
-    inf = float("-inf")
     score = mass
     if block > 1:
-        held = torch.nn.functional.pad(mass > inf, (0, -mass.shape[-1] % block))  # (..., T')
-        blocks = torch.nn.functional.pad(mass, (0, -mass.shape[-1] % block), value=inf)
-        blocks = blocks.unflatten(-1, (-1, block))                         # (..., T' / blk, blk)
-        # a block's mass: the sum of its held positions (-inf for a block with none)
+        held = torch.nn.functional.pad(mass > 0, (0, -mass.shape[-1] % block))  # (..., T')
+        blocks = torch.nn.functional.pad(mass_values(mass), (0, -mass.shape[-1] % block))
+        # a block's mass: the sum of its held positions (-1 for a block with none)
         score = torch.where(held.unflatten(-1, (-1, block)).any(-1),
-                            torch.where(blocks > inf, blocks, 0.0).sum(-1), inf)
+                            blocks.unflatten(-1, (-1, block)).sum(-1), -1.0)
     top = torch.topk(score, min(k // block, score.shape[-1]), dim=-1)
-    idx = torch.where(top.values == inf, -1, top.indices)                  # (..., n)
+    idx = torch.where(top.values > 0, top.indices, -1)                     # (..., n)
     if block > 1:
         pos = (idx[..., None] * block + torch.arange(block, device=mass.device)).flatten(-2)
         idx = torch.where((pos >= 0) & held.gather(-1, pos.clamp(min=0)), pos, -1)
@@ -336,9 +354,10 @@ def recall_topk(mass: torch.Tensor, k: int, block: int = 1) -> torch.Tensor:
     """The positions to recall at the next step: per row of ``mass`` (a slot, layer and KV
     head), the ``k`` positions with the most attention mass (:func:`recall_topk_ref`'s rule on
     the group sums that ``decode_attention_recall`` writes), or the ``k / block`` aligned blocks
-    of ``block`` positions with the most mass (larger host reads). -inf marks a position the
+    of ``block`` positions with the most mass (larger host reads). Code 0 marks a position the
     next step does not hold (the attention writes it for ring tokens that stay in the ring; the
-    cache resets an emptied slot's planes to it); it is never chosen.
+    cache resets an emptied slot's planes to it); it is never chosen. Positions whose codes tie
+    (masses within 9%) are taken in ``torch.topk``'s order.
 
     One call ranks every layer of a step (``(B, L, H_kv, T)``): plain torch ops on the device (a
     select, ``torch.topk``), no host sync, fused by ``torch.compile`` into the step, capturable
@@ -347,19 +366,20 @@ def recall_topk(mass: torch.Tensor, k: int, block: int = 1) -> torch.Tensor:
     "SpeCache").
 
     Args:
-        mass: ``(..., T)`` fp32, contiguous: the masses, -inf where not held.
+        mass: ``(..., T)`` uint8, contiguous: the masses' codes (:func:`mass_codes`), 0 where
+            not held.
         k: positions per row, ``k >= 0``, a multiple of ``block``.
         block: 1 (single positions) or the block size, ``>= 1``.
 
     Returns:
-        ``(..., k)`` int32: positions by decreasing mass (of their block; ties in
-        ``torch.topk``'s order), -1 where a row holds fewer than ``k`` (blocks: the positions
-        of a chosen block that are not held).
+        ``(..., k)`` int32: positions by decreasing code (blocks: by the sum of their masses;
+        ties in ``torch.topk``'s order), -1 where a row holds fewer than ``k`` (blocks: the
+        positions of a chosen block that are not held).
 
     Raises:
         ValueError: a shape, dtype or value inconsistent with the above.
     """
-    check_tensor("mass", mass, dtypes=(torch.float32,), contiguous=True)
+    check_tensor("mass", mass, dtypes=(torch.uint8,), contiguous=True)
     if mass.ndim < 1:
         raise ValueError(f"mass: expected at least 1 dim (positions last), got shape "
                          f"{tuple(mass.shape)}")

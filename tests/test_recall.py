@@ -25,7 +25,8 @@ from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_re
                                                  decode_attention_ref)
 from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
 from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_triton,
-                                       recall_gather_ref, recall_topk_ref)
+                                       mass_codes, mass_values, recall_gather_ref,
+                                       recall_topk_ref)
 from aot import compile_for_sm90
 from test_decode_attention import Case, make_case, poisoned
 
@@ -286,7 +287,7 @@ def _recall_ref_one_row(q, bufs, rk, rv, idx, scale, bits):
     """The reference with one query row (q (B, H_q, D)); its lse and mass are left out."""
     b_max, h_kv = bufs[6].shape[:2]
     lse_ref = torch.zeros(b_max, q.shape[1])
-    mass = torch.zeros(b_max, 1, h_kv, bufs[3].shape[2] + bufs[6].shape[2])
+    mass = torch.zeros(b_max, 1, h_kv, bufs[3].shape[2] + bufs[6].shape[2], dtype=torch.uint8)
     layer = torch.zeros(1, dtype=torch.int32)
     update = torch.zeros(q.shape[0], dtype=torch.int32)
     out = decode_attention_recall_ref(q[:, None], *bufs, rk, rv, idx, lse_ref, mass, layer,
@@ -419,6 +420,7 @@ class RecallCase:
     cache: Case
     q: torch.Tensor               # (B, R, H_q, D)
     recall: List[torch.Tensor]    # recall_k, recall_v, recall_idx, lse_ref, mass, layer, update
+    untouched: torch.Tensor       # the mass as made: random codes, which what is not written keeps
 
     def args(self) -> List[torch.Tensor]:
         """The recall arguments for one call: ``lse_ref`` (which the op overwrites) a copy, so
@@ -466,18 +468,19 @@ def recall_case(batch, b_max, h_kv, gqa, rows, d, capacity, ring, bits, dtype, n
     rk = (torch.randn(b_max, h_kv, k, d) * 2).to(dtype)
     rv = torch.randn(b_max, h_kv, k, d).to(dtype)
     q = torch.randn(batch, rows, h_kv * gqa, d).to(dtype)
-    mass = torch.full((b_max, 2, h_kv, capacity + ring), float("nan"))
+    mass = torch.randint(0, 256, (b_max, 2, h_kv, capacity + ring), dtype=torch.uint8)
     layer = torch.tensor([LAYER], dtype=torch.int32)
     update = torch.zeros(batch, dtype=torch.int32)
     lse_ref = torch.full((b_max, h_kv * gqa), float("nan"))  # slots >= B: never read
-    rc = RecallCase(cache, q, [rk, rv, idx, lse_ref, mass, layer, update])
+    rc = RecallCase(cache, q, [rk, rv, idx, lse_ref, mass, layer, update], mass.clone())
     # lse_ref: the last row's own log-sum-exp, off by up to a nat per head (a stale one)
     lse_ref[:batch] = (recall_truth(rc, d ** -0.5, torch.float64)[1][:, -1].float()
                        + 2 * torch.rand(batch, h_kv * gqa) - 1)
     cache.bufs = [t.to(device) for t in cache.bufs]
     cache.keys = [t.to(device) for t in cache.keys]
     cache.values = [t.to(device) for t in cache.values]
-    return RecallCase(cache, q.to(device), [t.to(device) for t in rc.recall])
+    return RecallCase(cache, q.to(device), [t.to(device) for t in rc.recall],
+                      rc.untouched.to(device))
 
 
 def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
@@ -522,37 +525,35 @@ def recall_truth(rc: RecallCase, scale: float, dtype: torch.dtype):
 
 
 def assert_recall_within_2x(out, lse, rc: RecallCase, scale: float) -> None:
-    """The 2x rule (test_decode_attention's) for out, the written lse_ref ``lse`` (the last
-    row's) and the written mass (plus 1e-5 of the largest mass: the kernel takes it through
-    exp2 of log2-domain differences, a few more fp32 roundings than exp(s - lse)), -inf exactly
-    where the oracle has it; lse_ref of the slots >= B, the mass past each slot's tokens, of
-    the slots >= B and of the other layer are untouched (NaN)."""
+    """The 2x rule (test_decode_attention's) for out and the written lse_ref ``lse`` (the last
+    row's); the written mass codes within one code (9%: a rounding across a code's edge) of the
+    oracle's, or twice as far as the same-precision mass's codes are, and 0 exactly where the
+    oracle is -inf; lse_ref of the slots >= B (NaN), the mass past each slot's tokens, of the
+    slots >= B and of the other layer are untouched."""
     oracle = recall_truth(rc, scale, torch.float64)
     base = recall_truth(rc, scale, rc.q.dtype)
     batch = rc.q.shape[0]
     assert lse[batch:].isnan().all()
     lse = lse[:batch]
     oracle, base = ((o[0], o[1][:, -1], *o[2:]) for o in (oracle, base))
-    mass = rc.plane
-    got = [mass[b, :, :m.shape[1]] for b, m in enumerate(oracle[2])]
-    inf = float("-inf")
-    for g, o in zip(got, oracle[2]):
-        assert torch.equal(g == inf, o == inf)
-    finite = lambda ms: [m.masked_fill(m == inf, 0.0) for m in ms]  # noqa: E731
     for name, x, o, y, atol in [
         ("out", [out], [oracle[0]], [base[0]], 1e-6),
         ("lse", [lse], [oracle[1]], [base[1]], 1e-5),
-        ("mass", finite(got), finite(oracle[2]), finite(base[2]),
-         1e-5 * max(m.abs().max().item() for m in finite(oracle[2]) if m.numel())),
     ]:
         err = max((a.double() - b).abs().max().item() for a, b in zip(x, o) if b.numel())
         base_err = max((a.double() - b).abs().max().item() for a, b in zip(y, o) if b.numel())
         assert err <= 2 * base_err + atol, f"{name}: {err:.3g} vs same-precision {base_err:.3g}"
-    for b, m in enumerate(oracle[2]):
-        assert not mass[b, :, :m.shape[1]].isnan().any()
-        assert mass[b, :, m.shape[1]:].isnan().all()
-    assert mass[len(oracle[2]):].isnan().all()
-    assert rc.recall[4][:, 1 - LAYER].isnan().all()
+    mass, untouched = rc.plane, rc.untouched[:, LAYER]
+    for b, (o, y) in enumerate(zip(oracle[2], base[2])):
+        got, want = mass[b, :, :o.shape[1]].int(), mass_codes(o).int()
+        assert torch.equal(got == 0, o == float("-inf"))
+        if o.numel():
+            err = (got - want).abs().max().item()
+            base_err = (mass_codes(y).int() - want).abs().max().item()
+            assert err <= max(1, 2 * base_err), f"mass codes: {err} vs same-precision {base_err}"
+        assert torch.equal(mass[b, :, o.shape[1]:], untouched[b, :, o.shape[1]:])
+    assert torch.equal(mass[len(oracle[2]):], untouched[len(oracle[2]):])
+    assert torch.equal(rc.recall[4][:, 1 - LAYER], rc.untouched[:, 1 - LAYER])
 
 
 def run_recall_kernel(rc: RecallCase, scale: float, bufs=None, recall=None, **fields):
@@ -607,7 +608,7 @@ def test_recall_update_gives_back_and_skips_slots(impl):
     runs = []
     for update in ([0, 0], [1, -1]):
         rc.cache.bufs[8].copy_(lens)
-        rc.recall[4].fill_(float("nan"))
+        rc.recall[4].copy_(rc.untouched)
         rc.recall[6].copy_(torch.tensor(update, dtype=torch.int32))
         if impl == "triton":
             out, lse = run_recall_kernel(rc, 0.25, num_splits=3, block_n=16)
@@ -644,8 +645,10 @@ def test_reference_matches_oracle(bits, dtype, gqa, rows):
     torch.testing.assert_close(out.double(), oracle[0], rtol=tol, atol=tol)
     torch.testing.assert_close(lse[:2].double(), oracle[1][:, -1], rtol=1e-5, atol=1e-5)
     assert lse[2:].isnan().all()
-    for b, m in enumerate(oracle[2]):
-        torch.testing.assert_close(rc.plane[b, :, :m.shape[1]].double(), m, rtol=1e-4, atol=0)
+    for b, m in enumerate(oracle[2]):  # codes: the oracle's, but for a rounding at an edge
+        got = rc.plane[b, :, :m.shape[1]]
+        assert torch.equal(got == 0, m == float("-inf"))
+        assert (got.int() - mass_codes(m).int()).abs().max() <= 1
 
 
 @pytest.mark.interpret
@@ -783,39 +786,47 @@ def test_public_recall_op_of_everything_is_full_precision_attention():
 
 
 def test_mass_with_own_lse_is_the_group_probability_and_topk_follows():
-    """With lse_ref = the last row's own log-sum-exp, mass is the last row's attention
-    probability summed over each KV group, and recall_topk on it picks recall_topk_ref's
-    positions from those probabilities (the rings are not full: their tokens are -inf)."""
+    """With lse_ref = the last row's own log-sum-exp, mass is the code of the last row's
+    attention probability summed over each KV group (within one code), and recall_topk takes
+    the positions of the highest codes, whose probabilities are within two codes (19%) of the
+    true top-k's (the rings are not full: their tokens are code 0)."""
     rc = recall_case(2, 2, 2, 3, 2, 16, 64, 16, 2, torch.float32, [64, 48], [3, 16], k=5)
-    rc.recall[4].fill_(float("-inf"))  # as the cache allocates it
+    rc.recall[4].zero_()  # as the cache allocates it
     # the first call leaves its own lse in lse_ref: the second call's reference
     for _ in range(2):
         decode_attention_recall(rc.q, *rc.cache.bufs, *rc.recall, 0.25, 2, 16)
     probs = recall_truth(rc, 0.25, torch.float64)[3]
     for b, p in enumerate(probs):                                    # p: (H_kv, gqa, n_quant)
         n_quant = p.shape[2]
-        torch.testing.assert_close(rc.plane[b, :, :n_quant].double(), p.sum(1), rtol=1e-4,
-                                   atol=1e-7)
-        got = recall_topk(rc.plane[b:b + 1], 9)
-        assert got.tolist() == recall_topk_ref(p.reshape(1, 6, n_quant), 9, 2).tolist()
+        codes, group = rc.plane[b, :, :n_quant], p.sum(1)             # (H_kv, n_quant)
+        assert (codes.int() - mass_codes(group).int()).abs().max() <= 1
+        assert (rc.plane[b, :, n_quant:] == 0).all()
+        got = recall_topk(rc.plane[b:b + 1], 9)[0].long()             # (H_kv, 9)
+        for h in range(2):
+            rest = torch.ones(n_quant, dtype=torch.bool)
+            rest[got[h]] = False
+            assert codes[h, got[h]].min() >= codes[h, rest].max()
+            ninth = group[h].topk(9).values[-1]
+            assert group[h, got[h]].min() >= ninth * 2 ** (-2 / 8)
 
 
 def test_recall_topk_ranks_held_positions_of_every_row():
-    """Per row (slot, layer, KV head): recall_topk_ref's rule on the positions with a mass (one
-    query head per KV head: the mass is the probability); -inf (not held) never chosen, even
-    where nothing else is; -1 padding."""
+    """Per row (slot, layer, KV head): recall_topk_ref's rule on the codes of the positions
+    held (distinct codes: no ties; one query head per KV head); code 0 (not held) never
+    chosen, even where nothing else is; -1 padding."""
     batch, layers, h_kv, t_cap = 3, 2, 3, 40
     held = torch.tensor([[32, 17], [0, 3], [40, 9]])                   # (B, L)
-    mass = torch.rand(batch, layers, h_kv, t_cap)
+    mass = torch.stack([torch.randperm(255)[:t_cap] + 1 for _ in range(batch * layers * h_kv)])
+    mass = mass.to(torch.uint8).view(batch, layers, h_kv, t_cap)
     for b in range(batch):
         for l in range(layers):
-            mass[b, l, :, held[b, l]:] = float("-inf")
+            mass[b, l, :, held[b, l]:] = 0
     for k in (0, 5, 17, 45):
         got = recall_topk(mass, k)
         assert got.shape == (batch, layers, h_kv, k) and got.dtype == torch.int32
         for b in range(batch):
             for l in range(layers):
-                expected = recall_topk_ref(mass[b:b + 1, l, :, :held[b, l]], k, h_kv)[0]
+                expected = recall_topk_ref(mass[b:b + 1, l, :, :held[b, l]].float(), k, h_kv)[0]
                 assert got[b, l].tolist() == expected.tolist(), (k, b, l)
 
 
@@ -843,7 +854,8 @@ ptrs = ["q_ptr", "k_ptr", "ks_ptr", "kz_ptr", "v_ptr", "vs_ptr", "vz_ptr", "kr_p
         "lse_ref_ptr", "mass_ptr", "layer_ptr"]
 types = dict(q_ptr="*bf16", k_ptr="*i32", ks_ptr="*fp16", kz_ptr="*fp16", v_ptr="*i32",
              vs_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*bf16", vr_ptr="*bf16", lens_ptr="*i32",
-             bm_ptr="*i32", rk_ptr="*bf16", rv_ptr="*bf16", ridx_ptr="*i32", layer_ptr="*i32")
+             bm_ptr="*i32", rk_ptr="*bf16", rv_ptr="*bf16", ridx_ptr="*i32", layer_ptr="*i32",
+             mass_ptr="*u8")
 sig = {p: types.get(p, "*fp32") for p in ptrs}
 sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
     "stride_qb", "stride_qr", "stride_qh", "stride_qd", "stride_lb", "stride_lh", "H_KV",
@@ -862,19 +874,22 @@ build(a._decode_attention_combine_kernel,
 
 
 def test_recall_topk_by_blocks():
-    """recall_block: the k / block aligned blocks with the most summed mass over the held
-    positions (a block partly held counts its held part), each as its positions in order;
-    positions not held are -1."""
+    """recall_block: the k / block aligned blocks with the most summed mass (the codes' masses)
+    over the held positions (a block partly held counts its held part), each as its positions
+    in order; positions not held are -1."""
     batch, h_kv, t_cap, block = 2, 2, 38, 4
     held = [33, 6]
-    mass = torch.rand(batch, h_kv, t_cap)
+    mass = torch.randint(1, 256, (batch, h_kv, t_cap), dtype=torch.uint8)
     for b, n in enumerate(held):
-        mass[b, :, n:] = float("-inf")
+        mass[b, :, n:] = 0
     got = recall_topk(mass, 12, block=block)
+    values = mass_values(mass)
+    torch.testing.assert_close(values, torch.where(
+        mass > 0, 2.0 ** ((mass.double() - 191) / 8), 0.0).float())  # a code's mass
     assert got.shape == (batch, h_kv, 12)
     for b, n in enumerate(held):
         for h in range(h_kv):
-            sums = [mass[b, h, i:min(i + block, n)].sum().item() for i in range(0, n, block)]
+            sums = [values[b, h, i:min(i + block, n)].sum().item() for i in range(0, n, block)]
             order = sorted(range(len(sums)), key=lambda i: -sums[i])[:3]
             expected = [i * block + j if i * block + j < n else -1 for i in order
                         for j in range(block)]
@@ -896,7 +911,7 @@ BAD_TOPK = [
 @pytest.mark.parametrize("name,make_bad,message", BAD_TOPK, ids=[b[0] for b in BAD_TOPK])
 def test_recall_topk_bad_inputs_raise(name, make_bad, message):
     with pytest.raises(ValueError, match=message):
-        recall_topk(*make_bad(torch.rand(2, 2, 16)))
+        recall_topk(*make_bad(torch.randint(0, 256, (2, 2, 16), dtype=torch.uint8)))
 
 
 def test_recall_opcheck():
@@ -916,7 +931,7 @@ def test_compiled_recall_step_fullgraph_no_recompile():
     counter = CompileCounterWithBackend("inductor")
     rc = recall_case(2, 2, 2, 2, 2, 16, 64, 16, 2, torch.float32, [64, 32], [3, 16], k=6)
     rk, rv, idx, lse_ref, mass, layer, update = rc.recall
-    mass.fill_(float("-inf"))  # as the cache allocates it
+    mass.zero_()  # as the cache allocates it
     bufs = rc.cache.bufs
 
     @torch.compile(backend=counter, fullgraph=True)
@@ -977,7 +992,8 @@ BAD_RECALL = [
     ("mass one layer", MASS, lambda t: t[:, 0].contiguous(), "mass: expected shape"),
     ("mass short", MASS, lambda t: t[..., :64].contiguous(),
      "mass: expected at least T_cap \\+ ring rows = 80"),
-    ("mass view", MASS, lambda t: torch.zeros(4, 2, 2, 80)[:3], "mass: expected a whole"),
+    ("mass view", MASS, lambda t: torch.zeros(4, 2, 2, 80, dtype=torch.uint8)[:3],
+     "mass: expected a whole"),
     ("layer dtype", LAYER_ARG, lambda t: t.long(), "layer: expected dtype"),
     ("layer 0-d", LAYER_ARG, lambda t: t[0], "layer: expected shape"),
     ("update dtype", UPDATE, lambda t: t.bool(), "update: expected dtype"),
@@ -1198,7 +1214,7 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
     bufs, q = rc.cache.bufs, rc.q
     rk, rv, idx, lse_ref, mass, layer, update = rc.recall
     idx.fill_(-1)
-    mass.fill_(float("-inf"))  # as the cache allocates it
+    mass.zero_()  # as the cache allocates it
     store = HostStore.allocate(max_batch_size=b_max, num_kv_heads=h_kv, capacity=t_cap,
                                head_dim=d, dtype=torch.bfloat16, device="cuda")
     store.k.copy_(torch.randn(store.k.shape).bfloat16())

@@ -133,8 +133,8 @@ def test_kv_memory_reports_device_and_host_bytes():
     report = cm.kv_memory(prompt_len=40, new_tokens=8, batch=2)
     H, D, Hq, L, K = 2, 64, 4, 2, 16
     # per slot and layer: recalled k and v, idx, lse_ref and the layer's mass plane (T_cap 112
-    # + 33 ring rows)
-    per_layer = K * H * D * 4 * 2 + K * H * 4 + Hq * 4 + H * (112 + 33) * 4
+    # + 33 ring rows, a byte each)
+    per_layer = K * H * D * 4 * 2 + K * H * 4 + Hq * 4 + H * (112 + 33)
     assert report.recall_bytes == 2 * L * per_layer
     assert report.host_bytes == 2 * L * 48 * 2 * H * D * 4       # 40 + 8 tokens, fp32
     assert report.host_allocated_bytes == 4 * L * 112 * 2 * H * D * 4
