@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Call D (carry .carry_g3; calls B and C copied .carry_g1/part_aa and .carry_g2/part_ab to /tmp/gguf
+# on the same warm machine): the SmolLM2 GGUF joined and checked, the demo, and the accuracy
+# harness's SpeCache rows. Usage from the repo root: gpuD.sh SHA
+set -uo pipefail
+cat /tmp/gguf/part_aa /tmp/gguf/part_ab .carry_g3/part_ac > /tmp/gguf/smollm2.gguf
+sha256sum /tmp/gguf/smollm2.gguf | cut -c1-16
+export MINIKV_GIT_SHA=$1 MINIKV_SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf PYTHONPATH=/tmp/mk:/tmp/site PYTHONUNBUFFERED=1
+cd /tmp/run || exit 1
+timeout 150 python -m minikv_compile.demo > $OUT/demo_gpu.txt 2>&1; echo "demo rc $?"
+grep -iE "correct|answer|tokens/s|MiB" $OUT/demo_gpu.txt | cut -c1-150 | head -20
+timeout 330 python -m minikv_compile.perf.accuracy --tasks needle,ppl --methods full,kivi2_spec64,kivi2_g64_spec64_hadamard --out /tmp/acc --budget-seconds 320 > $OUT/acc.log 2>&1
+cp /tmp/acc/main.md /tmp/acc/main.json $OUT/ 2>/dev/null
+sed -n '/^| method/,/^$/p' $OUT/main.md | head -6 | cut -c1-140
