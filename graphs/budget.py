@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import List, Tuple
 
+from minikv_compile.ops.cache_layout import value_group
+
 
 def heavy_fraction(config, layer: int, num_layers: int) -> float:
     """``a_HH(l)``: the heavy-hitter fraction of layer ``layer`` (0 = bottom).
@@ -52,20 +54,21 @@ def capacities(config, num_layers: int) -> List[int]:
             for kept in kept_per_layer(config, config.max_prompt_len, num_layers)]
 
 
-def bytes_per_kv_value(bits: int, group_size: int, dtype_bytes: int = 2) -> float:
-    """Bytes one cached K or V value costs: ``bits / 8`` plus an fp16 scale and zero per group;
-    ``dtype_bytes`` when unquantized (``bits == 16``)."""
+def bytes_per_kv_value(bits: int, group_size: int, head_dim: int, dtype_bytes: int = 2) -> float:
+    """Bytes one cached value costs, the mean of a K and a V value: ``bits / 8`` plus an fp16
+    scale and zero per key group (``group_size`` tokens of a channel) and per value group
+    (``min(group_size, head_dim)`` channels of a token); ``dtype_bytes`` when unquantized."""
     if bits == 16:
         return float(dtype_bytes)
-    return bits / 8 + 4 / group_size
+    return bits / 8 + 2 / group_size + 2 / value_group(group_size, head_dim)
 
 
-def formula_kv_bytes(*, bits: int, group_size: int, kv_width: int, kept: List[int],
+def formula_kv_bytes(*, bits: int, group_size: int, kv_width: int, head_dim: int, kept: List[int],
                      new_tokens: int, batch: int, dtype_bytes: int = 2) -> int:
     """The compressed cache's KV bytes by formula: K and V of ``kept[l] + new_tokens`` tokens per
-    layer, ``kv_width`` (KV heads x head dim) values each, at ``bytes_per_kv_value``; the
+    layer, ``kv_width`` (KV heads x ``head_dim``) values each, at ``bytes_per_kv_value``; the
     residual ring and any padding are on top (the paper's Appendix I count at 2 bits)."""
-    per_value = bytes_per_kv_value(bits, group_size, dtype_bytes)
+    per_value = bytes_per_kv_value(bits, group_size, head_dim, dtype_bytes)
     return int(sum(2 * kv_width * (k + new_tokens) * per_value for k in kept) * batch)
 
 

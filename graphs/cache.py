@@ -293,8 +293,8 @@ def kv_memory_report(cache: StaticKVCache, *, kept: List[int], prompt_len: int, 
                                     dtype_bytes=dtype_bytes)
 
     # the paper's count: 16-bit values at 2 bytes, as fp16_bytes
-    formula = budget.formula_kv_bytes(bits=cache.bits, group_size=G, kv_width=width, kept=kept,
-                                      new_tokens=new_tokens, batch=batch)
+    formula = budget.formula_kv_bytes(bits=cache.bits, group_size=G, kv_width=width, head_dim=D,
+                                      kept=kept, new_tokens=new_tokens, batch=batch)
     notes = [
         f"ring: {cache.ring} tokens per slot and layer in {cache.dtype} on top of the formula"
         + ("" if rec is None else " (and a spare row for SpeCache's speculative token)"),

@@ -86,7 +86,8 @@ class MiniKVConfig:
         (groups of 32 and up) puts its two levels at the midpoints of each group's half-ranges.
     group_size:
         Quantization group: keys per channel over this many tokens, values per token over this
-        many channels.
+        many channels, or the whole head where the head has fewer (SmolLM2's 64 channels with
+        key groups of 128: 14.8% of fp16's bytes at 2 bits instead of 15.6% at 64).
     residual_length:
         ``n_r``: tokens held in full precision in the ring before a flush; a multiple of
         ``group_size``.

@@ -94,8 +94,12 @@ class MiniKVModel:
         if a.num_q_heads % a.num_kv_heads:
             raise NotImplementedError(f"expected num_attention_heads % num_key_value_heads == 0, "
                                       f"got {a.num_q_heads} % {a.num_kv_heads}")
-        if a.head_dim % config.group_size:
-            raise ValueError(f"group_size: expected a divisor of head_dim={a.head_dim}, got {config.group_size}")
+        gv = budget.value_group(config.group_size, a.head_dim)  # channels of a value group
+        if a.head_dim % gv or (config.bits < 16 and gv % (32 // config.bits)):
+            raise ValueError(f"group_size: expected a divisor of head_dim={a.head_dim} or a size "
+                             f"above it (a value group is then the whole head, whose channels "
+                             f"one int32's codes at bits={config.bits} must divide), got "
+                             f"{config.group_size}")
         self._lock = threading.RLock()
         with engine_mode():
             self.runtime = SlotRuntime(a, config, device=self.device, dtype=self.dtype,

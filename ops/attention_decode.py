@@ -82,7 +82,7 @@ from . import _gdc as gdc
 from ._checks import (FLOAT_DTYPES, check_choice, check_tensor,
                       codes_per_word, compiled_major, sm_count as sm_count_of)
 from . import attention_decode_gluon as dag
-from .cache_layout import check_base, check_layer, ring_length
+from .cache_layout import check_base, check_layer, ring_length, value_group
 from .quant import dequantize_keys_ref, dequantize_values_ref
 from .recall import MASS_STEPS, MASS_ZERO, mass_codes
 
@@ -499,7 +499,8 @@ def _decode_attention_split_kernel(
     H_KV, T_CAP, R, NUM_SPLITS, K_REC, T_MASS, N_LAYERS, R_FLUSH,
     GQA: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     RECALL: tl.constexpr,
-    BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HALF2: tl.constexpr,
+    BITS: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -573,8 +574,8 @@ def _decode_attention_split_kernel(
             ks_plane = ks_ptr + plane * (T_CAP // G * D)
             kz_plane = kz_ptr + plane * (T_CAP // G * D)
             v_plane = v_ptr + plane * (T_CAP * (D // P))
-            vs_plane = vs_ptr + plane * (T_CAP * (D // G))
-            vz_plane = vz_ptr + plane * (T_CAP * (D // G))
+            vs_plane = vs_ptr + plane * (T_CAP * (D // GV))
+            vz_plane = vz_ptr + plane * (T_CAP * (D // GV))
         if HALF2:
             # -- packed fp16x2 dequantization, fp16 dots (also for bf16 models: dequantized
             #    values are fp16 by construction, fp16 scale and zero; probabilities are in
@@ -615,21 +616,21 @@ def _decode_attention_split_kernel(
                 kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, lo, hi, D, BITS, G, BLOCK_N)
                 v_tokens = lo + tl.arange(0, BLOCK_N)
                 vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens, v_tokens < hi,
-                                          D, BITS, G)
+                                          D, BITS, GV)
                 for start in tl.range(lo, hi, BLOCK_N, num_stages=1):
                     nxt = start + BLOCK_N
                     kw_n, ks_n, kz_n = _load_keys_t(k_plane, ks_plane, kz_plane, nxt, hi,
                                                     D, BITS, G, BLOCK_N)
                     v_tokens = nxt + tl.arange(0, BLOCK_N)
                     vw_n, vs_n, vz_n = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
-                                                    v_tokens < hi, D, BITS, G)
+                                                    v_tokens < hi, D, BITS, GV)
                     tokens = start + order_n
                     keep = _kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
                         kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
                     if RECALL:
                         _store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
-                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, G, INTERPRET)
+                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, GV, INTERPRET)
                     kw, ks, kz, vw, vs, vz = kw_n, ks_n, kz_n, vw_n, vs_n, vz_n
             else:
                 # Codes staged through shared memory by Triton's software pipelining (cp.async).
@@ -645,8 +646,8 @@ def _decode_attention_split_kernel(
                     # Values after the softmax: their registers are not live across it.
                     v_tokens = start + tl.arange(0, BLOCK_N)
                     vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
-                                              v_tokens < hi, D, BITS, G)
-                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, G, INTERPRET)
+                                              v_tokens < hi, D, BITS, GV)
+                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, GV, INTERPRET)
             l_i = tl.sum(l_rows, axis=0)
         else:
             q_d = q_t.to(DOT_DTYPE)
@@ -662,9 +663,9 @@ def _decode_attention_split_kernel(
                     kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
                                               D, BITS, G, BLOCK_N)
                     vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
-                                              D, BITS, G)
+                                              D, BITS, GV)
                     k_t = _dequant_last(kw, ks, kz, BITS, G)                # (D, BLOCK_N) fp32
-                    v = _dequant_last(vw, vs, vz, BITS, G)                  # (BLOCK_N, D) fp32
+                    v = _dequant_last(vw, vs, vz, BITS, GV)                 # (BLOCK_N, D) fp32
                     k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
                     v = _round_to(v, elem_ty, BF16_BY_HAND)
                 if RECALL:
@@ -1001,7 +1002,8 @@ def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
             q.stride(0), q.stride(1) if rows > 1 else 0, q.stride(2), q.stride(3), *stride_lse,
             h_kv, capacity, ring_cap, plan.num_splits, k_rec, t_mass, n_layers, r_flush,
             GQA=gqa, BLOCK_H=MAX_GQA, D=d, ROWS=rows, RECALL=recall is not None,
-            BITS=bits, G=group_size, BLOCK_N=block_n, HALF2=plan.half2,
+            BITS=bits, G=group_size, GV=value_group(group_size, d), BLOCK_N=block_n,
+            HALF2=plan.half2,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
             INTERPRET=interpret, PREFETCH=plan.prefetch, PDL=pdl, num_warps=plan.num_warps,
             num_stages=plan.num_stages, launch_pdl=pdl, **regs,
@@ -1033,7 +1035,8 @@ def _region_ref(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, b: int, n_qu
     k = dequantize_keys_ref(k_cache[b:b + 1, :, :rows], k_scale[b:b + 1, :, :groups],
                             k_zero[b:b + 1, :, :groups], bits, group_size, torch.float32)[0]
     v = dequantize_values_ref(v_cache[b:b + 1, :, :n_quant], v_scale[b:b + 1, :, :n_quant],
-                              v_zero[b:b + 1, :, :n_quant], bits, group_size, torch.float32)[0]
+                              v_zero[b:b + 1, :, :n_quant], bits,
+                              value_group(group_size, k_cache.shape[3]), torch.float32)[0]
     return k, v
 
 

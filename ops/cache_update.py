@@ -16,7 +16,7 @@ import triton.language as tl
 from . import _gdc as gdc
 from ._checks import FLOAT_DTYPES, check_tensor, codes_per_word, sm_count
 from .cache_layout import (BUFFER_NAMES, TABLE_COLS, CacheLayout, LayerBuffers, check_base,
-                           check_layer, ring_length, table_rows)
+                           check_layer, ring_length, table_rows, value_group)
 from .quant import (_quantize_key_block, _quantize_value_block, quantize_keys, quantize_keys_ref,
                     quantize_values, quantize_values_ref)
 
@@ -76,13 +76,13 @@ def _flush_key_group(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, j, d
 
 @triton.jit
 def _flush_value_tokens(ring_ptr, codes_ptr, scale_ptr, zero_ptr, bh, n_quant, t0, D, T_cap,
-                        ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                        ROWS: tl.constexpr, BITS: tl.constexpr, GV: tl.constexpr,
                         TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr):
-    """Quantize ring values [t0, t0 + TOKENS) of one (slot, head), all their channel groups,
-    into region tokens from ``n_quant + t0``."""
+    """Quantize ring values [t0, t0 + TOKENS) of one (slot, head), all their channel groups of
+    GV channels, into region tokens from ``n_quant + t0``."""
     P: tl.constexpr = 32 // BITS
-    W: tl.constexpr = G // P
-    NG = D // G
+    W: tl.constexpr = GV // P
+    NG = D // GV
     t = t0 + tl.arange(0, TOKENS)
     g = tl.arange(0, BLOCK_NG)
     g_ok = g < NG
@@ -118,8 +118,8 @@ def _flush_plain_tokens(ring_ptr, cache_ptr, bh, n_quant, t0, D, T_cap,
 @triton.jit
 def _flush_chunk(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, bh, n_quant,
                  c, D, T_cap, RING: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                 G: tl.constexpr, SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr,
-                 BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr):
+                 G: tl.constexpr, GV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr,
+                 TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr):
     """Chunk ``c`` of the flush of one (slot, head) ring (``bh = slot * H + head``) into region
     tokens from ``n_quant``: with bits < 16, the channel block c % SPLIT of ring key group
     c // SPLIT plus the matching 1 / SPLIT of that group's value tokens; with bits == 16, TOKENS
@@ -136,7 +136,7 @@ def _flush_chunk(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_r
         _flush_key_group(k_ring, k_cache, k_scale, k_zero, bh, n_quant, j, i * BLOCK_DK, D,
                          T_cap, ROWS, BITS, G, BLOCK_DK)
         _flush_value_tokens(v_ring, v_cache, v_scale, v_zero, bh, n_quant,
-                            j * G + i * TOKENS, D, T_cap, ROWS, BITS, G, TOKENS, BLOCK_NG)
+                            j * G + i * TOKENS, D, T_cap, ROWS, BITS, GV, TOKENS, BLOCK_NG)
 
 
 @triton.jit
@@ -189,7 +189,8 @@ def _layer_ptr(table, layer, COL: tl.constexpr, DT: tl.constexpr):
 def _flush_layers_kernel(
     table, live, L, batch, H, D,
     RING: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr, BLOCK_NG: tl.constexpr,
+    GV: tl.constexpr, SPLIT: tl.constexpr, BLOCK_DK: tl.constexpr, TOKENS: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr, RING_DT: tl.constexpr, CODE_DT: tl.constexpr,
     BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -234,8 +235,8 @@ def _flush_layers_kernel(
                          _layer_ptr(table, ly, 2, tl.float16), _layer_ptr(table, ly, 3, CODE_DT),
                          _layer_ptr(table, ly, 4, tl.float16), _layer_ptr(table, ly, 5, tl.float16),
                          _layer_ptr(table, ly, 6, RING_DT), _layer_ptr(table, ly, 7, RING_DT),
-                         bh, nq, item % CHUNKS, D, cap, RING, ROWS, BITS, G, SPLIT, BLOCK_DK,
-                         TOKENS, BLOCK_NG, BLOCK_D)
+                         bh, nq, item % CHUNKS, D, cap, RING, ROWS, BITS, G, GV, SPLIT,
+                         BLOCK_DK, TOKENS, BLOCK_NG, BLOCK_D)
         done += count
 
 
@@ -319,8 +320,9 @@ def _flush_tiles(R: int, D: int, bits: int, G: int) -> Tuple[int, int, int, int]
 def _flush_constants(R: int, D: int, bits: int, G: int) -> Tuple[int, dict]:
     """(CHUNKS, the constexprs of ``_flush_chunk``) for rings of R x D tokens."""
     chunks, split, block_dk, tokens = _flush_tiles(R, D, bits, G)
-    return chunks, dict(RING=R, BITS=bits, G=G, SPLIT=split, BLOCK_DK=block_dk, TOKENS=tokens,
-                        BLOCK_NG=triton.next_power_of_2(max(D // G, 1)),
+    GV = value_group(G, D)
+    return chunks, dict(RING=R, BITS=bits, G=G, GV=GV, SPLIT=split, BLOCK_DK=block_dk,
+                        TOKENS=tokens, BLOCK_NG=triton.next_power_of_2(max(D // GV, 1)),
                         BLOCK_D=triton.next_power_of_2(D))
 
 
@@ -401,7 +403,8 @@ def _store_region(slot, start, k_tok, v_tok, k_cache, k_scale, k_zero, v_cache, 
     k_cache[slot, :, start // P:(start + n) // P] = codes[0]
     k_scale[slot, :, start // G:(start + n) // G] = scale[0]
     k_zero[slot, :, start // G:(start + n) // G] = zero[0]
-    codes, scale, zero = quantize_v(v_tok[None], bits, G)       # (1, H, n, D/P), (1, H, n, D/G)
+    GV = value_group(G, k_tok.shape[2])
+    codes, scale, zero = quantize_v(v_tok[None], bits, GV)      # (1, H, n, D/P), (1, H, n, D/GV)
     v_cache[slot, :, start:start + n] = codes[0]
     v_scale[slot, :, start:start + n] = scale[0]
     v_zero[slot, :, start:start + n] = zero[0]

@@ -184,6 +184,9 @@ ENGINE_METHODS: Dict[str, Dict[str, object]] = {
     "kivi-g64-hadamard": {**PRESETS["kivi"], "group_size": 64, "rotation": "hadamard"},
     "kivi1-g64": {**PRESETS["kivi"], "bits": 1, "group_size": 64},
     "kivi1-g64-hadamard-specache": {**PRESETS["accurate"], "bits": 1},
+    # keys grouped over 128 tokens (values over min(128, head dim)), with and without recall
+    "kivi-g128-hadamard": {**PRESETS["kivi"], "group_size": 128, "rotation": "hadamard"},
+    "kivi-g128-hadamard-specache": {**PRESETS["accurate"], "group_size": 128},
 }
 HF_METHODS = ("hf-eager", "hf-static")
 # Prefill-only comparator (the paper's Table 3): eager attention materializes L x L scores.
@@ -205,6 +208,8 @@ METHOD_LABELS = {
     "kivi-g64-hadamard": "engine, KIVI group 64 + Hadamard",
     "kivi1-g64": "engine, KIVI 1 bit, group 64",
     "kivi1-g64-hadamard-specache": "engine, KIVI 1 bit, group 64 + Hadamard + SpeCache (K 64)",
+    "kivi-g128-hadamard": "engine, KIVI group 128 + Hadamard",
+    "kivi-g128-hadamard-specache": "engine, KIVI group 128 + Hadamard + SpeCache (K 64)",
 }
 
 
@@ -670,7 +675,8 @@ def kv_bytes_read(model, method: str, prompt_len: int, generated: int, batch: in
             continue
         ring = (kept % cfg.group_size + generated) % cfg.residual_length
         quant = held - ring
-        total += 2 * width * (quant * (cfg.bits / 8 + 4 / cfg.group_size) + ring * elt)
+        per_value = budget.bytes_per_kv_value(cfg.bits, cfg.group_size, s["head_dim"])
+        total += 2 * width * (quant * per_value + ring * elt)
         # SpeCache: the recalled rows (their host reads are ``host_link_bytes``)
         total += 2 * s["kv_heads"] * min(cfg.recall_top_k, quant) * s["head_dim"] * elt
     return int(total * batch)

@@ -33,8 +33,10 @@ def quantize_keys_tokens(k: torch.Tensor, bits: int, group: int) -> torch.Tensor
 
 
 def quantize_values_tokens(v: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """v (T, D) -> dequantized values; a group is `group` consecutive channels of one token."""
+    """v (T, D) -> dequantized values; a group is `group` consecutive channels of one token, or
+    all D of them where D < group."""
     T, D = v.shape
+    group = min(group, D)
     return _quant_dequant(v.reshape(T, D // group, group), bits).reshape(T, D)
 
 

@@ -123,12 +123,14 @@ def _tiny_model():
     dict(methods.PAPER_MINIKV, budget_policy="pyramid"),
     dict(methods.PAPER_MINIKV, bits=16, heavy_budget=0.06, recent_budget=0.06),
     dict(methods.PAPER_MINIKV, heavy_budget=1.0, recent_budget=1.0),
+    # key groups of 128 tokens over a head of 16 channels: value groups of 16
+    dict(methods.PAPER_MINIKV, heavy_budget=1.0, recent_budget=1.0, group_size=128),
 ])
 def test_kv_bytes_is_the_engines_formula(fields):
     model = _tiny_model()
     config = MiniKVConfig(**fields, max_batch_size=2, max_prompt_len=600, max_new_tokens=40)
     report = minikv_compile(model, config).kv_memory(prompt_len=517, new_tokens=40)
-    assert methods.kv_bytes(config, 2, 32, 517, 40) * 2 == report.formula_bytes
+    assert methods.kv_bytes(config, 2, 32, 517, 40, 16) * 2 == report.formula_bytes
     assert methods.fp16_bytes(2, 32, 517, 40) * 2 == report.fp16_bytes
 
 
@@ -136,11 +138,12 @@ def test_matched_budget_gives_minikv_bytes_at_16_bit():
     minikv = MiniKVConfig(**methods.PAPER_MINIKV)
     h2o16 = replace(minikv, bits=16)
     for L, N in ((4096, 0), (2048, 24), (3072, 256)):
-        target = methods.kv_bytes(minikv, 30, 192, L, N)
-        f = methods.matched_budget(target, h2o16, 30, 192, L, N)
-        fits = methods.kv_bytes(replace(h2o16, heavy_budget=f / 2, recent_budget=f / 2), 30, 192, L, N)
+        target = methods.kv_bytes(minikv, 30, 192, L, N, 64)
+        f = methods.matched_budget(target, h2o16, 30, 192, L, N, 64)
+        fits = methods.kv_bytes(replace(h2o16, heavy_budget=f / 2, recent_budget=f / 2), 30, 192, L, N,
+                                64)
         over = methods.kv_bytes(replace(h2o16, heavy_budget=f / 2 + 1 / 8192, recent_budget=f / 2 + 1 / 8192),
-                            30, 192, L, N)
+                            30, 192, L, N, 64)
         assert fits <= target < over
         # 2-bit codes + scales cost a quarter of 16 bit: 50% kept -> 12.5%, less the 16-bit
         # generated tokens' extra cost (0.75 N / L)

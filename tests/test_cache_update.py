@@ -43,8 +43,8 @@ def make_cache(Bmax, H, T_cap, R, D, bits, G, dtype, device="cpu", seed=0):
         P = 32 // bits
         region = [codes(Bmax, H, T_cap // P, D), rnd(Bmax, H, T_cap // G, D, dt=torch.float16),
                   rnd(Bmax, H, T_cap // G, D, dt=torch.float16), codes(Bmax, H, T_cap, D // P),
-                  rnd(Bmax, H, T_cap, D // G, dt=torch.float16),
-                  rnd(Bmax, H, T_cap, D // G, dt=torch.float16)]
+                  rnd(Bmax, H, T_cap, D // min(G, D), dt=torch.float16),
+                  rnd(Bmax, H, T_cap, D // min(G, D), dt=torch.float16)]
     rings = [rnd(Bmax, H, R, D, dt=dtype), rnd(Bmax, H, R, D, dt=dtype)]
     lens = torch.zeros(Bmax, 2, dtype=torch.int32, device=device)
     return region + rings + [lens]
@@ -139,7 +139,8 @@ class SlotModel:
                 continue
             P = 32 // bits
             qk = quantize_keys_ref(k, bits, G)                       # (1, H, nq/P or nq/G, D)
-            qv = quantize_values_ref(v, bits, G)                     # (1, H, nq, D/P or D/G)
+            GV = min(G, v.shape[-1])                 # a value group: G channels, or the head
+            qv = quantize_values_ref(v, bits, GV)                    # (1, H, nq, D/P or D/GV)
             for i in range(3):
                 want[i][b, :, : (nq // P if i == 0 else nq // G)] = qk[i][0]
                 want[3 + i][b, :, :nq] = qv[i][0]
@@ -147,10 +148,10 @@ class SlotModel:
             got_k = dequantize_keys_ref(bufs[0][b:b + 1, :, :nq // P],
                                         *(t[b:b + 1, :, :nq // G] for t in bufs[1:3]), bits, G,
                                         torch.float32)
-            got_v = dequantize_values_ref(*(t[b:b + 1, :, :nq] for t in bufs[3:6]), bits, G,
+            got_v = dequantize_values_ref(*(t[b:b + 1, :, :nq] for t in bufs[3:6]), bits, GV,
                                           torch.float32)
             assert torch.equal(got_k, dequantize_keys_ref(*qk, bits, G, torch.float32)), where
-            assert torch.equal(got_v, dequantize_values_ref(*qv, bits, G, torch.float32)), where
+            assert torch.equal(got_v, dequantize_values_ref(*qv, bits, GV, torch.float32)), where
         assert_buffers_equal(bufs, want, where)
 
 
@@ -165,11 +166,17 @@ def new_tokens(B, H, D, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("bits", [2, 4, 16])
-def test_append_matches_token_model(bits, dtype):
+@pytest.mark.parametrize("bits,G,R,T_cap,final", [
+    (2, 16, 32, 160, [[112, 4], [96, 9], [128, 19]]),
+    (4, 16, 32, 160, [[112, 4], [96, 9], [128, 19]]),
+    (16, 16, 32, 160, [[112, 4], [96, 9], [128, 19]]),
+    # key groups of 64 tokens over heads of 32 channels: value groups of 32 (the whole head)
+    (2, 64, 64, 192, [[64, 52], [64, 41], [128, 19]]),
+])
+def test_append_matches_token_model(bits, dtype, G, R, T_cap, final):
     # 3 active slots of 4; prefill leaves 16, 5, 47 tokens -> rings of 0, 5, 15 (R = 32, G = 16),
     # so the three slots flush at different steps. Slot 3 must never change.
-    Bmax, B, H, D, R, G, T_cap = 4, 3, 3, 32, 32, 16, 160
+    Bmax, B, H, D = 4, 3, 3, 32
     bufs = make_cache(Bmax, H, T_cap, R, D, bits, G, dtype)
     model = SlotModel(bufs, R, bits, G)
     g = torch.Generator().manual_seed(1)
@@ -178,13 +185,13 @@ def test_append_matches_token_model(bits, dtype):
         cache_write_prefill(k_sel, v_sel, slot, bufs, bits, G)
         model.prefill(slot, k_sel, v_sel)
     model.check(bufs, "after prefill")
-    assert bufs[8][:B].tolist() == [[16, 0], [0, 5], [32, 15]]
+    assert bufs[8][:B].tolist() == [[n // G * G, n % G] for n in (16, 5, 47)]
     for step in range(100):
         k_new, v_new = new_tokens(B, H, D, dtype, g)
         append(k_new, v_new, *bufs, bits, G)
         model.append(k_new, v_new)
         model.check(bufs, f"step {step}")
-    assert bufs[8][:B].tolist() == [[112, 4], [96, 9], [128, 19]]
+    assert bufs[8][:B].tolist() == final
 
 
 @pytest.mark.parametrize("bits", [2, 16])
@@ -210,7 +217,7 @@ def test_full_ring_without_room_is_left_alone(bits):
 @pytest.mark.parametrize("bits,D,G", [(b, D, G) for b in (2, 4, 16)
                                        for D, G in [(64, 16), (64, 32), (16, 16), (80, 16)]
                                        if not (b == 4 and D == 80)]  # D=80 once is enough
-                         + [(1, 64, 32)])
+                         + [(1, 64, 32), (2, 16, 32), (4, 16, 32)])  # (value groups of 16)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_triton_matches_reference(bits, dtype, D, G):
     Bmax, B, H, R, T_cap = 4, 3, 3, 32, 96

@@ -117,7 +117,8 @@ def make_case(batch: int, b_max: int, h_kv: int, d: int, capacity: int, ring: in
         k_hat = (kc.double() * k_scale.double() + k_zero.double()).view(k.shape)
         k_cache = _pack_keys(kc.view(k.shape), bits)
         k_scale, k_zero = k_scale.squeeze(3), k_zero.squeeze(3)
-        vc, v_scale, v_zero = _quantize_groups(v.view(b_max, h_kv, capacity, d // g, g), 4, bits)
+        gv = min(g, d)  # a value group: g channels, or the whole head
+        vc, v_scale, v_zero = _quantize_groups(v.view(b_max, h_kv, capacity, d // gv, gv), 4, bits)
         v_hat = (vc.double() * v_scale.double() + v_zero.double()).view(v.shape)
         v_cache = _pack_values(vc.view(v.shape), bits)
         v_scale, v_zero = v_scale.squeeze(4), v_zero.squeeze(4)
@@ -268,6 +269,17 @@ def test_triton_split_and_block_configs(num_splits, block_n, bits, dtype):
 @pytest.mark.parametrize("group_size", [32, 64])
 def test_triton_group_sizes(bits, group_size, dtype):
     case = make_case(2, 2, 1, 64, 128, 64, bits, group_size, dtype, [64, 128], [64, 9])
+    q = torch.randn(2, 3, 64).to(dtype)
+    out = run_triton(q, case, 0.125, num_splits=2)
+    assert_within_2x(out, q, case, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_triton_key_groups_longer_than_the_head(bits, dtype):
+    # keys over 128 tokens, values over the head's 64 channels; lengths multiples of 128
+    case = make_case(2, 2, 1, 64, 256, 128, bits, 128, dtype, [128, 256], [64, 9])
+    assert case.bufs[4].shape[3] == 1 and case.bufs[1].shape[2] == 2  # one value group a token
     q = torch.randn(2, 3, 64).to(dtype)
     out = run_triton(q, case, 0.125, num_splits=2)
     assert_within_2x(out, q, case, 0.125)
@@ -510,6 +522,18 @@ def test_gpu_group_sizes(bits, group_size, dtype):
     q = torch.randn(3, 32, 128, device="cuda").to(dtype)
     out = run_triton(q, case, 128 ** -0.5)
     assert_within_2x(out, q, case, 128 ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", [1, 2])
+def test_gpu_key_groups_longer_than_the_head(bits, dtype):
+    # SmolLM2's head of 64 channels with keys over 128 tokens: values over the whole head
+    case = make_case(3, 3, 3, 64, 4096, 128, bits, 128, dtype, [4096, 0, 1280], [128, 1, 5],
+                     outliers=True, device="cuda")
+    q = torch.randn(3, 9, 64, device="cuda").to(dtype)
+    out = run_triton(q, case, 64 ** -0.5)
+    assert_within_2x(out, q, case, 64 ** -0.5)
 
 
 @pytest.mark.gpu

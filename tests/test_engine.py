@@ -62,6 +62,9 @@ def test_full_cache_reproduces_hf_greedy(kind):
     dict(heavy_budget=1.0, recent_budget=1.0),      # KIVI: no eviction, 2 bit
     dict(bits=4),
     dict(bits=1, group_size=32),                    # SpeCache's 1-bit rule
+    # keys over 128 tokens, values over the head's 64 channels; 101 tokens in the ring, then
+    # flushed at once as one key group
+    dict(heavy_budget=1.0, recent_budget=1.0, group_size=128, residual_length=128),
     dict(bits=16),                                  # H2O-style eviction at 16 bit
 ])
 def test_minikv_matches_plain_reference(mode):
@@ -174,6 +177,16 @@ def test_bad_requests_raise_and_leave_the_model_usable(bad, match):
     with pytest.raises(ValueError, match=match):
         cm.generate(**{"max_new_tokens": 8, **bad})
     assert cm.generate(p, max_new_tokens=16).sequences == before
+
+
+@pytest.mark.parametrize("head_dim,fields", [
+    (48, dict(group_size=32)),                         # 48 channels: no groups of 32
+    (16, dict(bits=1, group_size=128, residual_length=128)),  # 16 channels: no 1-bit word
+])
+def test_value_groups_that_do_not_fit_the_head_are_refused(head_dim, fields):
+    with pytest.raises(ValueError, match=rf"group_size: expected a divisor of head_dim={head_dim} "
+                                         rf"or a size above it .*bits={fields.get('bits', 2)}"):
+        minikv_compile(tiny(head_dim=head_dim), MiniKVConfig(**fields, max_prompt_len=64))
 
 
 @pytest.mark.parametrize("cfg, match", [

@@ -861,9 +861,9 @@ sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
     "stride_qb", "stride_qr", "stride_qh", "stride_qd", "stride_lb", "stride_lh", "H_KV",
     "T_CAP", "R", "NUM_SPLITS", "K_REC", "T_MASS", "N_LAYERS", "R_FLUSH")}})
 build(a._decode_attention_split_kernel, sig,
-      dict(GQA=4, BLOCK_H=8, D=128, ROWS=2, RECALL=True, BITS=2, G=16, BLOCK_N=64, HALF2=True,
-           DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32", BF16_BY_HAND=False, INTERPRET=False,
-           PREFETCH=True, PDL=True))
+      dict(GQA=4, BLOCK_H=8, D=128, ROWS=2, RECALL=True, BITS=2, G=16, GV=16, BLOCK_N=64,
+           HALF2=True, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32", BF16_BY_HAND=False,
+           INTERPRET=False, PREFETCH=True, PDL=True))
 build(a._decode_attention_combine_kernel,
       {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16",
        "lse_ref_ptr": "*fp32", "lens_ptr": "*i32", "update_ptr": "*i32", "H_Q": "i32",

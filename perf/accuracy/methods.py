@@ -89,6 +89,9 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             recall_top_k=256, **_KEEP_ALL),
     _method("kivi2_g64_spec64_hadamard", "KIVI-2, group 64, Hadamard + SpeCache K 64",
             group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    # keys grouped over 128 tokens, values over SmolLM2's whole head (64): 14.8% by formula
+    _method("kivi2_g128_spec64_hadamard", "KIVI-2, group 128, Hadamard + SpeCache K 64",
+            group_size=128, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
     _method("kivi2_spec64_b16", "KIVI-2 + SpeCache K 64 in blocks of 16", recall_top_k=64,
             recall_block=16, **_KEEP_ALL),
     _method("kivi2_g64_spec64_hadamard_b16", "KIVI-2, group 64, Hadamard + SpeCache K 64, blocks of 16",
@@ -102,6 +105,10 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
     _method("kivi1_g64_spec256_hadamard", "KIVI-1, group 64, Hadamard + SpeCache K 256", bits=1,
             group_size=64, rotation="hadamard", recall_top_k=256, **_KEEP_ALL),
+    _method("kivi1_g128_spec64_hadamard", "KIVI-1, group 128, Hadamard + SpeCache K 64",
+            bits=1, group_size=128, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    _method("kivi1_g128_spec256_hadamard", "KIVI-1, group 128, Hadamard + SpeCache K 256",
+            bits=1, group_size=128, rotation="hadamard", recall_top_k=256, **_KEEP_ALL),
     _method("kivi1_g32_spec64_hadamard", "KIVI-1, group 32, Hadamard + SpeCache K 64", bits=1,
             group_size=32, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
     _method("snapkv_block_sink_spec64", "MiniKV + snapkv k15, blocks, 4 sinks + SpeCache K 64",
@@ -141,15 +148,18 @@ def sweep_methods(selections: Sequence[str]) -> List[Method]:
 # -- KV bytes (docs/algorithm.md, KV bytes; the paper's Appendix I) -------------------------------
 
 
-def kv_bytes(config: MiniKVConfig, num_layers: int, width: int, prompt_len: int, new_tokens: int) -> int:
+def kv_bytes(config: MiniKVConfig, num_layers: int, width: int, prompt_len: int, new_tokens: int,
+             head_dim: int) -> int:
     """Bytes of one sequence's KV cache under ``config``, by the paper's formula.
 
-    ``width`` = KV heads x head dim. 16-bit: 2 bytes per value; b-bit: b/8 bytes of codes plus an
-    fp16 scale and zero per ``group_size`` values. Kept prompt tokens per layer follow the budgets
+    ``width`` = KV heads x ``head_dim``. 16-bit: 2 bytes per value; b-bit: b/8 bytes of codes plus
+    an fp16 scale and zero per key group of ``group_size`` tokens and per value group of
+    ``min(group_size, head_dim)`` channels. Kept prompt tokens per layer follow the budgets
     (``budget.kept_tokens``); generated tokens are all kept. The residual ring (at most
     ``residual_length`` tokens in 16 bit) and padding come on top and are reported apart.
     """
     return budget.formula_kv_bytes(bits=config.bits, group_size=config.group_size, kv_width=width,
+                                   head_dim=head_dim,
                                    kept=budget.kept_per_layer(config, prompt_len, num_layers),
                                    new_tokens=new_tokens, batch=1)
 
@@ -161,7 +171,7 @@ def fp16_bytes(num_layers: int, width: int, prompt_len: int, new_tokens: int) ->
 
 
 def matched_budget(target_bytes: int, base: MiniKVConfig, num_layers: int, width: int,
-                   prompt_len: int, new_tokens: int) -> float:
+                   prompt_len: int, new_tokens: int, head_dim: int) -> float:
     """Largest kept fraction ``f`` (half heavy, half recent) whose bytes under ``base`` fit.
 
     Bytes grow with ``f`` (kept counts are non-decreasing), so a bisection over a grid of
@@ -169,7 +179,7 @@ def matched_budget(target_bytes: int, base: MiniKVConfig, num_layers: int, width
     """
     def cost(f: float) -> int:
         return kv_bytes(replace(base, heavy_budget=f / 2, recent_budget=f / 2), num_layers, width,
-                        prompt_len, new_tokens)
+                        prompt_len, new_tokens, head_dim)
 
     lo, hi = 0, 4096  # cost(lo / 4096) fits (or lo = 0), cost(hi / 4096) may not
     if cost(1.0) <= target_bytes:

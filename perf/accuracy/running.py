@@ -42,10 +42,13 @@ class Subject:
         return self.model.config.num_hidden_layers
 
     @property
-    def kv_width(self) -> int:
+    def head_dim(self) -> int:
         c = self.model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_key_value_heads * head_dim
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.model.config.num_key_value_heads * self.head_dim
 
 
 def tiny_llama(dtype: torch.dtype, device) -> torch.nn.Module:
@@ -234,7 +237,8 @@ class Run:
             # 768 + 144 in a CPU preview: 1 token, perplexity 913 against MiniKV's 41). The KV
             # column still reports each method's total, generated tokens included.
             target = MiniKVConfig(**METHODS[method.match_bytes_of].fields, **capacity)
-            args = (self.subject.num_layers, self.subject.kv_width, prompt_len, 0)
+            args = (self.subject.num_layers, self.subject.kv_width, prompt_len, 0,
+                    self.subject.head_dim)
             f = matched_budget(kv_bytes(target, *args), config, *args)
             config = replace(config, heavy_budget=f / 2, recent_budget=f / 2)
         return config
@@ -285,7 +289,8 @@ class Run:
         self.budget.note(f"{task}/{group}", seconds)
         report = cm.kv_memory(prompt_len=L, new_tokens=new)
         B = config.max_batch_size
-        formula = kv_bytes(config, self.subject.num_layers, self.subject.kv_width, L, new)
+        formula = kv_bytes(config, self.subject.num_layers, self.subject.kv_width, L, new,
+                           self.subject.head_dim)
         kv = {"prompt_len": L, "new_tokens": new, "formula_bytes": formula,
               "fp16_bytes": fp16_bytes(self.subject.num_layers, self.subject.kv_width, L, new),
               "engine_formula_bytes": report.formula_bytes // B, "ring_bytes": report.ring_bytes // B,
