@@ -133,8 +133,8 @@ def table_rows(layers: Sequence[Sequence[torch.Tensor]]) -> tuple:
 
 def value_group(group_size: int, head_dim: int) -> int:
     """GV, the channels of a value group: ``group_size`` capped at the head dim, so that a head of
-    64 channels can take key groups of 128 tokens (the scales' bytes halve: 15.6% -> 14.8% of
-    fp16's at 2 bits) while its values keep one group per token."""
+    64 channels can take key groups of 128 tokens (the keys' scales and zeros halve: 15.6% ->
+    14.8% of fp16's bytes at 2 bits) while its values keep one group per token."""
     return min(group_size, head_dim)
 
 
