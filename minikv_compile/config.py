@@ -22,13 +22,13 @@ PRESETS = {
     # KIVI-2: 2 bit, nothing evicted (40.0%, perplexity x1.108)
     "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=0),
     # SpeCache as its paper runs it: KIVI-2's GPU copy, 64 positions per KV head recalled in
-    # full precision from host memory each step (83.8%, x1.004; 1.18x KIVI's step time on the
-    # Llama-3.1-8B shape at 1 x 32k, 1.23x at 8 x 4k, H100)
+    # full precision from host memory each step (83.8%, x1.003; 1.08x KIVI's step time on the
+    # Llama-3.1-8B shape at 1 x 32k, 1.11x at 8 x 4k, H100)
     "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=64),
     # the full cache's quality at the fewest GPU bytes measured: KIVI-2 at group 64 with the
-    # Hadamard rotation and the recall of 64 (15.6% of fp16's bytes by formula, 20% resident at
-    # 7k tokens with the ring and the recall buffers; 85.8%, x1.002; 1.17x the step of the same
-    # GPU copy without recall at 1 x 32k, 1.20x at 8 x 4k, H100).
+    # Hadamard rotation and the recall of 64 (15.6% of fp16's bytes by formula, 18.7% resident
+    # at 7k tokens with the ring and the recall buffers, 16.6% at 32k; 86.2%, x1.002; 1.08x the
+    # step of the same GPU copy without recall at 1 x 32k and 8 x 4k, H100).
     # Recall cannot bring back what eviction dropped: the library's selection + recall 64 scores
     # 85.8% too but misses the demo's question on the GPU at K 64, 128 and 256.
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
