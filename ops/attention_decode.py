@@ -1281,11 +1281,11 @@ def decode_attention_recall(
     previous step's scales the masses of a head by one factor, so the ranking by one head is
     exact and only the weights of a group's heads in the sum that :func:`.recall.recall_topk`
     ranks are off. ``mass`` holds one byte per position, the code of ``log2`` of the mass in
-    steps of 1/8 (:func:`.recall.mass_codes`: masses within 9% may tie), against the 4 bytes of
-    fp32, which were 1.6% of a bf16 cache's bytes at D 64 and kept SpeCache's resident bytes
-    above 16% of fp16's. Positions ``>= lens[b, 0] + lens[b, 1]``, other layers and slots
-    ``>= B`` keep what they held (code 0 for an emptied slot: the caller's reset). A mass
-    above 2^8 (a reference far below this step's scores) saturates at code 255.
+    steps of 1/8 (:func:`.recall.mass_codes`: masses within 9% may tie): 0.4% of a bf16
+    cache's bytes at D 64, where fp32 would be 1.6%. Positions ``>= lens[b, 0] + lens[b, 1]``,
+    other layers and slots ``>= B`` keep what they held (code 0 for an emptied slot: the
+    caller's reset). A mass above 2^8 (a reference far below this step's scores) saturates at
+    code 255.
 
     After the attention, for every slot ``b < B`` with ``update[b] >= 0``: ``lse_ref[b]``
     becomes the last row's own log-sum-exp (the next step's reference), and ``lens[b, 1] -=
