@@ -222,6 +222,42 @@ def test_budget_seconds_stops_starting_work(tmp_path):
     assert data["units"] == [] and len(data["skipped"]) == 6 and data["finished"]
 
 
+def test_extend_keeps_the_earlier_units_and_runs_only_the_missing_ones(tmp_path):
+    # a first run cut short: minikv's ppl unit was not started
+    assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path),
+                     "--methods", "full,minikv", "--tasks", "needle,ppl"]) == 0
+    first = json.loads((tmp_path / "quick.json").read_text())
+    first["units"] = [u for u in first["units"] if (u["method"], u["task"]) != ("minikv", "ppl")]
+    (tmp_path / "quick.json").write_text(json.dumps(first))
+    kept = {(u["method"], u["task"], u["group"]): u["rows"] for u in first["units"]}
+
+    assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--extend",
+                     "--methods", "snapkv_block", "--tasks", "needle,ppl"]) == 0
+    data = json.loads((tmp_path / "quick.json").read_text())
+    assert [m["name"] for m in data["methods"]] == ["full", "minikv", "snapkv_block"]
+    units = {(u["method"], u["task"], u["group"]): u["rows"] for u in data["units"]}
+    groups = {(task, s["group"]) for task in ("needle", "ppl") for s in first["samples"][task]}
+    assert set(units) == {(m, t, g) for m in ("full", "minikv", "snapkv_block") for t, g in groups}
+    assert len(data["units"]) == len(units)  # nothing measured twice
+    assert all(units[k] == rows for k, rows in kept.items())  # carried as they were
+    assert data["hf_check"] == first["hf_check"] and data["finished"]
+    assert set(data["summary"]) == {"full", "minikv", "snapkv_block"}
+    assert data["extended"][0]["argv"] == first["argv"]
+    assert "| MiniKV + snapkv k15, blocks of 16 |" in (tmp_path / "quick.md").read_text()
+
+
+def test_extend_refuses_an_incomparable_run_and_leaves_it_untouched(tmp_path):
+    with pytest.raises(SystemExit, match="--extend: expected an earlier run's .*quick.json"):
+        cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--extend"])
+    assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--methods", "full",
+                     "--tasks", "ppl"]) == 0
+    before = (tmp_path / "quick.json").read_text()
+    with pytest.raises(SystemExit, match=r"not comparable.*differs in plan .*ppl_docs"):
+        cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--extend", "--methods",
+                  "minikv", "--tasks", "ppl", "--ppl-docs", "1"])
+    assert (tmp_path / "quick.json").read_text() == before
+
+
 def test_fp32_on_cuda_is_refused_before_anything_loads(tmp_path, monkeypatch):
     loaded = []
     monkeypatch.setattr(cli, "load_subject", lambda *a: loaded.append(a))

@@ -33,7 +33,7 @@ cache) for every ratio; every per-sample result is in the JSON.
 On CUDA the engine runs with ``compile=False, cuda_graphs=True`` by default: the decode step is
 captured eagerly into a CUDA graph. Same kernels as the compiled engine, one capture (well under
 a second) instead of a compile per configuration and decode mode (the demo's SmolLM2 engine build
-took 19-23 s on an H200; the main table has 12 configurations x 2 modes, the sweep 29 x 2), and a
+took 19-23 s on an H200; the main table has 19 configurations x 2 modes, the sweep 29 x 2), and a
 replay has no per-op launch overhead from Python. ``--compile`` traces the step as well, and
 ``--agreement`` checks the compiled engine against the CPU engine on the quick samples.
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -49,6 +50,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: 1 for --quick on the CPU, else torch's own)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extend", action="store_true",
+                   help="go on from the part's JSON in --out (same model, samples, settings, device, "
+                        "versions and commit): its units are kept, only the missing ones run")
     p.add_argument("--out", default=None, help=f"results folder (default {DEFAULT_OUT}, or a quick-* "
                                                  "subfolder for --quick / --model tiny)")
     return p.parse_args(argv)
@@ -112,8 +116,17 @@ def _run_part(args, argv, part, plan, methods, tasks, device, dtype, compile_, g
     print(f"accuracy {part}: {subject.name} {dtype} on {device}, {len(methods)} methods, "
           + ", ".join(f"{t} {len(s)}" for t, s in samples.items())
           + f" samples (setup {time.perf_counter() - t0:.0f}s) -> {args.out}", flush=True)
-    run = Run(part, subject, plan, methods, samples, Path(args.out), device, dtype, compile_, graphs,
-              args.budget_seconds, argv)
+    previous = None
+    if args.extend:
+        path = Path(args.out) / f"{part}.json"
+        if not path.is_file():
+            raise SystemExit(f"--extend: expected an earlier run's {path}, found none")
+        previous = json.loads(path.read_text())
+    try:
+        run = Run(part, subject, plan, methods, samples, Path(args.out), device, dtype, compile_,
+                  graphs, args.budget_seconds, argv, previous)
+    except ValueError as e:
+        raise SystemExit(str(e))
     run.run()
     check = run.data.get("hf_check")
     if check is not None and not check["passed"] and check["exact"]:

@@ -107,6 +107,8 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             group_size=64, rotation="hadamard", recall_top_k=256, **_KEEP_ALL),
     _method("kivi1_g128_spec64_hadamard", "KIVI-1, group 128, Hadamard + SpeCache K 64",
             bits=1, group_size=128, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    _method("kivi1_g128_spec192_hadamard", "KIVI-1, group 128, Hadamard + SpeCache K 192",
+            bits=1, group_size=128, rotation="hadamard", recall_top_k=192, **_KEEP_ALL),
     _method("kivi1_g128_spec256_hadamard", "KIVI-1, group 128, Hadamard + SpeCache K 256",
             bits=1, group_size=128, rotation="hadamard", recall_top_k=256, **_KEEP_ALL),
     _method("kivi1_g32_spec64_hadamard", "KIVI-1, group 32, Hadamard + SpeCache K 64", bits=1,
@@ -116,7 +118,11 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
 )}
 # Most important first: a run cut short by --budget-seconds still has the paper's comparison.
 MAIN_METHODS = ("full", "minikv", "kivi2", "snapkv2", "h2o16", "minikv_pyramid", "snapkv_block",
-                "snapkv_h2o_block", "h2o_mean", "snapkv_h2o", "snapkv_block_sink", "snapkv_block16")
+                "snapkv_h2o_block", "h2o_mean", "snapkv_h2o", "snapkv_block_sink", "snapkv_block16",
+                # issue 25: the rotation, then SpeCache at 2 and 1 bits
+                "snapkv_block_sink_hadamard", "kivi2_spec64", "kivi2_g64_spec64_hadamard",
+                "kivi2_g128_spec64_hadamard", "snapkv_block_sink_spec64",
+                "kivi1_g128_spec64_hadamard", "kivi1_g128_spec192_hadamard")
 QUICK_METHODS = ("full", "minikv", "snapkv_block")
 AGREEMENT_METHODS = ("full", "minikv")
 # Kept fraction of the prompt (half heavy hitters, half recent window). 4-bit at 1/3 costs what

@@ -193,7 +193,7 @@ class Run:
     def __init__(self, part: str, subject: Subject, plan: Plan, methods: Sequence[Method],
                  samples: Dict[str, List[dict]], out_dir: Path, device: torch.device,
                  dtype: torch.dtype, compile: bool, cuda_graphs: bool, budget_s: Optional[float],
-                 argv: Sequence[str]):
+                 argv: Sequence[str], previous: Optional[dict] = None):
         from minikv_compile.perf.harness import Budget
         from minikv_compile.perf.measure import environment
 
@@ -220,7 +220,56 @@ class Run:
             "units": [], "summary": {}, "hf_check": None, "notes": [], "skipped": [],
             "finished": False, "elapsed_s": 0.0,
         }
+        self._carried_s = 0.0
+        if previous is not None:
+            self.carry(previous)
         self.write()
+
+    def carry(self, previous: dict) -> None:
+        """Go on from ``previous``, an earlier run's JSON of the same part, model, samples,
+        engine settings, device and versions: its units are kept and not run again, its methods
+        come first, and each kind of unit's time seeds the budget (a run longer than one
+        process may live, a device call of 10 minutes, is made of several). Anything that
+        would make the rows of the two runs incomparable is refused, naming it."""
+        env, prev_env = self.data["environment"], previous.get("environment", {})
+        checks = {
+            "schema": (previous.get("schema"), SCHEMA), "part": (previous.get("part"), self.part),
+            "model": (previous.get("model"), self.data["model"]),
+            "plan": (previous.get("plan"), self.data["plan"]),
+            "fingerprints": (previous.get("fingerprints"), self.data["fingerprints"]),
+            "engine": ({k: v for k, v in (previous.get("engine") or {}).items() if k != "cpu_threads"},
+                       {k: v for k, v in self.data["engine"].items() if k != "cpu_threads"}),
+        }
+        for key in ("torch", "triton", "transformers", "python"):
+            checks[key] = (prev_env.get(key), env[key])
+        checks["device"] = ((prev_env.get("device") or {}).get("name"), env["device"].get("name"))
+        checks["git"] = ((prev_env.get("git") or {}).get("sha"), (env.get("git") or {}).get("sha"))
+        differ = [f"{k} (earlier {a!r}, now {b!r})" for k, (a, b) in checks.items()
+                  if jsonable(a) != jsonable(b)]
+        if differ:
+            raise ValueError("--extend: the earlier run is not comparable with this one; "
+                             "differs in " + "; ".join(d[:300] for d in differ))
+        names = [m["name"] for m in previous["methods"]]
+        unknown = [n for n in names if n not in METHODS]
+        if unknown:
+            raise ValueError(f"--extend: the earlier run has methods this tree does not know: {unknown}")
+        self.methods = [METHODS[n] for n in names] + [m for m in self.methods if m.name not in names]
+        self.data["methods"] = [{"name": m.name, "label": m.label, "fields": m.fields,
+                                 "match_bytes_of": m.match_bytes_of} for m in self.methods]
+        self.data["units"] = list(previous["units"])
+        self.data["hf_check"] = previous.get("hf_check")
+        self.data["notes"] = list(previous.get("notes", []))
+        self.data["extended"] = (previous.get("extended") or []) + [
+            {"argv": previous.get("argv"), "timestamp": prev_env.get("timestamp"),
+             "elapsed_s": previous.get("elapsed_s", 0.0)}]
+        self._carried_s = previous.get("elapsed_s", 0.0)
+        for u in self.data["units"]:
+            self.budget.note(f"{u['task']}/{u['group']}", u["seconds"])
+        self.data["summary"] = summarize(self.data["units"], [m.name for m in self.methods])
+
+    def _measured(self, method: Method, task: str, group: str) -> bool:
+        return any(u["method"] == method.name and u["task"] == task and u["group"] == group
+                   for u in self.data["units"])
 
     # -- engines --
 
@@ -268,6 +317,8 @@ class Run:
                 groups.setdefault(s["group"], []).append(s)
             for group, items in groups.items():
                 kind = f"{task}/{group}"
+                if self._measured(method, task, group):
+                    continue  # carried from the run this one extends
                 why = self.budget.check(kind)
                 if why:
                     self.data["skipped"].append({"method": method.name, "task": task, "group": group,
@@ -312,13 +363,16 @@ class Run:
 
     def run(self) -> None:
         try:
-            for done, method in enumerate(self.methods, 1):
+            todo = [m for m in self.methods  # all of them unless the run extends another
+                    if not all(self._measured(m, task, s["group"])
+                               for task, ss in self.samples.items() for s in ss)]
+            for done, method in enumerate(todo, 1):
                 self.run_method(method)
-                if method.name == "full" and self.plan.hf_check:
+                if method.name == "full" and self.plan.hf_check and self.data["hf_check"] is None:
                     self.run_hf_check()  # right away: a run cut short still has it
                 spent = self.budget.elapsed
-                print(f"[{spent:7.1f}s] {done}/{len(self.methods)} methods done, about "
-                      f"{spent / done * (len(self.methods) - done):.0f}s to go", flush=True)
+                print(f"[{spent:7.1f}s] {done}/{len(todo)} methods done, about "
+                      f"{spent / done * (len(todo) - done):.0f}s to go", flush=True)
             self.data["finished"] = True
         except KeyboardInterrupt:
             self.note("interrupted (KeyboardInterrupt): results so far are kept")
@@ -353,7 +407,7 @@ class Run:
             self.data["notes"].append(text)
 
     def write(self) -> None:
-        self.data["elapsed_s"] = self.budget.elapsed
+        self.data["elapsed_s"] = self._carried_s + self.budget.elapsed
         atomic_write(self.out_dir / f"{self.part}.json", to_json(self.data))
         atomic_write(self.out_dir / f"{self.part}.md", render_markdown(self.data))
 
