@@ -12,25 +12,25 @@ ROTATIONS = ("none", "hadamard")
 
 
 # Named configurations (``MiniKVConfig.preset``), chosen from the accuracy harness on SmolLM2
-# (perf/results/accuracy/specache-afe423b, specache-ppl-6921316 and specache-39a688c: needle
-# exact match over 240 prompts of 2k-7k tokens, the full cache 87.1%; perplexity x the full
-# cache's).
+# (perf/results/accuracy/main.md, H100: needle exact match over 240 prompts of 2k-7k tokens,
+# the full cache 87.1%; perplexity x the full cache's).
 PRESETS = {
     # the MiniKV paper: H2O heavy hitters 25% + recent window 25%, 2 bit (needle 12.9%)
     "minikv": dict(heavy_budget=0.25, recent_budget=0.25, selection="h2o", snapkv_kernel=7,
                    selection_block=1, sink_tokens=0, bits=2, recall_top_k=0),
-    # KIVI-2: 2 bit, nothing evicted (40.0%, perplexity x1.108)
+    # KIVI-2: 2 bit, nothing evicted (40.0%, perplexity x1.111)
     "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=0),
     # SpeCache as its paper runs it: KIVI-2's GPU copy, 64 positions per KV head recalled in
     # full precision from host memory each step (83.8%, x1.003; 1.08x KIVI's step time on the
     # Llama-3.1-8B shape at 1 x 32k, 1.11x at 8 x 4k, H100)
     "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=64),
-    # the full cache's quality at the fewest GPU bytes measured: KIVI-2 at group 64 with the
-    # Hadamard rotation and the recall of 64 (15.6% of fp16's bytes by formula, 18.7% resident
-    # at 7k tokens with the ring and the recall buffers, 16.6% at 32k; 86.2%, x1.002; 1.08x the
-    # step of the same GPU copy without recall at 1 x 32k and 8 x 4k, H100).
-    # Recall cannot bring back what eviction dropped: the library's selection + recall 64 scores
-    # 85.8% too but misses the demo's question on the GPU at K 64, 128 and 256.
+    # the closest to the full cache's answers measured under 20% of its bytes: KIVI-2 at group
+    # 64 with the Hadamard rotation and the recall of 64 (15.6% of fp16's bytes by formula,
+    # 18.7% resident at 7k tokens with the ring and the recall buffers, 16.6% at 32k; 86.2%,
+    # x1.002; 1.08x the step of the same GPU copy without recall at 1 x 32k and 8 x 4k, H100).
+    # Not evicting: with 70% of the prompt kept the same copy and recall score 85.0% and x1.012
+    # at 11.8% resident (perf/results/h100/evict_recall_153c0b0), but miss the demo's question
+    # on the CPU at 4092 tokens, which this one answers (accuracy/demo-configs-cpu-evict-recall).
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
                      rotation="hadamard", recall_top_k=64),
 }
@@ -98,14 +98,17 @@ class MiniKVConfig:
         (both folded into v_proj and o_proj): outlier channels are spread over the head before
         the cache quantizes them. On SmolLM2 (GPU harness, 240 needle prompts of 2k-7k tokens)
         with recall of 64 at group 64: needle 68.8% -> 85.8% at 2 bits, 13.3% -> 55.8% at 1
-        bit; +2% of the decode step on the Llama-3.1-8B shape.
+        bit; on the library default without recall 45.8% -> 64.2%, perplexity x1.120 -> x1.074
+        the full cache's; +2% of the decode step on the Llama-3.1-8B shape.
     recall_top_k:
         SpeCache: 0 (off), or the ``K`` positions per slot, layer and KV head whose
         full-precision K/V are recalled from host memory before each decode attention, chosen
         by the attention of a speculative next token one step ahead. The prompt's and the
         generated tokens' K/V are kept in (pinned) host memory besides the low-bit cache; each
         step feeds two rows per slot (the token and the speculation). Recall is among the
-        tokens the quantized cache holds (budgets of 1.0 keep them all). Needs bits below 16.
+        tokens the quantized cache holds (budgets of 1.0 keep them all; at 0.35 + 0.35, group
+        64 and the rotation, K 64: needle 85.0% and perplexity x1.012 the full cache's at
+        11.8% of its bytes resident, SmolLM2 at 32k). Needs bits below 16.
     recall_block:
         Recall granularity: 1 (single positions) or aligned blocks of this many positions,
         ranked by their summed attention (fewer, larger host reads). ``recall_top_k`` must be
@@ -132,8 +135,8 @@ class MiniKVConfig:
     budget_policy: str = "uniform"
     pyramid_depth: int = 7
     # The selection defaults are the best rule of the accuracy harness at MiniKV's bytes
-    # (perf/results/accuracy/main.md, SmolLM2-135M, H200): needle retrieval 45.4% vs 12.9% for
-    # the paper's H2O rule (+32.5 points, paired 95% CI [25.4, 39.2]), perplexity and code
+    # (perf/results/accuracy/main.md, SmolLM2-135M, H100): needle retrieval 45.8% vs 12.9% for
+    # the paper's H2O rule (+32.9 points, paired 95% CI [26.2, 39.6]), perplexity and code
     # completion unchanged. ``selection="h2o", snapkv_kernel=7, selection_block=1,
     # sink_tokens=0`` is the paper's MiniKV exactly.
     selection: str = "snapkv"

@@ -23,6 +23,8 @@ a run that is killed keeps what it measured; ``accuracy.png`` is drawn from what
     python -m minikv_compile.perf.accuracy --quick --model tiny   # plumbing only, no download
     python -m minikv_compile.perf.accuracy --agreement     # GPU (compiled engine) against CPU
     python -m minikv_compile.perf.accuracy --plot-only     # redraw the PNG from the JSON files
+    python -m minikv_compile.perf.accuracy --extend ...    # go on from --out's JSON: the units
+                                                           # it holds are kept, the rest run
 
 Samples are fixed: every prompt comes from a string-seeded ``random.Random`` over fixed texts,
 and each task's token ids are fingerprinted in the JSON (code samples depend on the Python
