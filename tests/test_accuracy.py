@@ -243,7 +243,8 @@ def test_extend_keeps_the_earlier_units_and_runs_only_the_missing_ones(tmp_path)
     assert data["hf_check"] == first["hf_check"] and data["finished"]
     assert set(data["summary"]) == {"full", "minikv", "snapkv_block"}
     assert data["extended"][0]["argv"] == first["argv"]
-    assert "| MiniKV + snapkv k15, blocks of 16 |" in (tmp_path / "quick.md").read_text()
+    md = (tmp_path / "quick.md").read_text()
+    assert "| MiniKV + snapkv k15, blocks of 16 |" in md and "in 2 processes (`--extend`)" in md
 
 
 def test_extend_refuses_an_incomparable_run_and_leaves_it_untouched(tmp_path):

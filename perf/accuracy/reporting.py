@@ -55,7 +55,9 @@ def render_markdown(data: dict) -> str:
         f"{env.get('timestamp')}.",
         f"Engine: compile={data['engine']['compile']}, cuda_graphs={data['engine']['cuda_graphs']}, "
         f"batch {data['engine']['max_batch_size']}. Status: "
-        f"{'finished' if data.get('finished') else 'incomplete'} after {data.get('elapsed_s', 0):.0f} s.",
+        f"{'finished' if data.get('finished') else 'incomplete'} after {data.get('elapsed_s', 0):.0f} s"
+        + (f" in {len(data['extended']) + 1} processes (`--extend`), the first started "
+           f"{data['extended'][0]['timestamp']}." if data.get("extended") else "."),
         "",
     ]
     plan = data["plan"]

@@ -187,6 +187,11 @@ def hf_check_passed(check: Dict[str, dict], exact: bool) -> bool:
 # -- the run --------------------------------------------------------------------------------------
 
 
+def _method_rows(methods: Sequence[Method]) -> List[dict]:
+    return [{"name": m.name, "label": m.label, "fields": m.fields,
+             "match_bytes_of": m.match_bytes_of} for m in methods]
+
+
 class Run:
     """One part's run: engines per configuration, results, incremental JSON + markdown."""
 
@@ -215,8 +220,7 @@ class Run:
             "samples": {task: [{k: v for k, v in s.items() if k not in ("prompt", "target")}
                                for s in ss] for task, ss in samples.items()},
             "fingerprints": {task: fingerprint(ss) for task, ss in samples.items()},
-            "methods": [{"name": m.name, "label": m.label, "fields": m.fields,
-                         "match_bytes_of": m.match_bytes_of} for m in self.methods],
+            "methods": _method_rows(self.methods),
             "units": [], "summary": {}, "hf_check": None, "notes": [], "skipped": [],
             "finished": False, "elapsed_s": 0.0,
         }
@@ -254,8 +258,7 @@ class Run:
         if unknown:
             raise ValueError(f"--extend: the earlier run has methods this tree does not know: {unknown}")
         self.methods = [METHODS[n] for n in names] + [m for m in self.methods if m.name not in names]
-        self.data["methods"] = [{"name": m.name, "label": m.label, "fields": m.fields,
-                                 "match_bytes_of": m.match_bytes_of} for m in self.methods]
+        self.data["methods"] = _method_rows(self.methods)
         self.data["units"] = list(previous["units"])
         self.data["hf_check"] = previous.get("hf_check")
         self.data["notes"] = list(previous.get("notes", []))
