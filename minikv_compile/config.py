@@ -29,7 +29,7 @@ PRESETS = {
     # 18.7% resident at 7k tokens with the ring and the recall buffers, 16.6% at 32k; 86.2%,
     # x1.002; 1.08x the step of the same GPU copy without recall at 1 x 32k and 8 x 4k, H100).
     # Not evicting: with 70% of the prompt kept the same copy and recall score 85.0% and x1.012
-    # at 11.8% resident (perf/results/h100/evict_recall_153c0b0), but miss the demo's question
+    # at 14.0% resident at 7k (perf/results/h100/evict_recall_153c0b0), but miss the demo's question
     # on the CPU at 4092 tokens, which this one answers (accuracy/demo-configs-cpu-evict-recall).
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
                      rotation="hadamard", recall_top_k=64),
@@ -97,9 +97,10 @@ class MiniKVConfig:
         so ``q . k`` is unchanged, and values by ``H`` with the attention output rotated back
         (both folded into v_proj and o_proj): outlier channels are spread over the head before
         the cache quantizes them. On SmolLM2 (GPU harness, 240 needle prompts of 2k-7k tokens)
-        with recall of 64 at group 64: needle 68.8% -> 85.8% at 2 bits, 13.3% -> 55.8% at 1
-        bit; on the library default without recall 45.8% -> 64.2%, perplexity x1.120 -> x1.074
-        the full cache's; +2% of the decode step on the Llama-3.1-8B shape.
+        with recall of 64 at group 64 (specache-afe423b, specache-1bit-93ed2d6): needle
+        68.8% -> 85.8% at 2 bits, 13.3% -> 55.8% at 1 bit; on the library default without
+        recall (main.md) 45.8% -> 64.2%, perplexity x1.120 -> x1.074 the full cache's; +2% of
+        the decode step on the Llama-3.1-8B shape.
     recall_top_k:
         SpeCache: 0 (off), or the ``K`` positions per slot, layer and KV head whose
         full-precision K/V are recalled from host memory before each decode attention, chosen
@@ -107,8 +108,8 @@ class MiniKVConfig:
         generated tokens' K/V are kept in (pinned) host memory besides the low-bit cache; each
         step feeds two rows per slot (the token and the speculation). Recall is among the
         tokens the quantized cache holds (budgets of 1.0 keep them all; at 0.35 + 0.35, group
-        64 and the rotation, K 64: needle 85.0% and perplexity x1.012 the full cache's at
-        11.8% of its bytes resident, SmolLM2 at 32k). Needs bits below 16.
+        64 and the rotation, K 64: needle 85.0% and perplexity x1.012 the full cache's on
+        SmolLM2's 2k-7k-token prompts, 14.0% of its bytes resident at 7k). Needs bits below 16.
     recall_block:
         Recall granularity: 1 (single positions) or aligned blocks of this many positions,
         ranked by their summed attention (fewer, larger host reads). ``recall_top_k`` must be

@@ -223,40 +223,60 @@ def test_budget_seconds_stops_starting_work(tmp_path):
 
 
 def test_extend_keeps_the_earlier_units_and_runs_only_the_missing_ones(tmp_path):
-    # a first run cut short: minikv's ppl unit was not started
+    # a first run ended early: minikv's ppl unit not started, the HF check not run
     assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path),
                      "--methods", "full,minikv", "--tasks", "needle,ppl"]) == 0
     first = json.loads((tmp_path / "quick.json").read_text())
     first["units"] = [u for u in first["units"] if (u["method"], u["task"]) != ("minikv", "ppl")]
+    for u in first["units"]:
+        u["seconds"] = 1000.0 + len(u["rows"])  # a mark no new measurement carries
+    check, first["hf_check"] = first["hf_check"], None
     (tmp_path / "quick.json").write_text(json.dumps(first))
-    kept = {(u["method"], u["task"], u["group"]): u["rows"] for u in first["units"]}
+    kept = {(u["method"], u["task"], u["group"]): u for u in first["units"]}
 
     assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--extend",
                      "--methods", "snapkv_block", "--tasks", "needle,ppl"]) == 0
     data = json.loads((tmp_path / "quick.json").read_text())
     assert [m["name"] for m in data["methods"]] == ["full", "minikv", "snapkv_block"]
-    units = {(u["method"], u["task"], u["group"]): u["rows"] for u in data["units"]}
+    units = {(u["method"], u["task"], u["group"]): u for u in data["units"]}
     groups = {(task, s["group"]) for task in ("needle", "ppl") for s in first["samples"][task]}
     assert set(units) == {(m, t, g) for m in ("full", "minikv", "snapkv_block") for t, g in groups}
     assert len(data["units"]) == len(units)  # nothing measured twice
-    assert all(units[k] == rows for k, rows in kept.items())  # carried as they were
-    assert data["hf_check"] == first["hf_check"] and data["finished"]
-    assert set(data["summary"]) == {"full", "minikv", "snapkv_block"}
-    assert data["extended"][0]["argv"] == first["argv"]
+    assert all(units[k] == u for k, u in kept.items())  # carried as they were, not measured again
+    assert all(u["seconds"] < 1000 for k, u in units.items() if k not in kept)
+    assert data["hf_check"]["passed"] and data["hf_check"]["tasks"] == check["tasks"]
+    assert data["finished"] and set(data["summary"]) == {"full", "minikv", "snapkv_block"}
+    assert data["extended"] == [{"argv": first["argv"], "timestamp": first["environment"]["timestamp"],
+                                 "elapsed_s_so_far": first["elapsed_s"]}]
+    assert data["elapsed_s"] > first["elapsed_s"]
     md = (tmp_path / "quick.md").read_text()
     assert "| MiniKV + snapkv k15, blocks of 16 |" in md and "in 2 processes (`--extend`)" in md
 
 
-def test_extend_refuses_an_incomparable_run_and_leaves_it_untouched(tmp_path):
-    with pytest.raises(SystemExit, match="--extend: expected an earlier run's .*quick.json"):
-        cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--extend"])
+@pytest.mark.parametrize("edit, named", [
+    (lambda d: d["plan"].update(ppl_docs=1), r"plan\.ppl_docs \(earlier 1, now 2\)"),
+    (lambda d: d["environment"]["git"].update(sha="0" * 40), r"git\.sha \(earlier '0000"),
+    (lambda d: d["environment"]["device"].update(name="NVIDIA H200"), r"device \(earlier 'NVIDIA H200'"),
+    (lambda d: d["environment"].update(torch="2.11.0+cu130"), r"torch \(earlier '2\.11\.0\+cu130'"),
+    (lambda d: d["engine"].update(max_batch_size=64), r"engine\.max_batch_size \(earlier 64"),
+    (lambda d: d["fingerprints"].pop("ppl"), r"tasks \(earlier \['needle'\], now \['needle', 'ppl'\]\)"),
+])
+def test_extend_refuses_an_incomparable_run_naming_what_differs(tmp_path, edit, named):
     assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--methods", "full",
-                     "--tasks", "ppl"]) == 0
+                     "--tasks", "needle,ppl", "--needle-per-cell", "1", "--ppl-docs", "2"]) == 0
+    earlier = json.loads((tmp_path / "quick.json").read_text())
+    edit(earlier)
+    (tmp_path / "quick.json").write_text(json.dumps(earlier))
     before = (tmp_path / "quick.json").read_text()
-    with pytest.raises(SystemExit, match=r"not comparable.*differs in plan .*ppl_docs"):
+    with pytest.raises(SystemExit, match=r"not comparable.*differs in .*" + named):
         cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--extend", "--methods",
-                  "minikv", "--tasks", "ppl", "--ppl-docs", "1"])
-    assert (tmp_path / "quick.json").read_text() == before
+                  "minikv", "--tasks", "needle,ppl", "--needle-per-cell", "1", "--ppl-docs", "2"])
+    assert (tmp_path / "quick.json").read_text() == before  # left as it was
+
+
+def test_extend_needs_an_earlier_run(tmp_path):
+    with pytest.raises(SystemExit, match="--extend: expected an earlier run's .*quick.json, found none"):
+        cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--extend"])
 
 
 def test_fp32_on_cuda_is_refused_before_anything_loads(tmp_path, monkeypatch):

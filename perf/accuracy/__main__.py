@@ -13,7 +13,7 @@ import torch
 
 from .methods import MAIN_METHODS, METHODS, QUICK_METHODS, SELECTIONS, sweep_methods
 from .reporting import plot
-from .running import Run, _dtype, load_subject, run_agreement
+from .running import NotComparable, Run, _dtype, load_subject, run_agreement
 from .tasks import PLANS, TASKS, build_samples
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results" / "accuracy"
@@ -52,7 +52,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extend", action="store_true",
                    help="go on from the part's JSON in --out (same model, samples, settings, device, "
-                        "versions and commit): its units are kept, only the missing ones run")
+                        "versions and commit): its units are kept; its methods' missing units and "
+                        "those of --methods run")
     p.add_argument("--out", default=None, help=f"results folder (default {DEFAULT_OUT}, or a quick-* "
                                                  "subfolder for --quick / --model tiny)")
     return p.parse_args(argv)
@@ -125,7 +126,7 @@ def _run_part(args, argv, part, plan, methods, tasks, device, dtype, compile_, g
     try:
         run = Run(part, subject, plan, methods, samples, Path(args.out), device, dtype, compile_,
                   graphs, args.budget_seconds, argv, previous)
-    except ValueError as e:
+    except NotComparable as e:
         raise SystemExit(str(e))
     run.run()
     check = run.data.get("hf_check")

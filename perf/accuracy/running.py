@@ -187,6 +187,10 @@ def hf_check_passed(check: Dict[str, dict], exact: bool) -> bool:
 # -- the run --------------------------------------------------------------------------------------
 
 
+class NotComparable(ValueError):
+    """``--extend`` was given an earlier run whose rows this run's would not be comparable with."""
+
+
 def _method_rows(methods: Sequence[Method]) -> List[dict]:
     return [{"name": m.name, "label": m.label, "fields": m.fields,
              "match_bytes_of": m.match_bytes_of} for m in methods]
@@ -231,32 +235,45 @@ class Run:
 
     def carry(self, previous: dict) -> None:
         """Go on from ``previous``, an earlier run's JSON of the same part, model, samples,
-        engine settings, device and versions: its units are kept and not run again, its methods
-        come first, and each kind of unit's time seeds the budget (a run longer than one
-        process may live, a device call of 10 minutes, is made of several). Anything that
-        would make the rows of the two runs incomparable is refused, naming it."""
+        engine settings, device, versions and commit: its units are kept and not run again, its
+        methods come first (an incomplete one runs its missing units too), and each kind of
+        unit's time seeds the budget (a run longer than one process may live, a device call of
+        10 minutes, is made of several). Anything that would make the rows of the two runs
+        incomparable raises ``NotComparable``, naming it. Uncommitted edits are seen only as
+        the tree's dirty flag and count of changed files."""
         env, prev_env = self.data["environment"], previous.get("environment", {})
-        checks = {
+        pairs = {
             "schema": (previous.get("schema"), SCHEMA), "part": (previous.get("part"), self.part),
             "model": (previous.get("model"), self.data["model"]),
             "plan": (previous.get("plan"), self.data["plan"]),
+            "tasks": (sorted(previous.get("fingerprints") or {}), sorted(self.data["fingerprints"])),
             "fingerprints": (previous.get("fingerprints"), self.data["fingerprints"]),
             "engine": ({k: v for k, v in (previous.get("engine") or {}).items() if k != "cpu_threads"},
                        {k: v for k, v in self.data["engine"].items() if k != "cpu_threads"}),
+            "device": ((prev_env.get("device") or {}).get("name"), env["device"].get("name")),
+            "git": ({k: v for k, v in (prev_env.get("git") or {}).items() if k != "source"},
+                    {k: v for k, v in (env.get("git") or {}).items() if k != "source"}),
         }
         for key in ("torch", "triton", "transformers", "python"):
-            checks[key] = (prev_env.get(key), env[key])
-        checks["device"] = ((prev_env.get("device") or {}).get("name"), env["device"].get("name"))
-        checks["git"] = ((prev_env.get("git") or {}).get("sha"), (env.get("git") or {}).get("sha"))
-        differ = [f"{k} (earlier {a!r}, now {b!r})" for k, (a, b) in checks.items()
-                  if jsonable(a) != jsonable(b)]
+            pairs[key] = (prev_env.get(key), env[key])
+        differ = []
+        for name, (a, b) in pairs.items():
+            a, b = jsonable(a), jsonable(b)
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict):  # name the fields that differ
+                differ += [f"{name}.{k} (earlier {a.get(k)!r}, now {b.get(k)!r})"
+                           for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            else:
+                differ.append(f"{name} (earlier {a!r}, now {b!r})")
         if differ:
-            raise ValueError("--extend: the earlier run is not comparable with this one; "
-                             "differs in " + "; ".join(d[:300] for d in differ))
+            raise NotComparable("--extend: the earlier run is not comparable with this one; "
+                                "differs in " + "; ".join(d[:200] for d in differ))
         names = [m["name"] for m in previous["methods"]]
         unknown = [n for n in names if n not in METHODS]
         if unknown:
-            raise ValueError(f"--extend: the earlier run has methods this tree does not know: {unknown}")
+            raise NotComparable(f"--extend: the earlier run has methods this tree does not know: "
+                                f"{unknown}")
         self.methods = [METHODS[n] for n in names] + [m for m in self.methods if m.name not in names]
         self.data["methods"] = _method_rows(self.methods)
         self.data["units"] = list(previous["units"])
@@ -264,7 +281,7 @@ class Run:
         self.data["notes"] = list(previous.get("notes", []))
         self.data["extended"] = (previous.get("extended") or []) + [
             {"argv": previous.get("argv"), "timestamp": prev_env.get("timestamp"),
-             "elapsed_s": previous.get("elapsed_s", 0.0)}]
+             "elapsed_s_so_far": previous.get("elapsed_s", 0.0)}]
         self._carried_s = previous.get("elapsed_s", 0.0)
         for u in self.data["units"]:
             self.budget.note(f"{u['task']}/{u['group']}", u["seconds"])
@@ -369,6 +386,10 @@ class Run:
             todo = [m for m in self.methods  # all of them unless the run extends another
                     if not all(self._measured(m, task, s["group"])
                                for task, ss in self.samples.items() for s in ss)]
+            if (self.plan.hf_check and self.data["hf_check"] is None
+                    and "full" in [m.name for m in self.methods]
+                    and "full" not in [m.name for m in todo]):
+                self.run_hf_check()  # the run it extends ended between the full cache and it
             for done, method in enumerate(todo, 1):
                 self.run_method(method)
                 if method.name == "full" and self.plan.hf_check and self.data["hf_check"] is None:
