@@ -253,6 +253,15 @@ def test_extend_keeps_the_earlier_units_and_runs_only_the_missing_ones(tmp_path)
     assert "| MiniKV + snapkv k15, blocks of 16 |" in md and "in 2 processes (`--extend`)" in md
 
 
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """The JSON of one small run of the full cache that the refusals below edit."""
+    out = tmp_path_factory.mktemp("small_run")
+    assert cli.main(["--quick", "--model", "tiny", "--out", str(out), "--methods", "full",
+                     "--tasks", "needle,ppl", "--needle-per-cell", "1", "--ppl-docs", "2"]) == 0
+    return (out / "quick.json").read_text()
+
+
 @pytest.mark.parametrize("edit, named", [
     (lambda d: d["plan"].update(ppl_docs=1), r"plan\.ppl_docs \(earlier 1, now 2\)"),
     (lambda d: d["environment"]["git"].update(sha="0" * 40), r"git\.sha \(earlier '0000"),
@@ -261,10 +270,8 @@ def test_extend_keeps_the_earlier_units_and_runs_only_the_missing_ones(tmp_path)
     (lambda d: d["engine"].update(max_batch_size=64), r"engine\.max_batch_size \(earlier 64"),
     (lambda d: d["fingerprints"].pop("ppl"), r"tasks \(earlier \['needle'\], now \['needle', 'ppl'\]\)"),
 ])
-def test_extend_refuses_an_incomparable_run_naming_what_differs(tmp_path, edit, named):
-    assert cli.main(["--quick", "--model", "tiny", "--out", str(tmp_path), "--methods", "full",
-                     "--tasks", "needle,ppl", "--needle-per-cell", "1", "--ppl-docs", "2"]) == 0
-    earlier = json.loads((tmp_path / "quick.json").read_text())
+def test_extend_refuses_an_incomparable_run_naming_what_differs(tmp_path, small_run, edit, named):
+    earlier = json.loads(small_run)
     edit(earlier)
     (tmp_path / "quick.json").write_text(json.dumps(earlier))
     before = (tmp_path / "quick.json").read_text()
