@@ -383,9 +383,9 @@ class Run:
 
     def run(self) -> None:
         try:
+            units = {(task, s["group"]) for task, ss in self.samples.items() for s in ss}
             todo = [m for m in self.methods  # all of them unless the run extends another
-                    if not all(self._measured(m, task, s["group"])
-                               for task, ss in self.samples.items() for s in ss)]
+                    if not all(self._measured(m, task, group) for task, group in units)]
             if (self.plan.hf_check and self.data["hf_check"] is None
                     and "full" in [m.name for m in self.methods]
                     and "full" not in [m.name for m in todo]):
