@@ -23,7 +23,7 @@ from minikv_compile import ops
 
 from . import budget
 from .cache import StaticKVCache
-from .selection import select_tokens, token_scores
+from .selection import CUMULATIVE_RULES, select_tokens, token_scores
 
 
 class Adapter(Protocol):  # what prefill and decode need of a model (see models/)
@@ -109,12 +109,14 @@ def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer:
     L = q.shape[2]
     n_recent, n_heavy = budget.kept_tokens(config, L, layer, adapter.num_layers)
     if n_recent + n_heavy >= L:
-        # Nothing is evicted: no scores needed, so use the fastest exact attention there is.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=adapter.scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        # Nothing is evicted: no scores needed.
+        out = _causal_attention(q, k, v, adapter.scale)
         k_sel, v_sel = k[0], v[0]
     else:
-        out, cumulative = ops.selective_attention(q, k, v, scale=adapter.scale)
+        if config.selection in CUMULATIVE_RULES:
+            out, cumulative = ops.selective_attention(q, k, v, scale=adapter.scale)
+        else:
+            out, cumulative = _causal_attention(q, k, v, adapter.scale), None
         scores = token_scores(config, q, k, cumulative, adapter.scale, n_recent)
         idx = select_tokens(scores, n_recent, n_heavy)     # (H_kv, n)
         idx = idx[..., None].expand(-1, -1, adapter.head_dim)
@@ -128,3 +130,11 @@ def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer:
         store.k[slot, :, :n].copy_(k_sel, non_blocking=True)
         store.v[slot, :, :n].copy_(v_sel, non_blocking=True)
     return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention without scores: q (1, H_q, L, D), k/v (1, H_kv, L, D) -> (1, H_q, L, D).
+    The fastest exact attention there is: SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])

@@ -35,11 +35,16 @@ Two refinements apply to any rule:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 # The rule names MiniKVConfig accepts (it validates against this tuple).
 SELECTIONS = ("h2o", "snapkv", "h2o_mean", "snapkv_h2o")
+# The rules that read the cumulative attention of every prompt query (selective attention's
+# second output). "snapkv" reads its window's queries only, so its prefill attends with SDPA.
+CUMULATIVE_RULES = ("h2o", "h2o_mean", "snapkv_h2o")
 
 
 def select_tokens(scores: torch.Tensor, n_recent: int, n_heavy: int) -> torch.Tensor:
@@ -138,18 +143,22 @@ def _ranks(x: torch.Tensor) -> torch.Tensor:
     return ranks
 
 
-def token_scores(config, q: torch.Tensor, k: torch.Tensor, cumulative: torch.Tensor, scale: float,
-                 n_recent: int) -> torch.Tensor:
+def token_scores(config, q: torch.Tensor, k: torch.Tensor, cumulative: Optional[torch.Tensor],
+                 scale: float, n_recent: int) -> torch.Tensor:
     """The score of every prompt position under ``config.selection``, then
     ``config.selection_block`` and ``config.sink_tokens``.
 
     q (1, H_q, L, D), k (1, H_kv, L, D); cumulative (1, H_kv, L) fp32 from selective attention
-    (column sums of the normalized causal attention); ``n_recent``: the recent window this layer
+    (column sums of the normalized causal attention), None unless the rule is one of
+    ``CUMULATIVE_RULES``; ``n_recent``: the recent window this layer
     keeps whatever the scores -> (H_kv, L) fp32. Only ``[0, L - n_recent)`` is ranked by the
     caller, so entries in the recent window are arbitrary.
     """
     L = q.shape[2]
     rule = config.selection
+    if rule in CUMULATIVE_RULES and cumulative is None:
+        raise ValueError(f"cumulative: rule {rule!r} needs selective attention's cumulative "
+                         f"scores, got None")
     if rule == "h2o":
         scores = cumulative[0]
     elif rule == "snapkv":

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile import ops as ops_module
 from minikv_compile.graphs import budget
 from minikv_compile.graphs import prefill as prefill_module
 from minikv_compile.graphs.runtime import Request
@@ -112,6 +113,11 @@ def test_token_scores_dispatch_and_sinks():
     assert torch.equal(token_scores(cfg(selection="snapkv"), q, k, cumulative, 0.25, 10), snap)
     assert torch.equal(token_scores(cfg(selection="snapkv_h2o"), q, k, cumulative, 0.25, 10),
                        rank_union_scores(snap, cumulative[0], 30))
+    # snapkv reads no cumulative scores (its prefill computes none); the others refuse None
+    assert torch.equal(token_scores(cfg(selection="snapkv"), q, k, None, 0.25, 10), snap)
+    for rule in ("h2o", "h2o_mean", "snapkv_h2o"):
+        with pytest.raises(ValueError, match=f"cumulative: rule '{rule}' needs"):
+            token_scores(cfg(selection=rule), q, k, None, 0.25, 10)
     sunk = token_scores(cfg(selection="h2o", sink_tokens=4), q, k, cumulative, 0.25, 10)
     assert torch.isinf(sunk[:, :4]).all() and torch.equal(sunk[:, 4:], cumulative[0, :, 4:])
     assert torch.equal(cumulative[0, :, :4], cumulative[0, :, :4].clone())  # input not mutated
@@ -192,3 +198,30 @@ def test_prefill_keeps_what_the_rule_selects(monkeypatch, over):
     cm.runtime.release(0)
     out = cm.generate([prompt], max_new_tokens=24).sequences[0]
     assert len(out) == 24
+
+
+@pytest.mark.parametrize("rule, selective", [("snapkv", False), ("h2o", True),
+                                             ("h2o_mean", True), ("snapkv_h2o", True)])
+def test_prefill_computes_cumulative_scores_only_for_the_rules_that_read_them(monkeypatch, rule,
+                                                                            selective):
+    """Selective attention (its second pass sums every query's attention) runs in a layer that
+    evicts under h2o-type rules only; snapkv's prefill attends with SDPA and gets the same
+    output (the two attentions agree to fp32 rounding), so the same tokens are generated."""
+    calls, selective_attention = [], ops_module.selective_attention
+
+    def spy(q, k, v, scale=None):
+        calls.append(q.shape[2])
+        return selective_attention(q, k, v, scale=scale)
+
+    monkeypatch.setattr(prefill_module.ops, "selective_attention", spy)
+    model = _tiny_llama()
+    config = MiniKVConfig(bits=16, heavy_budget=0.2, recent_budget=0.15, residual_length=32,
+                          max_prompt_len=128, max_new_tokens=8, snapkv_window=8, selection=rule)
+    cm = minikv_compile(model, config)
+    prompt = torch.randint(0, 101, (97,), generator=torch.Generator().manual_seed(5)).tolist()
+    got = cm.generate([prompt], max_new_tokens=8).sequences[0]
+    assert calls == ([97, 97] if selective else [])  # one call a layer of the 2, or none
+    if not selective:  # the same selection and tokens with selective attention's output
+        monkeypatch.setattr(prefill_module, "CUMULATIVE_RULES", ("snapkv",))
+        assert cm.generate([prompt], max_new_tokens=8).sequences[0] == got
+        assert calls == [97, 97]

@@ -1,0 +1,160 @@
+"""Device experiment: what SnapKV's prefill gains by attending with SDPA instead of selective
+attention (whose second pass sums every query's attention, which only the h2o-type rules read).
+
+    python perf/experiments/prefill_attention.py --out FILE.json    # after perf/gpu_check.sh
+    python perf/experiments/prefill_attention.py --out F --tiny     # CPU plumbing check
+
+1. The attention of one layer of one prompt (Llama-3.1-8B's heads: 32 query / 8 KV heads of 128,
+   bf16) at several lengths: ``ops.selective_attention``; SDPA with ``enable_gqa`` as torch picks
+   its backend; SDPA pinned to each backend that takes the call; cuDNN over keys and values
+   repeated to the query heads (the repeat timed in); and SnapKV's window scores, which every
+   SDPA row needs on top.
+2. One prompt admitted whole into the engine (random 8B weights, the library's default config:
+   SnapKV, half the prompt kept), synchronized: the product path (SDPA) against the same engine
+   with ``CUMULATIVE_RULES`` patched to include ``"snapkv"`` (selective attention, the path before),
+   alternating, median of ``--repeats`` after one warm-up each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ms(fn, device, repeats):
+    """Median wall ms of ``fn`` (synchronized), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def attention_rows(L, device, dtype, repeats):
+    from minikv_compile import ops
+    from minikv_compile.graphs.selection import snapkv_scores
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device=device).manual_seed(L)
+    Hq, Hkv, D = (32, 8, 128) if device.type == "cuda" else (4, 2, 32)
+    q = torch.randn(1, Hq, L, D, device=device, dtype=dtype, generator=g)
+    k = torch.randn(1, Hkv, L, D, device=device, dtype=dtype, generator=g)
+    v = torch.randn(1, Hkv, L, D, device=device, dtype=dtype, generator=g)
+    scale = D ** -0.5
+    rows = {"selective_attention": lambda: ops.selective_attention(q, k, v, scale=scale),
+            "sdpa (torch's choice)": lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True)}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        backend = getattr(SDPBackend, name)
+
+        def pinned(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                      enable_gqa=True)
+        rows[f"sdpa {name.lower()}"] = pinned
+
+    def cudnn_repeated():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(
+                q, k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1),
+                is_causal=True, scale=scale)
+    rows["sdpa cudnn, k/v repeated"] = cudnn_repeated
+    rows["snapkv window scores"] = lambda: snapkv_scores(q, k, scale, 32, 7)
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                               scale=scale, enable_gqa=True)
+    out = {}
+    for name, fn in rows.items():
+        try:
+            ms = _ms(fn, device, repeats)
+        except Exception as e:  # a backend that does not take this call
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+            continue
+        row = {"ms": round(ms, 3)}
+        if name != "snapkv window scores":
+            res = fn()
+            res = res[0] if isinstance(res, tuple) else res
+            row["max_abs_err_vs_fp32"] = float((res.float() - reference).abs().max())
+        out[name] = row
+    return out
+
+
+def prefill_rows(L, model, device, repeats):
+    from minikv_compile import MiniKVConfig, minikv_compile
+    from minikv_compile.graphs import prefill as prefill_module
+    from minikv_compile.graphs.runtime import Request
+
+    config = MiniKVConfig(max_batch_size=1, max_prompt_len=L, max_new_tokens=16, compile=False,
+                          cuda_graphs=False)
+    cm = minikv_compile(model, config)
+    rt = cm.runtime
+    request = Request(torch.randint(3, model.config.vocab_size, (L,)).tolist(), 1)
+    rules = prefill_module.CUMULATIVE_RULES
+    paths = {"sdpa (product)": rules, "selective attention (before)": rules + ("snapkv",)}
+
+    def admit():
+        rt.admit(0, request)
+        _sync(device)
+        rt.release(0)
+    times = {name: [] for name in paths}
+    for rep in range(repeats + 1):  # the first is the warm-up
+        for name, patched in paths.items():
+            prefill_module.CUMULATIVE_RULES = patched
+            _sync(device)
+            t0 = time.perf_counter()
+            admit()
+            if rep:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    prefill_module.CUMULATIVE_RULES = rules
+    del cm, rt
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, fp32")
+    p.add_argument("--lengths", default="2048,8192,16384,32768")
+    p.add_argument("--prefill-lengths", default="4096,16384,32768")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    from minikv_compile.perf import harness
+
+    if a.tiny:
+        device, dtype, shape = torch.device("cpu"), torch.float32, "tiny"
+        a.lengths, a.prefill_lengths, a.repeats = "64,128", "96", 1
+        env = {"device": "cpu", "torch": torch.__version__}
+    else:
+        from minikv_compile.perf.measure import row_environment
+
+        device, dtype, shape = torch.device("cuda"), torch.bfloat16, "llama3.1-8b"
+        env = row_environment()
+    result = {"environment": env, "attention": {}, "prefill_ms": {}}
+    for L in (int(x) for x in a.lengths.split(",")):
+        result["attention"][L] = attention_rows(L, device, dtype, a.repeats)
+        print(f"attention, L {L}:")
+        for name, row in result["attention"][L].items():
+            print(f"  {name:>28}: {row}")
+    model = harness.build_model(shape, device, dtype)
+    for L in (int(x) for x in a.prefill_lengths.split(",")):
+        result["prefill_ms"][L] = prefill_rows(L, model, device, a.repeats)
+        print(f"prefill of one {L}-token prompt (ms): {result['prefill_ms'][L]}")
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
