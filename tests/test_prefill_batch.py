@@ -52,7 +52,7 @@ def _row_exact(cm, lengths) -> list:
         weights = [m.weight for block in a.layers for m in block.modules()
                    if isinstance(m, nn.Linear)]
     else:                # fused [q; k; v] and [gate; up] (CUDA), o_proj and down_proj
-        weights = [w for f in a.fused for w, _ in f.values()]
+        weights = [f[name][0] for f in a.fused for name in ("qkv", "gate_up")]
         weights += [m.weight for b in a.layers for m in (b.self_attn.o_proj, b.mlp.down_proj)]
     g = torch.Generator(device=weights[0].device).manual_seed(0)
     exact = [True] * len(lengths)
