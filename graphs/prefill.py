@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Generator, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from minikv_compile import ops
 
@@ -110,13 +109,13 @@ def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer:
     n_recent, n_heavy = budget.kept_tokens(config, L, layer, adapter.num_layers)
     if n_recent + n_heavy >= L:
         # Nothing is evicted: no scores needed.
-        out = _causal_attention(q, k, v, adapter.scale)
+        out = ops.causal_attention(q, k, v, scale=adapter.scale)
         k_sel, v_sel = k[0], v[0]
     else:
         if config.selection in CUMULATIVE_RULES:
             out, cumulative = ops.selective_attention(q, k, v, scale=adapter.scale)
         else:
-            out, cumulative = _causal_attention(q, k, v, adapter.scale), None
+            out, cumulative = ops.causal_attention(q, k, v, scale=adapter.scale), None
         scores = token_scores(config, q, k, cumulative, adapter.scale, n_recent)
         idx = select_tokens(scores, n_recent, n_heavy)     # (H_kv, n)
         idx = idx[..., None].expand(-1, -1, adapter.head_dim)
@@ -130,11 +129,3 @@ def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer:
         store.k[slot, :, :n].copy_(k_sel, non_blocking=True)
         store.v[slot, :, :n].copy_(v_sel, non_blocking=True)
     return out
-
-
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """Causal attention without scores: q (1, H_q, L, D), k/v (1, H_kv, L, D) -> (1, H_q, L, D).
-    The fastest exact attention there is: SDPA."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 # The rule names MiniKVConfig accepts (it validates against this tuple).
 SELECTIONS = ("h2o", "snapkv", "h2o_mean", "snapkv_h2o")
 # The rules that read the cumulative attention of every prompt query (selective attention's
-# second output). "snapkv" reads its window's queries only, so its prefill attends with SDPA.
+# second output). "snapkv" reads its window's queries only: its prefill runs the attention
+# without the scores' pass (ops.causal_attention).
 CUMULATIVE_RULES = ("h2o", "h2o_mean", "snapkv_h2o")
 
 

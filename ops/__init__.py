@@ -5,7 +5,7 @@ This package imports nothing else of the project. Every public function here is 
 traces through it; on CPU tensors the op runs its reference, on CUDA tensors the Triton kernel.
 """
 from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
-from .attention_prefill import selective_attention
+from .attention_prefill import causal_attention, selective_attention
 from .attention_decode import decode_attention, decode_attention_recall
 from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
@@ -19,6 +19,7 @@ __all__ = [
     "quantize_values",
     "dequantize_values",
     "selective_attention",
+    "causal_attention",
     "decode_attention",
     "decode_attention_recall",
     "CacheLayout",

@@ -28,6 +28,8 @@ exponential is one ``exp2``.
 Extra memory beyond ``out``: the log-sum-exp ``(B, H_q, L)`` and the scores ``(B, H_kv, L)``,
 both fp32 (5 MiB at B=1, 32/8 heads, L=32k).
 
+``causal_attention`` is pass 1 alone, for the selection rules that read no cumulative scores.
+
 On CPU tensors the op runs a chunked PyTorch implementation (``_selective_attention_chunked``)
 whose memory is ``O(L x chunk)``; ``selective_attention_ref`` is the plain, fully materialized
 definition used by the tests.
@@ -37,13 +39,14 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ._checks import check_tensor
 
-__all__ = ["selective_attention", "selective_attention_ref"]
+__all__ = ["causal_attention", "selective_attention", "selective_attention_ref"]
 
 # Head dims the Triton kernels are built for: tl.dot needs the reduction dim >= 16 and
 # power-of-two block shapes; 256 is the largest head dim of common decoder models. Llama-family
@@ -474,6 +477,23 @@ def _(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
     return out, scores
 
 
+@torch.library.custom_op("minikv::causal_attention", mutates_args=())
+def _causal_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    # Default (CPU) implementation.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1]).contiguous()
+
+
+@_causal_attention_op.register_kernel("cuda")
+def _(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    return _selective_attention_triton(q, k, v, scale, fwd_only=True)[0]
+
+
+@_causal_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    return q.new_empty(q.shape)
+
+
 def selective_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None
 ) -> Tuple[Tensor, Tensor]:
@@ -502,6 +522,24 @@ def selective_attention(
     scores) and is deterministic; on CPU a chunked PyTorch implementation with
     ``O(L x chunk)`` memory.
     """
+    return _selective_attention_op(q, k, v, _check_inputs(q, k, v, scale))
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Causal attention over a prompt without scores: ``selective_attention``'s output alone.
+
+    Same inputs as ``selective_attention``; returns out ``(B, H_q, L, D)`` contiguous, q's dtype.
+
+    On CUDA this is pass 1 alone (one Triton launch; its log-sum-exp is dropped). Not SDPA:
+    cuDNN's attention, 2x faster at 32k on the H100 (13.0 against 26.7 ms for both passes), builds
+    a plan for every new prompt length, and a server sees a new length with nearly every request
+    (see perf/NOTES.md, "Prefill attention without scores"). On CPU: SDPA.
+    """
+    return _causal_attention_op(q, k, v, _check_inputs(q, k, v, scale))
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float]) -> float:
+    """Validate a prefill attention's inputs; returns the softmax scale."""
     check_tensor("q", q, ndim=4, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     B, H_q, L, D = q.shape
     check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
@@ -518,5 +556,4 @@ def selective_attention(
         raise ValueError(f"q: expected head dim in {SUPPORTED_HEAD_DIMS}, got {D}")
     if L == 0 or B == 0:
         raise ValueError(f"q: expected a non-empty batch and sequence, got shape {tuple(q.shape)}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return _selective_attention_op(q, k, v, scale)
+    return 1.0 / math.sqrt(D) if scale is None else float(scale)

@@ -205,8 +205,8 @@ def test_prefill_keeps_what_the_rule_selects(monkeypatch, over):
 def test_prefill_computes_cumulative_scores_only_for_the_rules_that_read_them(monkeypatch, rule,
                                                                             selective):
     """Selective attention (its second pass sums every query's attention) runs in a layer that
-    evicts under h2o-type rules only; snapkv's prefill attends with SDPA and gets the same
-    output (the two attentions agree to fp32 rounding), so the same tokens are generated."""
+    evicts under h2o-type rules only; snapkv's prefill runs ``causal_attention`` (SDPA on the
+    CPU) and gets the same output (to fp32 rounding), so the same tokens are generated."""
     calls, selective_attention = [], ops_module.selective_attention
 
     def spy(q, k, v, scale=None):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minikv_compile.ops import selective_attention
+from minikv_compile.ops import causal_attention, selective_attention
 from minikv_compile.ops.attention_prefill import (
     SUPPORTED_HEAD_DIMS,
     _PassConfig,
@@ -276,6 +276,37 @@ def test_triton_interpreter_strided_inputs():
     torch.testing.assert_close(scores, scores_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, H_q, H_kv, L, D", [(2, 4, 4, 33, 64), (1, 9, 3, 123, 64)])
+def test_causal_attention_matches_fp64(B, H_q, H_kv, L, D, dtype):
+    # selective attention's output without its scores (SDPA on CPU)
+    q, k, v = _inputs(B, H_q, H_kv, L, D, dtype)
+    scale = 0.3
+    out = causal_attention(q, k, v, scale=scale)
+    out_64, _ = _attention_fp64(q, k, v, scale)
+    assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
+    _assert_out_within_2x(out, _attention_same_precision(q, k, v, scale), out_64)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(k=torch.randn(1, 3, 8, 16), v=torch.randn(1, 3, 8, 16)), "KV heads dividing H_q=4"),
+    (dict(v=torch.randn(1, 2, 7, 16)), "v"),
+    (dict(q=torch.randn(1, 4, 8, 24), k=torch.randn(1, 2, 8, 24), v=torch.randn(1, 2, 8, 24)),
+     "head dim in"),
+    (dict(q=torch.randn(1, 4, 0, 16), k=torch.randn(1, 2, 0, 16), v=torch.randn(1, 2, 0, 16)),
+     "non-empty"),
+])
+def test_causal_attention_rejects_bad_inputs(bad, match):
+    args = dict(q=torch.randn(1, 4, 8, 16), k=torch.randn(1, 2, 8, 16), v=torch.randn(1, 2, 8, 16))
+    with pytest.raises(ValueError, match=match):
+        causal_attention(**{**args, **bad})
+
+
+def test_opcheck_causal_attention_cpu():
+    q, k, v = _inputs(2, 6, 2, 20, 16, torch.float32)
+    torch.library.opcheck(torch.ops.minikv.causal_attention.default, (q, k, v, 0.25))
+
+
 def test_kernel_config_rejects_bad_blocks():
     with pytest.raises(ValueError, match="power of two"):
         _PassConfig(48, 16, 4, 3)
@@ -481,3 +512,20 @@ def test_gpu_compile_fullgraph():
     out, scores = compiled(q, k, v)
     out_ref, scores_ref = selective_attention(q, k, v)
     assert torch.equal(out, out_ref) and torch.equal(scores, scores_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [17, 4099])
+def test_gpu_causal_attention_is_the_first_pass(L):
+    # The same launch as selective attention's pass 1 (bit-equal output), read through strides
+    # as the prefill hands it over ((B, L, H, D) projections viewed as (B, H, L, D))
+    q = torch.randn(1, L, 32, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    k = torch.randn(1, L, 8, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    v = torch.randn(1, L, 8, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    out = causal_attention(q, k, v)
+    out_sel, _ = selective_attention(q, k, v)
+    assert torch.equal(out, out_sel) and out.is_contiguous()
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    tol = SDPA_TOL[torch.bfloat16]
+    torch.testing.assert_close(out, sdpa, rtol=tol, atol=tol)
+    torch.library.opcheck(torch.ops.minikv.causal_attention.default, (q, k, v, 0.125))

@@ -5,14 +5,18 @@ attention (whose second pass sums every query's attention, which only the h2o-ty
     python perf/experiments/prefill_attention.py --out F --tiny     # CPU plumbing check
 
 1. The attention of one layer of one prompt (Llama-3.1-8B's heads: 32 query / 8 KV heads of 128,
-   bf16) at several lengths: ``ops.selective_attention``; SDPA with ``enable_gqa`` as torch picks
+   bf16) at several lengths: ``ops.selective_attention``; ``ops.causal_attention`` (its first
+   pass alone, the product path); SDPA with ``enable_gqa`` as torch picks
    its backend; SDPA pinned to each backend that takes the call; cuDNN over keys and values
    repeated to the query heads (the repeat timed in); and SnapKV's window scores, which every
    SDPA row needs on top.
-2. One prompt admitted whole into the engine (random 8B weights, the library's default config:
-   SnapKV, half the prompt kept), synchronized: the product path (SDPA) against the same engine
-   with ``CUMULATIVE_RULES`` patched to include ``"snapkv"`` (selective attention, the path before),
-   alternating, median of ``--repeats`` after one warm-up each.
+2. The first and second call of each attention at prompt lengths not seen before: what a
+   server meets with nearly every request.
+3. One prompt admitted whole into the engine (random 8B weights, the library's default config:
+   SnapKV, half the prompt kept), synchronized: the product path (``ops.causal_attention``)
+   against the same engine with SDPA patched in, and with ``CUMULATIVE_RULES`` patched to
+   include ``"snapkv"`` (selective attention, the path before), alternating, median of
+   ``--repeats`` after one warm-up each.
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ def attention_rows(L, device, dtype, repeats):
     v = torch.randn(1, Hkv, L, D, device=device, dtype=dtype, generator=g)
     scale = D ** -0.5
     rows = {"selective_attention": lambda: ops.selective_attention(q, k, v, scale=scale),
+            "causal_attention": lambda: ops.causal_attention(q, k, v, scale=scale),
             "sdpa (torch's choice)": lambda: F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=True)}
     for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
@@ -93,6 +98,47 @@ def attention_rows(L, device, dtype, repeats):
     return out
 
 
+def first_calls(lengths, device, dtype):
+    """Per attention: ms of its first and second call at prompt lengths this process has not
+    seen before (a server sees a new length with nearly every request). Each attention gets
+    lengths of its own, so that no plan or kernel built for another one is reused."""
+    from minikv_compile import ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def pinned(backend):
+        def run(q, k, v, scale):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                      enable_gqa=True)
+        return run
+    rows = {"causal_attention (Triton pass 1)": lambda q, k, v, scale:
+            ops.causal_attention(q, k, v, scale=scale),
+            "sdpa cudnn": pinned(SDPBackend.CUDNN_ATTENTION),
+            "sdpa flash": pinned(SDPBackend.FLASH_ATTENTION)}
+    Hq, Hkv, D = (32, 8, 128) if device.type == "cuda" else (4, 2, 32)
+    out = {}
+    for offset, (name, fn) in enumerate(rows.items()):
+        out[name] = []
+        for L in lengths:
+            L += 2 * offset + 1  # odd, and its own
+            q = torch.randn(1, Hq, L, D, device=device, dtype=dtype)
+            k = torch.randn(1, Hkv, L, D, device=device, dtype=dtype)
+            v = torch.randn(1, Hkv, L, D, device=device, dtype=dtype)
+            times = []
+            try:
+                for _ in range(2):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    fn(q, k, v, D ** -0.5)
+                    _sync(device)
+                    times.append(round((time.perf_counter() - t0) * 1e3, 2))
+            except RuntimeError as e:  # a backend that does not take this call (the CPU)
+                out[name].append({"L": L, "error": str(e)[:120]})
+                continue
+            out[name].append({"L": L, "first_ms": times[0], "second_ms": times[1]})
+    return out
+
+
 def prefill_rows(L, model, device, repeats):
     from minikv_compile import MiniKVConfig, minikv_compile
     from minikv_compile.graphs import prefill as prefill_module
@@ -103,23 +149,32 @@ def prefill_rows(L, model, device, repeats):
     cm = minikv_compile(model, config)
     rt = cm.runtime
     request = Request(torch.randint(3, model.config.vocab_size, (L,)).tolist(), 1)
-    rules = prefill_module.CUMULATIVE_RULES
-    paths = {"sdpa (product)": rules, "selective attention (before)": rules + ("snapkv",)}
+    rules, causal = prefill_module.CUMULATIVE_RULES, prefill_module.ops.causal_attention
+
+    def sdpa(q, k, v, scale):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=True)
+    # (selection rules that run selective attention, the attention of the others)
+    paths = {"causal_attention (product)": (rules, causal), "sdpa": (rules, sdpa),
+             "selective attention (before)": (rules + ("snapkv",), causal)}
 
     def admit():
         rt.admit(0, request)
         _sync(device)
         rt.release(0)
     times = {name: [] for name in paths}
-    for rep in range(repeats + 1):  # the first is the warm-up
-        for name, patched in paths.items():
-            prefill_module.CUMULATIVE_RULES = patched
-            _sync(device)
-            t0 = time.perf_counter()
-            admit()
-            if rep:
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    prefill_module.CUMULATIVE_RULES = rules
+    try:
+        for rep in range(repeats + 1):  # the first is the warm-up
+            for name, (patched, attention) in paths.items():
+                prefill_module.CUMULATIVE_RULES = patched
+                prefill_module.ops.causal_attention = attention
+                _sync(device)
+                t0 = time.perf_counter()
+                admit()
+                if rep:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        prefill_module.CUMULATIVE_RULES, prefill_module.ops.causal_attention = rules, causal
     del cm, rt
     return {name: round(statistics.median(t), 1) for name, t in times.items()}
 
@@ -130,6 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, fp32")
     p.add_argument("--lengths", default="2048,8192,16384,32768")
     p.add_argument("--prefill-lengths", default="4096,16384,32768")
+    p.add_argument("--first-lengths", default="3000,5000,9000,17000,30000")
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     from minikv_compile.perf import harness
@@ -137,6 +193,7 @@ def main(argv=None) -> int:
     if a.tiny:
         device, dtype, shape = torch.device("cpu"), torch.float32, "tiny"
         a.lengths, a.prefill_lengths, a.repeats = "64,128", "96", 1
+        a.first_lengths = "40,80"
         env = {"device": "cpu", "torch": torch.__version__}
     else:
         from minikv_compile.perf.measure import row_environment
@@ -144,6 +201,11 @@ def main(argv=None) -> int:
         device, dtype, shape = torch.device("cuda"), torch.bfloat16, "llama3.1-8b"
         env = row_environment()
     result = {"environment": env, "attention": {}, "prefill_ms": {}}
+    result["first_calls"] = first_calls([int(x) for x in a.first_lengths.split(",")], device,
+                                        dtype)
+    for name, rows in result["first_calls"].items():
+        print(f"first calls at new lengths, {name}: " + ", ".join(
+            f"L {r['L']} {r.get('first_ms')} / {r.get('second_ms')} ms" for r in rows))
     for L in (int(x) for x in a.lengths.split(",")):
         result["attention"][L] = attention_rows(L, device, dtype, a.repeats)
         print(f"attention, L {L}:")
