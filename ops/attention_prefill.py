@@ -531,9 +531,10 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = N
     Same inputs as ``selective_attention``; returns out ``(B, H_q, L, D)`` contiguous, q's dtype.
 
     On CUDA this is pass 1 alone (one Triton launch; its log-sum-exp is dropped). Not SDPA:
-    cuDNN's attention, 2x faster at 32k on the H100 (13.0 against 26.7 ms for both passes), builds
-    a plan for every new prompt length, and a server sees a new length with nearly every request
-    (see perf/NOTES.md, "Prefill attention without scores"). On CPU: SDPA.
+    cuDNN's attention is 1.2x faster at 32k on the H100 (14.4 ms against 17.5; both passes 27.3),
+    but its first call at a new prompt length builds a plan (62-99 ms), and a server sees a new
+    length with nearly every request (perf/NOTES.md, "Prefill attention without scores"). On
+    CPU: SDPA.
     """
     return _causal_attention_op(q, k, v, _check_inputs(q, k, v, scale))
 
