@@ -360,7 +360,7 @@ def _selective_attention_triton(
     """Run both Triton passes. Same contract as ``selective_attention`` (scale already resolved).
 
     ``fwd_config`` / ``scores_config`` override the default block configuration of pass 1 /
-    pass 2 independently. ``fwd_only=True`` (benchmarks and tests) runs pass 1 alone and returns
+    pass 2 independently. ``fwd_only=True`` (``causal_attention``) runs pass 1 alone and returns
     ``(out, lse)`` instead of ``(out, scores)``, lse ``(B, H_q, L)`` fp32 holding the natural
     log-sum-exp of each row times log2(e).
 

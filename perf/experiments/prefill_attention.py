@@ -1,5 +1,6 @@
-"""Device experiment: what SnapKV's prefill gains by attending with SDPA instead of selective
-attention (whose second pass sums every query's attention, which only the h2o-type rules read).
+"""Device experiment: what SnapKV's prefill gains by dropping selective attention's second pass
+(it sums every query's attention, which only the h2o-type rules read), and which attention
+then: Triton's first pass alone (``ops.causal_attention``) or SDPA.
 
     python perf/experiments/prefill_attention.py --out FILE.json    # after perf/gpu_check.sh
     python perf/experiments/prefill_attention.py --out F --tiny     # CPU plumbing check
@@ -34,6 +35,18 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _sdpa(q, k, v, scale, backend=None):
+    """Causal SDPA over grouped KV heads, on ``backend`` alone or as torch picks it."""
+    from torch.nn.attention import sdpa_kernel
+
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=True)
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=True)
+
+
 def _ms(fn, device, repeats):
     """Median wall ms of ``fn`` (synchronized), after one warm-up call."""
     fn()
@@ -50,7 +63,7 @@ def _ms(fn, device, repeats):
 def attention_rows(L, device, dtype, repeats):
     from minikv_compile import ops
     from minikv_compile.graphs.selection import snapkv_scores
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     g = torch.Generator(device=device).manual_seed(L)
     Hq, Hkv, D = (32, 8, 128) if device.type == "cuda" else (4, 2, 32)
@@ -60,23 +73,13 @@ def attention_rows(L, device, dtype, repeats):
     scale = D ** -0.5
     rows = {"selective_attention": lambda: ops.selective_attention(q, k, v, scale=scale),
             "causal_attention": lambda: ops.causal_attention(q, k, v, scale=scale),
-            "sdpa (torch's choice)": lambda: F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=True)}
+            "sdpa (torch's choice)": lambda: _sdpa(q, k, v, scale)}
     for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-        backend = getattr(SDPBackend, name)
-
-        def pinned(backend=backend):
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                      enable_gqa=True)
-        rows[f"sdpa {name.lower()}"] = pinned
-
-    def cudnn_repeated():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(
-                q, k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1),
-                is_causal=True, scale=scale)
-    rows["sdpa cudnn, k/v repeated"] = cudnn_repeated
+        rows[f"sdpa {name.lower()}"] = (
+            lambda backend=getattr(SDPBackend, name): _sdpa(q, k, v, scale, backend))
+    rows["sdpa cudnn, k/v repeated"] = lambda: _sdpa(  # a copy of its KV head per query head
+        q, k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1), scale,
+        SDPBackend.CUDNN_ATTENTION)
     rows["snapkv window scores"] = lambda: snapkv_scores(q, k, scale, 32, 7)
     # the fp32 reference through SDPA's math backend holds L x L scores: up to 8k only
     reference = (F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
@@ -103,18 +106,14 @@ def first_calls(lengths, device, dtype):
     seen before (a server sees a new length with nearly every request). Each attention gets
     lengths of its own, so that no plan or kernel built for another one is reused."""
     from minikv_compile import ops
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    def pinned(backend):
-        def run(q, k, v, scale):
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                      enable_gqa=True)
-        return run
     rows = {"causal_attention (Triton pass 1)": lambda q, k, v, scale:
             ops.causal_attention(q, k, v, scale=scale),
-            "sdpa cudnn": pinned(SDPBackend.CUDNN_ATTENTION),
-            "sdpa flash": pinned(SDPBackend.FLASH_ATTENTION)}
+            "sdpa cudnn": lambda q, k, v, scale: _sdpa(q, k, v, scale,
+                                                        SDPBackend.CUDNN_ATTENTION),
+            "sdpa flash": lambda q, k, v, scale: _sdpa(q, k, v, scale,
+                                                        SDPBackend.FLASH_ATTENTION)}
     Hq, Hkv, D = (32, 8, 128) if device.type == "cuda" else (4, 2, 32)
     out = {}
     for offset, (name, fn) in enumerate(rows.items()):
@@ -150,12 +149,8 @@ def prefill_rows(L, model, device, repeats):
     rt = cm.runtime
     request = Request(torch.randint(3, model.config.vocab_size, (L,)).tolist(), 1)
     rules, causal = prefill_module.CUMULATIVE_RULES, prefill_module.ops.causal_attention
-
-    def sdpa(q, k, v, scale):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=True)
     # (selection rules that run selective attention, the attention of the others)
-    paths = {"causal_attention (product)": (rules, causal), "sdpa": (rules, sdpa),
+    paths = {"causal_attention (product)": (rules, causal), "sdpa": (rules, _sdpa),
              "selective attention (before)": (rules + ("snapkv",), causal)}
 
     def admit():
