@@ -1,0 +1,56 @@
+"""The built wheel ships the library and the report tool (``python -m minikv_compile.perf``), and
+nothing of the lab: no ``perf/experiments``, ``perf/results`` or notes."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> its package in the wheel (pyproject's package-dir, read independently here).
+SOURCES = {"minikv_compile": "minikv_compile", "ops": "minikv_compile/ops",
+           "graphs": "minikv_compile/graphs", "models": "minikv_compile/models",
+           "perf": "minikv_compile/perf"}
+LAB = ("perf/experiments", "perf/results")
+
+
+def _expected_modules() -> set[str]:
+    """Every tracked-looking .py of the library's folders, at its path in the wheel."""
+    out = set()
+    for src, pkg in SOURCES.items():
+        for path in (ROOT / src).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if "__pycache__" in rel or rel.startswith(LAB):
+                continue
+            out.add(pkg + rel[len(src):])
+    return out
+
+
+def test_the_wheel_ships_the_library_and_the_report_tool_not_the_lab(tmp_path):
+    # Build from a copy: the build writes build/ and *.egg-info beside the sources, which must
+    # not race with other work in the checkout. The lab's folders are copied too, so that the
+    # packaging config (not the copy) is what keeps them out.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".cache"))
+    assert (src / "perf" / "experiments").is_dir() and (src / "perf" / "NOTES.md").is_file()
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                          "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    wheels = list((tmp_path / "dist").glob("minikv_compile-*.whl"))
+    assert len(wheels) == 1, wheels
+    names = zipfile.ZipFile(wheels[0]).namelist()
+
+    files = {n for n in names if ".dist-info/" not in n}
+    assert not [n for n in files if "experiments" in n or "results" in n.split("/")
+                or n.endswith((".md", ".sh", ".json", ".txt", ".log", ".png"))], sorted(files)
+    # exactly the library's modules: the public API, ops, graphs, models, the report tool and the
+    # accuracy harness, nothing missing and nothing else
+    assert files == _expected_modules(), (sorted(files - _expected_modules()),
+                                          sorted(_expected_modules() - files))
+    for module in ("minikv_compile/__init__.py", "minikv_compile/perf/__main__.py",
+                   "minikv_compile/perf/accuracy/__main__.py", "minikv_compile/ops/__init__.py"):
+        assert module in files, module
