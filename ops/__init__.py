@@ -6,7 +6,9 @@ traces through it; on CPU tensors the op runs its reference, on CUDA tensors the
 """
 from .quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from .attention_prefill import causal_attention, selective_attention
-from .attention_decode import decode_attention, decode_attention_recall
+from .attention_decode import decode_attention
+from .attention_decode_recall import decode_attention_recall
+from .attention_tail import tail_attention
 from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
@@ -22,6 +24,7 @@ __all__ = [
     "causal_attention",
     "decode_attention",
     "decode_attention_recall",
+    "tail_attention",
     "CacheLayout",
     "LayerBuffers",
     "cache_begin_step",
