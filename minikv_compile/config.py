@@ -12,7 +12,7 @@ ROTATIONS = ("none", "hadamard")
 
 
 # Named configurations (``MiniKVConfig.preset``), chosen from the accuracy harness on SmolLM2
-# (perf/results/accuracy/main.md, H100: needle exact match over 240 prompts of 2k-7k tokens,
+# (its main table, H100: needle exact match over 240 prompts of 2k-7k tokens,
 # the full cache 87.1%; perplexity x the full cache's).
 PRESETS = {
     # the MiniKV paper: H2O heavy hitters 25% + recent window 25%, 2 bit (needle 12.9%)
@@ -29,8 +29,8 @@ PRESETS = {
     # 18.7% resident at 7k tokens with the ring and the recall buffers, 16.6% at 32k; 86.2%,
     # x1.002; 1.08x the step of the same GPU copy without recall at 1 x 32k and 8 x 4k, H100).
     # Not evicting: with 70% of the prompt kept the same copy and recall score 85.0% and x1.012
-    # at 14.0% resident at 7k (perf/results/h100/evict_recall_153c0b0), but miss the demo's question
-    # on the CPU at 4092 tokens, which this one answers (accuracy/demo-configs-cpu-evict-recall).
+    # at 14.0% resident at 7k, but miss the demo's question on the CPU at 4092 tokens, which
+    # this one answers (perf/NOTES.md, "SpeCache in the engine").
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
                      rotation="hadamard", recall_top_k=64),
 }
@@ -97,9 +97,9 @@ class MiniKVConfig:
         so ``q . k`` is unchanged, and values by ``H`` with the attention output rotated back
         (both folded into v_proj and o_proj): outlier channels are spread over the head before
         the cache quantizes them. On SmolLM2 (GPU harness, 240 needle prompts of 2k-7k tokens)
-        with recall of 64 at group 64 (specache-afe423b, specache-1bit-93ed2d6): needle
+        with recall of 64 at group 64: needle
         68.8% -> 85.8% at 2 bits, 13.3% -> 55.8% at 1 bit; on the library default without
-        recall (main.md) 45.8% -> 64.2%, perplexity x1.120 -> x1.074 the full cache's; +2% of
+        recall 45.8% -> 64.2%, perplexity x1.120 -> x1.074 the full cache's; +2% of
         the decode step on the Llama-3.1-8B shape.
     recall_top_k:
         SpeCache: 0 (off), or the ``K`` positions per slot, layer and KV head whose
@@ -136,7 +136,7 @@ class MiniKVConfig:
     budget_policy: str = "uniform"
     pyramid_depth: int = 7
     # The selection defaults are the best rule of the accuracy harness at MiniKV's bytes
-    # (perf/results/accuracy/main.md, SmolLM2-135M, H100): needle retrieval 45.8% vs 12.9% for
+    # (SmolLM2-135M, H100, 240 needle prompts): needle retrieval 45.8% vs 12.9% for
     # the paper's H2O rule (+32.9 points, paired 95% CI [26.2, 39.6]), perplexity and code
     # completion unchanged. ``selection="h2o", snapkv_kernel=7, selection_block=1,
     # sink_tokens=0`` is the paper's MiniKV exactly.

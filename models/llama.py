@@ -376,7 +376,7 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = 
     tensor-core padding) of every K tile again, and the normalized tile would go through
     registers instead of the compiler's shared-memory pipeline: at 8 rows the gate/up projection
     took 72-87 us that way against 62 us for the norm + cuBLAS chain
-    (``linear_sweep_b8_61fdd92.txt``). So the launch before hands over ``normed`` =
+    (``perf/NOTES.md``, "Several rows"). So the launch before hands over ``normed`` =
     (``norm.weight * x``, x's sums of squares) and the projection scales its product by the
     1 / RMS (``fused_linear``'s ``norm_out`` and ``rms_sumsq``): no launch for the norm.
     Without ``normed`` (the first layer, fp16), ``ops.rms_norm`` runs first, a PDL launch, so

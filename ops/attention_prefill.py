@@ -285,7 +285,7 @@ _GPU_SCORES_CONFIGS = {
     128: _PassConfig(64, 128, 8, 3),
     256: _PassConfig(32, 64, 4, 2),
 }
-# Pass 2 at D = 128, tuned on the H200 (perf/results/h200/tune_selective_attention_v1.json):
+# Pass 2 at D = 128, tuned on the H200 (perf/NOTES.md, "Selective attention"):
 # 4 warps instead of 8 leave room for two programs per SM, so one's exponentials overlap the
 # other's matmuls. L <= 4096: (128, 64, 4, 3) 0.194 ms vs 0.240; longer: (64, 128, 4, 4)
 # 0.625 ms vs 0.871 at 8k and 9.61 ms vs 13.66 at 32k. Two variants, chosen by length.

@@ -6,9 +6,9 @@ One launch for a decode layer's q and k (and the copy of its v), on tensor cores
 ``x @ S`` in the model's dtype with fp32 accumulation has exact products, and the
 ``1 / sqrt(D)`` is applied in fp32 before the one rounding. Inside a compiled step the rotation
 as ``x.float() @ H`` was five launches a layer (casts, cuBLAS GEMMs, a split-K reduce) that also
-broke the PDL chain, +2.2 ms on a 6.6 ms step on the Llama-3.1-8B shape at batch 1 (H100,
-``perf/results/h100/specache_9f29641``); an fp32 ``tl.dot`` with ``H`` loaded from memory was
-slower still (``rotation_f0683e7``).
+broke the PDL chain, +2.2 ms on a 6.6 ms step on the Llama-3.1-8B shape at batch 1 (H100);
+an fp32 ``tl.dot`` with ``H`` loaded from memory was slower still (``perf/NOTES.md``, "Rotation
+before quantizing").
 """
 from __future__ import annotations
 
