@@ -6,8 +6,10 @@ small), several short prompts in one prefill pass (they share its weight reads),
 freeze the running streams, replays one decode step for every live slot, reads each slot's new
 token while the GPU runs the next step (the host's share of a step, detokenizing and streaming,
 is hidden behind it), turns tokens into text incrementally, and ends a request the step it
-finishes (eos, a stop string, ``max_tokens``, cancellation), freeing its slot at once. A request that fails (bad input the checks missed, an error in its prefill)
-ends with an error of its own; the engine and every other request go on.
+finishes (eos, a stop string, ``max_tokens``, cancellation), freeing its slot at once. A request
+that fails (bad input the checks missed, an error in its prefill) ends with an error of its own;
+the engine and every other request go on. Beside it: the detokenizer (``detokenizer``), the
+counters (``loop_metrics``) and the prefill clock (``prefill_clock``).
 """
 from __future__ import annotations
 
@@ -17,20 +19,20 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import torch
 
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
 
+from .detokenizer import IncrementalDetokenizer
 from .engine import MiniKVModel
+from .loop_metrics import LATENCY_BUCKETS, Metrics
+from .prefill_clock import PrefillClock
 from .ranks import HEARTBEAT_S, ReplicatedRuntime
 
-# Histogram bucket upper bounds (seconds) of the latency metrics.
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-
+__all__ = ["Delta", "Handle", "IncrementalDetokenizer", "LATENCY_BUCKETS", "Metrics",
+           "PrefillClock", "QueueFull", "Scheduler", "ServeRequest"]
 
 class QueueFull(Exception):
     """The waiting queue is at its bound; try again after ``retry_after`` seconds."""
@@ -69,29 +71,6 @@ class Delta:
     token_ids: List[int]
     finish_reason: Optional[str] = None
     error: Optional[str] = None
-
-
-class IncrementalDetokenizer:
-    """Text of a growing token list, emitted only up to the last complete character.
-
-    Decodes a short window (``prefix`` .. end) each time and emits what it adds beyond the
-    window's earlier text; a decode ending in U+FFFD (half of a multi-byte character) waits.
-    """
-
-    def __init__(self, tokenizer, prompt_tail: Sequence[int] = ()):
-        self.tok = tokenizer
-        self.tokens: List[int] = list(prompt_tail)[-4:]  # context for the first tokens' spaces
-        self.prefix = 0
-        self.read = len(self.tokens)
-
-    def push(self, token_id: int) -> str:
-        self.tokens.append(token_id)
-        before = self.tok.decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tok.decode(self.tokens[self.prefix:], skip_special_tokens=True)
-        if after.endswith("\ufffd") or len(after) <= len(before):
-            return ""
-        self.prefix, self.read = self.read, len(self.tokens)
-        return after[len(before):]
 
 
 class Handle:
@@ -139,25 +118,6 @@ class Handle:
         return "".join(text), reason
 
 
-@dataclass
-class Metrics:
-    """Counters of the loop (read them through ``Scheduler.metrics``)."""
-
-    requests: Dict[str, int] = field(default_factory=lambda: collections.Counter())
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    ttft_sum: float = 0.0
-    itl: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    itl_sum: float = 0.0
-    steps: int = 0
-    prefills: int = 0  # prefill passes completed (several prompts each when batched)
-
-    def observe(self, hist: List[int], seconds: float) -> None:
-        hist[next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b),
-                  len(LATENCY_BUCKETS))] += 1
-
-
 class _Running:
     """A request in a slot."""
 
@@ -169,75 +129,6 @@ class _Running:
         self.sent = 0         # characters of ``text`` already emitted
         self.seen = 0         # tokens already read
         self.last_at = handle.created
-
-
-class PrefillClock:
-    """How long a prefill layer takes, learnt from the layers run, without a host sync.
-
-    A gap's cost is the longer of the host's time launching its layers and the GPU's time
-    running them (CUDA events, read once they have passed; on the CPU the work is done when the
-    call returns): a short prompt's layers are launch-bound (H100, 8B shape: ~3 ms of launches
-    a layer whatever the prompt's length up to ~4k tokens, 70-100 ms gaps when the estimate
-    scaled a longer prompt's cost down by tokens). The admission under way (one at a time) is
-    timed by its own layers once one of its gaps has been read; before that, by the cost per
-    prompt token and layer of every admission so far times its tokens, and at least the
-    launches of a layer (each an average weighted toward the latest).
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.per_token_layer: Optional[float] = None   # ms, any admission
-        self.launch_layer: float = 0.0                  # ms of the host's launches a layer
-        self._current = None                            # the admission under way
-        self._current_ms: Optional[float] = None        # its ms a layer, once read
-        self._open: List[tuple] = []                    # CUDA gaps not read yet
-
-    def start(self):
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        return event, time.perf_counter()
-
-    def stop(self, start, admission, tokens: int, layers: int) -> None:
-        if layers == 0:
-            return
-        if admission is not self._current:
-            self._current, self._current_ms = admission, None
-        event, t0 = start
-        host_ms = (time.perf_counter() - t0) * 1e3
-        if not self.cuda:
-            self._learn(admission, host_ms, host_ms, tokens, layers)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._open.append((event, end, host_ms, admission, tokens, layers))
-
-    def layer_ms(self, admission, tokens: int) -> Optional[float]:
-        """The estimate for one more layer of ``admission`` (``tokens`` prompt tokens); None
-        before anything was measured."""
-        while self._open and self._open[0][1].query():  # recorded in order, passed in order
-            start, end, host_ms, timed, n, layers = self._open.pop(0)
-            self._learn(timed, max(start.elapsed_time(end), host_ms), host_ms, n, layers)
-        if admission is self._current and self._current_ms is not None:
-            return self._current_ms
-        if self.per_token_layer is None:
-            return None
-        return max(self.per_token_layer * tokens, self.launch_layer)
-
-    def forget(self, admission) -> None:
-        """``admission`` ended: its gaps not read yet count for every admission alone."""
-        if admission is self._current:
-            self._current = self._current_ms = None
-
-    def _learn(self, admission, ms: float, host_ms: float, tokens: int, layers: int) -> None:
-        if admission is not None and admission is self._current:
-            self._current_ms = ms / layers
-        rate = ms / (layers * tokens)
-        old = self.per_token_layer
-        self.per_token_layer = rate if old is None else 0.5 * (old + rate)
-        launch = host_ms / layers
-        self.launch_layer = launch if old is None else 0.5 * (self.launch_layer + launch)
 
 
 class Scheduler:

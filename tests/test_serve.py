@@ -221,8 +221,8 @@ def test_models_health_and_flags(client, server, model_dir):
     assert models_["object"] == "list"
     assert [m["id"] for m in models_["data"]] == [str(model_dir)]
     assert models_["data"][0]["max_new_tokens"] == MAX_NEW
-    from minikv_compile.serve import _parser
-    flags = {a.dest for a in _parser()._actions}
+    from minikv_compile.serve.cli import parser
+    flags = {a.dest for a in parser()._actions}
     assert {f for f in MiniKVConfig.__dataclass_fields__} <= flags
 
 

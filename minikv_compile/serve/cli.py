@@ -1,0 +1,137 @@
+"""The command line: flags, the model's loading, the engine and scheduler built, then served."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from minikv_compile.models.parallel import join_torchrun
+
+from ..config import MiniKVConfig
+from ..inputs import check_int
+from ..ranks import follow
+from ..scheduler import Scheduler
+from .app import create_app
+from .cache import use_compile_cache
+from .parallel import RANK_TIMEOUT_S, leave_ranks
+from .server import run_server
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minikv_compile.serve",
+        description="An OpenAI-compatible server (completions and chat, streaming) over a "
+                    "MiniKV-compressed, CUDA-graph-replayed engine.")
+    p.add_argument("--model", required=True,
+                   help="a local HF model directory, or 'smollm2' (SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot at most; past it, 429 (default: 64)")
+    sched = p.add_argument_group("Scheduler", "how prompts are admitted between decode steps")
+    sched.add_argument("--prefill-ms", type=float, default=50.0, metavar="MS",
+                       help="milliseconds of prefill (whole layers, at least one) between two "
+                            "decode steps while other requests stream (default: 50)")
+    sched.add_argument("--prefill-layers", type=int, default=None, metavar="INT",
+                       help="and at most this many layers (default: no limit)")
+    sched.add_argument("--prefill-batch-tokens", type=int, default=2048, metavar="INT",
+                       help="waiting prompts are prefilled in one pass up to this many tokens "
+                            "together (default: 2048)")
+    sched.add_argument("--prefill-batch-requests", type=int, default=8, metavar="INT",
+                       help="and at most this many prompts a pass (default: 8)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="where torch.compile and Triton keep their compiled artifacts and the "
+                        "engine its compiled decode step, so that a restart compiles nothing "
+                        "(default: $TORCHINDUCTOR_CACHE_DIR "
+                        "if set, else compile/ in the project's cache folder, $MINIKV_CACHE or "
+                        "~/.cache/minikv_compile)")
+    group = p.add_argument_group("MiniKVConfig", "the engine's fields (see MiniKVConfig)")
+    for f in dataclasses.fields(MiniKVConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.default is None:  # Optional[bool]: None lets the engine choose by device
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help="default: on for CUDA, off on the CPU")
+        else:
+            group.add_argument(flag, dest=f.name, type=type(f.default), default=None,
+                               metavar=type(f.default).__name__.upper(),
+                               help=f"default: {f.default}")
+    return p
+
+
+def _load(model: str, device: str, dtype: torch.dtype, tensor_parallel: int):
+    """(model, tokenizer): ``smollm2`` or a local HF model directory; with several ranks, this
+    rank's shard of a directory's checkpoint, read alone (``models.load_shard``)."""
+    if model == "smollm2":
+        from minikv_compile.models.smollm2 import load_smollm2
+        return load_smollm2(dtype=dtype, device=device)
+    if not Path(model).is_dir():
+        raise ValueError(f"--model: expected a local HF model directory or 'smollm2', got "
+                         f"{model!r}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if tensor_parallel > 1:
+        from minikv_compile.models import TensorParallel, load_shard
+        return load_shard(model, TensorParallel.from_default_group(tensor_parallel), device,
+                          dtype), tokenizer
+    hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    return hf_model.to(device).eval(), tokenizer
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse the flags, build the engine, listen, warm up in the background, serve."""
+    from ..engine import minikv_compile
+
+    flags = parser()
+    args = flags.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(MiniKVConfig)
+              if getattr(args, f.name) is not None}
+    try:
+        config = MiniKVConfig(**fields)
+        check_int("--max-queue", args.max_queue, lo=1)
+        check_int("--port", args.port, lo=0, hi=65535)
+        for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):
+            if getattr(args, flag) is not None:  # before the model loads, not after
+                check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=1)
+        if not args.prefill_ms > 0:
+            raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
+        use_compile_cache(args.compile_cache)
+        if config.tensor_parallel > 1:
+            n = config.tensor_parallel
+            device = str(join_torchrun(f"--tensor-parallel {n}", n, device.startswith("cuda"),
+                                       RANK_TIMEOUT_S))
+        model, tokenizer = _load(args.model, device, dtype, config.tensor_parallel)
+        engine = minikv_compile(model, config)
+        if engine.adapter.tp.rank != 0:  # rank 0 serves; this rank makes its calls
+            # torchrun's SIGTERM reaches every rank at once: this one ends when rank 0, shutting
+            # down, sends its stop (killed now, it would fail rank 0's last collective)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            follow(engine)
+            leave_ranks(0)
+        scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue,
+                              prefill_ms=args.prefill_ms, prefill_layers=args.prefill_layers,
+                              prefill_batch_tokens=args.prefill_batch_tokens,
+                              prefill_batch_requests=args.prefill_batch_requests)
+    except (ValueError, NotImplementedError) as e:
+        flags.error(str(e))
+    name = args.served_model_name or args.model
+    app = create_app(scheduler, tokenizer, name, config)
+    status = run_server(app, scheduler, name, args.host, args.port)
+    if config.tensor_parallel > 1:
+        leave_ranks(status)
+    return status
