@@ -70,6 +70,27 @@ def test_every_cited_results_path_is_in_the_tree():
     assert missing == [], missing
 
 
+def test_the_notes_index_cites_only_kept_results():
+    """NOTES' index names its evidence as `GPU/entry`, then bare entries of the same folder."""
+    notes = (ROOT / "perf" / "NOTES.md").read_text()
+    index = notes[notes.index("## Index"):notes.index("\nPer kernel:")]
+    cited, missing = 0, []
+    for row in index.splitlines()[1:]:
+        group = None
+        for token in re.findall(r"`([^`]+)`", row):
+            head = token.split("/")[0]
+            if head in ("h100", "h200", "h100x2", "h200x2", "accuracy"):
+                group, path = head, token
+            elif group and re.fullmatch(r"[\w.*-]+/|[\w*.-]+\.(json|txt|md)", token):
+                path = f"{group}/{token}"
+            else:
+                continue
+            cited += 1
+            if not glob.glob(str(RESULTS / path.rstrip("/"))):
+                missing.append(path)
+    assert cited >= 50 and missing == [], (cited, missing)
+
+
 def test_every_manifest_row_names_a_file_that_is_kept():
     rows = 0
     for manifest in RESULTS.glob("*/MANIFEST.md"):
