@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from minikv_compile.ops import CacheLayout, HostStore
+from minikv_compile.ops.cache_layout import BUFFER_NAMES, codes_per_word
 
 from . import budget
 
@@ -149,6 +150,148 @@ class StaticKVCache:
             layer.lens[start:stop, 1].fill_(1)
         if self.recall is not None:
             self.recall.empty_slots(start, stop)
+
+    def snapshot(self, slot: int, tokens: Sequence[int], logits: Optional[torch.Tensor]
+                 ) -> "SlotSnapshot":
+        """A copy of what slot ``slot`` holds (every layer's valid rows: the codes, scales and
+        zeros of its quantized tokens, its ring tokens, the host copy with recall), holding the
+        K/V of ``tokens``; ``logits (V,)`` fp32 of the last of them, or None. One host sync
+        (the counters); the slot is not changed."""
+        counts = torch.stack([layer.lens[slot] for layer in self.layers]).tolist()
+        P = 1 if self.bits == 16 else codes_per_word(self.bits)
+        layers, host = [], [] if self.recall is not None else None
+        for i, (layer, (n_quant, n_ring)) in enumerate(zip(self.layers, counts)):
+            rows = {"k_cache": n_quant // P, "v_cache": n_quant, "k_ring": n_ring,
+                    "v_ring": n_ring}
+            if self.bits != 16:
+                rows.update(k_scale=n_quant // self.group_size, k_zero=n_quant // self.group_size,
+                            v_scale=n_quant, v_zero=n_quant)
+            layers.append({name: getattr(layer, name)[slot, :, :n].clone()
+                           for name, n in rows.items()})
+            if host is not None:
+                store, n = self.recall.stores[i], n_quant + n_ring
+                host.append(tuple(_host_copy(t[slot, :, :n]) for t in (store.k, store.v)))
+        return SlotSnapshot(tokens=tuple(tokens), lens=tuple(map(tuple, counts)), layers=layers,
+                            host=host, logits=None if logits is None else logits.clone())
+
+    def check_snapshot(self, snap: "SlotSnapshot", extra_tokens: int, name: str) -> None:
+        """``ValueError`` unless ``snap`` has this cache's layout and, with ``extra_tokens``
+        more (a tail and the tokens to generate), fits a slot's capacity in every layer."""
+        if not isinstance(snap, SlotSnapshot):
+            raise ValueError(f"{name}: expected a SlotSnapshot, got {type(snap).__name__}")
+        if len(snap.layers) != len(self.layers):
+            raise ValueError(f"{name}: expected {len(self.layers)} layers, got "
+                             f"{len(snap.layers)}")
+        if (snap.host is not None) != (self.recall is not None):
+            raise ValueError(f"{name}: expected {'a' if self.recall else 'no'} host copy "
+                             f"(recall_top_k), got {'one' if snap.host else 'none'}")
+        k_ring = snap.layers[0]["k_ring"]
+        if (k_ring.dtype, k_ring.device.type, tuple(k_ring.shape[::2])) != (
+                self.dtype, self.device.type, (self.num_kv_heads, self.head_dim)):
+            raise ValueError(f"{name}: expected K/V of {self.num_kv_heads} heads x "
+                             f"{self.head_dim} in {self.dtype} on {self.device.type}, got "
+                             f"{k_ring.shape[0]} x {k_ring.shape[2]} in {k_ring.dtype} on "
+                             f"{k_ring.device.type}")
+        for i, (layer, (n_quant, n_ring)) in enumerate(zip(self.layers, snap.lens)):
+            need = n_quant + n_ring + extra_tokens
+            if need > layer.capacity:
+                raise ValueError(
+                    f"{name}: layer {i} holds {n_quant + n_ring} tokens of the cached prefix; "
+                    f"with {extra_tokens} more (the tail and max_new_tokens) that is {need}, "
+                    f"expected at most the slot's capacity of {layer.capacity} (the engine's "
+                    f"max_prompt_len and max_new_tokens size it)")
+            if n_ring > self.ring:
+                raise ValueError(f"{name}: layer {i} holds {n_ring} ring tokens, expected at "
+                                 f"most residual_length={self.ring}")
+
+    def restore(self, slot: int, snap: "SlotSnapshot") -> None:
+        """Slot ``slot`` takes ``snap``'s state (checked by ``check_snapshot``), everything else
+        of the slot emptied (recall's state: nothing recalled); other slots are untouched.
+        Queued behind the device's work (the counters are filled with Python ints)."""
+        self.empty_slots(slot, slot + 1)
+        for i, (layer, tensors, (n_quant, n_ring)) in enumerate(
+                zip(self.layers, snap.layers, snap.lens)):
+            for name, t in tensors.items():
+                getattr(layer, name)[slot, :, : t.shape[1]].copy_(t, non_blocking=True)
+            layer.lens[slot, 0].fill_(n_quant)
+            layer.lens[slot, 1].fill_(n_ring)
+            if snap.host is not None:
+                store = self.recall.stores[i]
+                for dst, src in zip((store.k, store.v), snap.host[i]):
+                    dst[slot, :, : src.shape[1]].copy_(src, non_blocking=True)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory (pinned where a GPU is present: restores copy it back
+    asynchronously)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return out.copy_(t)
+
+
+@dataclass(frozen=True)
+class SlotSnapshot:
+    """One slot's compressed state, not tied to a slot: what ``StaticKVCache.snapshot`` copies
+    and ``restore`` writes back.
+
+    tokens: the ids whose K/V it holds, in order (logical positions ``0 .. len - 1``).
+    lens: per layer ``(n_quant, n_ring)``, the quantized and ring tokens held.
+    layers: per layer the buffers' valid rows without the slot dim (``ops.cache_layout``),
+        on the cache's device: ``k_cache (H, n_quant / P, D)``, ``k_scale, k_zero (H, n_quant
+        / G, D)``, ``v_cache (H, n_quant, D / P)``, ``v_scale, v_zero (H, n_quant, D / GV)``,
+        ``k_ring, v_ring (H, n_ring, D)``; with bits 16 ``k_cache, v_cache (H, n_quant, D)`` and
+        no scales or zeros.
+    host: recall's host copy per layer, ``(k, v)`` each ``(H, n_quant + n_ring, D)`` in host
+        memory, or None without recall.
+    logits: ``(V,)`` fp32 of the last token (what the first new token is chosen from when
+        nothing follows it), or None when the state was taken after decoding.
+    """
+
+    tokens: Tuple[int, ...]
+    lens: Tuple[Tuple[int, int], ...]
+    layers: List[Dict[str, torch.Tensor]]
+    host: Optional[List[Tuple[torch.Tensor, torch.Tensor]]]
+    logits: Optional[torch.Tensor]
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Every tensor by a flat name (``layer{l}.{buffer}``, ``layer{l}.host_k`` / ``host_v``,
+        ``logits``)."""
+        out = {f"layer{i}.{name}": t for i, layer in enumerate(self.layers)
+               for name, t in layer.items()}
+        for i, pair in enumerate(self.host or ()):
+            out[f"layer{i}.host_k"], out[f"layer{i}.host_v"] = pair
+        if self.logits is not None:
+            out["logits"] = self.logits
+        return out
+
+    @classmethod
+    def from_tensors(cls, tokens: Sequence[int], tensors: Dict[str, torch.Tensor],
+                     num_layers: int) -> "SlotSnapshot":
+        """The snapshot whose ``tensors()`` are ``tensors`` (the counters read off the shapes);
+        ``ValueError`` naming a missing tensor."""
+        def get(key: str) -> torch.Tensor:
+            if key not in tensors:
+                raise ValueError(f"tensors: expected {key!r}, got none")
+            return tensors[key]
+
+        quantized = "layer0.k_scale" in tensors
+        names = BUFFER_NAMES[:8] if quantized else ("k_cache", "v_cache", "k_ring", "v_ring")
+        layers = [{n: get(f"layer{i}.{n}") for n in names} for i in range(num_layers)]
+        host = None
+        if "layer0.host_k" in tensors:
+            host = [(get(f"layer{i}.host_k"), get(f"layer{i}.host_v")) for i in range(num_layers)]
+        lens = tuple((layer["v_cache"].shape[1], layer["k_ring"].shape[1]) for layer in layers)
+        return cls(tokens=tuple(tokens), lens=lens, layers=layers, host=host,
+                   logits=tensors.get("logits"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the device (the host copy and the logits excluded)."""
+        return sum(t.nbytes for layer in self.layers for t in layer.values())
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the host copy (recall), 0 without one."""
+        return sum(t.nbytes for pair in self.host or () for t in pair)
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .cache import StaticKVCache
+from .cache import SlotSnapshot, StaticKVCache
 from .decode import MAX_EOS_IDS, DecodeStep, RecallDecodeStep, SlotState
 from .graph_runner import GraphRunner
 from .prefill import prefill_pieces
 from .sampling import Sampling
+from .tail import prefill_tail
 
 @contextlib.contextmanager
 def engine_mode():
@@ -63,7 +64,9 @@ class Request:
     their log-probabilities are recorded. min_new_tokens: eos ids cannot be chosen before this
     many tokens (HF's ``min_new_tokens``). budgets: ``(heavy_budget, recent_budget)`` of this
     request's selection, each at most the engine's (so its kept tokens fit the capacity); None:
-    the engine's.
+    the engine's. prefix: a slot's snapshot holding the K/V of the prompt's first tokens
+    (``prompt`` starts with ``prefix.tokens``): admission restores it and prefills only the
+    tail after them (``graphs/tail.py``); None prefills the whole prompt.
     """
 
     prompt: Sequence[int]
@@ -73,6 +76,7 @@ class Request:
     forced: Optional[Sequence[int]] = None
     min_new_tokens: int = 0
     budgets: Optional[Tuple[float, float]] = None
+    prefix: Optional[SlotSnapshot] = None
 
     @property
     def mode(self) -> str:
@@ -111,6 +115,9 @@ class SlotRuntime:
         self.buckets = _buckets(config.max_batch_size)
         self._requests: List[Optional[Request]] = [None] * config.max_batch_size
         self._reserved: set = set()  # slots whose admission is under way (admit_in_pieces)
+        # per slot: the logits (V,) fp32 its admission chose the first token from, which a
+        # snapshot taken before any step keeps (its last token's)
+        self._logits: List[Optional[torch.Tensor]] = [None] * config.max_batch_size
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -238,6 +245,30 @@ class SlotRuntime:
         if r.forced is not None and len(r.forced) < r.max_new_tokens:
             raise ValueError(f"{name}.forced: expected max_new_tokens={r.max_new_tokens} "
                              f"tokens, got {len(r.forced)}")
+        if r.prefix is not None:
+            self._check_prefix(r, name)
+
+    def _check_prefix(self, r: Request, name: str) -> None:
+        """A request's prefix: its tokens start the prompt, and with the tail and the tokens
+        to generate it fits a slot (``StaticKVCache.check_snapshot``)."""
+        cached = r.prefix.tokens if isinstance(r.prefix, SlotSnapshot) else ()
+        n = len(cached)
+        if list(r.prompt[:n]) != list(cached):
+            at = next((i for i, (a, b) in enumerate(zip(r.prompt, cached)) if a != b),
+                      len(r.prompt))
+            raise ValueError(f"{name}.prompt: expected to start with the prefix's {n} tokens, "
+                             f"got a prompt of {len(r.prompt)} tokens that differs at position "
+                             f"{at}")
+        if n == len(r.prompt) and r.prefix.logits is None:
+            raise ValueError(f"{name}.prompt: expected at least one token after the prefix's "
+                             f"{n} (a snapshot taken after decoding keeps no logits of its last "
+                             f"token), got none")
+        if r.budgets is not None:
+            raise ValueError(f"{name}.budgets: expected None with a prefix (its tokens were "
+                             f"selected when it was cached; the tail is kept whole), got "
+                             f"{r.budgets}")
+        self.cache.check_snapshot(r.prefix, len(r.prompt) - n + r.max_new_tokens,
+                                  f"{name}.prefix")
 
     def _admit(self, slots: List[int], requests: List[Request], layers_per_piece: int):
         """Set each slot's state, prefill the prompts in one pass, choose the first tokens;
@@ -248,12 +279,22 @@ class SlotRuntime:
             prompts.append(self._set_slot(s, request))
             configs.append(self.config if request.budgets is None else dataclasses.replace(
                 self.config, heavy_budget=request.budgets[0], recent_budget=request.budgets[1]))
-        logits = yield from prefill_pieces(self.adapter, self.cache, configs, slots, prompts,
-                                           layers_per_piece)  # (n, V) fp32
+        fresh = [i for i, r in enumerate(requests) if r.prefix is None]
+        rows_of = [None] * len(requests)  # each request's logits (1, V) fp32
+        if fresh:
+            logits = yield from prefill_pieces(
+                self.adapter, self.cache, [configs[i] for i in fresh], [slots[i] for i in fresh],
+                [prompts[i] for i in fresh], layers_per_piece)  # (n, V) fp32
+            for j, i in enumerate(fresh):
+                rows_of[i] = logits[j: j + 1]
+        for i, (s, request) in enumerate(zip(slots, requests)):
+            if request.prefix is not None:
+                rows_of[i] = yield from self._restore(s, request.prefix, prompts[i])
         live = torch.ones(1, dtype=torch.bool, device=dev)
         for i, (s, request) in enumerate(zip(slots, requests)):
             rows = slice(s, s + 1)
-            first = st.choose(logits[i: i + 1], rows, request.mode, live)
+            self._logits[s] = rows_of[i][0]
+            first = st.choose(rows_of[i], rows, request.mode, live)
             _put(st.positions, s, len(request.prompt) - 1)  # the last prompt token, prefill fed
             st.record(first, rows, live)
             if self.cache.recall is not None:  # SpeCache: the slot's next step pre-decodes
@@ -262,6 +303,30 @@ class SlotRuntime:
         for s, request in zip(slots, requests):
             _put(st.active, s, True)
             self._requests[s] = request
+
+    def _restore(self, s: int, prefix: SlotSnapshot, prompt: torch.Tensor):
+        """Slot ``s`` takes ``prefix`` and the prompt's tail after it (a generator of
+        ``prefill_tail``'s chunks); returns the logits of the prompt's last token (1, V) fp32."""
+        self.cache.restore(s, prefix)
+        n = len(prefix.tokens)
+        if n == prompt.shape[0]:
+            return prefix.logits[None].to(self.device)
+        return (yield from prefill_tail(self.adapter, self.cache, s, prompt[n:], n))
+
+    def snapshot(self, slot: int) -> SlotSnapshot:
+        """Slot ``slot``'s state as a ``SlotSnapshot``, the slot unchanged: the K/V of every
+        token it has fed (its prompt and the generated tokens before the newest, which is
+        chosen, not fed yet: what HF's cache holds after ``generate``), and the logits of the
+        last prompt token while nothing has been fed after it. One host sync."""
+        self._check_slot(slot)
+        request = self._requests[slot]
+        if request is None:
+            raise ValueError(f"slot: expected a slot holding a request, got free slot {slot}")
+        fed = int(self.state.positions[slot])
+        prompt = list(request.prompt)
+        tokens = prompt + self.outputs([slot])[0][: fed - len(prompt)]
+        return self.cache.snapshot(slot, tokens,
+                                   self._logits[slot] if fed == len(prompt) else None)
 
     def _set_slot(self, s: int, request: Request) -> torch.Tensor:
         """Slot ``s``'s state for ``request`` (not active: not stepped until admission is
@@ -306,6 +371,7 @@ class SlotRuntime:
         _put(self.state.active, slot, False)
         self.cache.empty_slots(slot, slot + 1)
         self._requests[slot] = None
+        self._logits[slot] = None
 
     def finish(self, slot: int) -> None:
         """Mark ``slot`` finished (a stopping criterion of the caller's said so); it keeps its

@@ -19,13 +19,17 @@ from minikv_compile.graphs.sampling import Sampling
 from minikv_compile.models import TensorParallel, get_adapter
 
 from . import generation
+from . import prompt_cache as pc
 from .config import MiniKVConfig
 from .inputs import check_int, token_rows
+from .prompt_cache import PromptCache
 
 _DTYPES_CUDA = (torch.float16, torch.bfloat16)
 _DTYPES_CPU = (torch.float16, torch.bfloat16, torch.float32)
 
 Prompts = Union[torch.Tensor, Sequence[Sequence[int]]]
+_CACHE_FIELD = ("cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+                else "past_key_values")
 
 
 @dataclass
@@ -43,6 +47,7 @@ class GenerationOutput:
     decode_steps: int
     batch_bucket: int
     timings: Dict[str, float] = field(default_factory=dict)
+    snapshots: Optional[list] = None  # each slot's SlotSnapshot at the end (internal)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -101,6 +106,7 @@ class MiniKVModel:
                              f"one int32's codes at bits={config.bits} must divide), got "
                              f"{config.group_size}")
         self._lock = threading.RLock()
+        self._fingerprint: Optional[Dict[str, object]] = None
         with engine_mode():
             self.runtime = SlotRuntime(a, config, device=self.device, dtype=self.dtype,
                                        compile=use_compile, cuda_graphs=use_graphs)
@@ -113,6 +119,7 @@ class MiniKVModel:
 
     def generate(self, inputs=None, generation_config=None, streamer=None,
                  stopping_criteria=None, *, input_ids=None, attention_mask=None,
+                 past_key_values: Optional[PromptCache] = None,
                  seed: Optional[int] = None, eos_check_every: int = 8, **kwargs):
         """Generate for each prompt, with HF's arguments (decoder-only greedy and sampling).
 
@@ -128,6 +135,10 @@ class MiniKVModel:
             a callable given one list per step (each sequence's new token, None once stopped).
         stopping_criteria: HF's (``criteria(ids (B, L + n), None) -> (B,) bool``), asked after
             every token; each ask syncs with the host.
+        past_key_values: a ``PromptCache`` (``cache_prompt``, an earlier call's output, or
+            ``load_prompt_cache``) of one sequence per prompt; prompt ``i`` must start with its
+            ``token_ids[i]``. Each sequence's compressed state is restored into a slot and only
+            the tokens after it are prefilled (``graphs/tail.py``); the cache is not changed.
         seed: sampling seed of the first sequence (sequence ``i`` draws with ``seed + i``); None
             draws from torch's global generator.
         eos_check_every: steps between host checks of "all sequences finished".
@@ -135,7 +146,9 @@ class MiniKVModel:
         Returns a ``GenerationOutput`` (new tokens per sequence, cut after the eos), or, with
         ``return_dict_in_generate=False`` / ``True``, what HF returns: a ``(B, L + n)`` tensor of
         the input and the new tokens (padded with the pad id), or HF's
-        ``GenerateDecoderOnlyOutput`` with that tensor as ``sequences``.
+        ``GenerateDecoderOnlyOutput`` with that tensor as ``sequences`` and, as
+        ``past_key_values``, the ``PromptCache`` of each prompt and its new tokens but the last
+        (which is chosen, not fed: HF's cache holds the same), for the next turn.
         """
         if inputs is not None and input_ids is not None:
             raise ValueError("input_ids: expected the prompt once (inputs or input_ids), got both")
@@ -152,8 +165,13 @@ class MiniKVModel:
         if stopping_criteria is not None and not callable(stopping_criteria):
             raise ValueError(f"stopping_criteria: expected a callable (HF's StoppingCriteriaList), "
                              f"got {type(stopping_criteria).__name__}")
+        prefixes = self._check_prefixes(past_key_values, prompts)
         requests = [Request(p, plan.max_new_tokens, plan.eos, _seeded(plan.sampling, seed, i),
-                            min_new_tokens=plan.min_new_tokens) for i, p in enumerate(prompts)]
+                            min_new_tokens=plan.min_new_tokens, prefix=prefixes[i])
+                    for i, p in enumerate(prompts)]
+        if past_key_values is not None:  # every request, before any is admitted
+            for i, request in enumerate(requests):
+                self.runtime.check_request(request, f"input_ids[{i}]")
         hf_streamer = streamer is not None and not callable(streamer)
         if hf_streamer:
             streamer.put(generation.hf_sequences(ids, prompts, [[]] * len(prompts), plan.pad))
@@ -163,7 +181,7 @@ class MiniKVModel:
                 generation.hf_sequences(ids, prompts, outs, plan.pad), None)
         with self._lock:
             out = self._run(requests, _stream_to(streamer, plan.pad) if hf_streamer else streamer,
-                            every, stop)
+                            every, stop, snapshot=plan.output == "dict")
         if hf_streamer:
             streamer.end()
         if plan.output == "engine":
@@ -171,16 +189,96 @@ class MiniKVModel:
         sequences = generation.hf_sequences(ids, prompts, out.sequences, plan.pad)
         if plan.output == "tensor":
             return sequences
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        # transformers 5 names the field ``cache`` (``past_key_values`` reads it, with a warning)
+        return GenerateDecoderOnlyOutput(sequences=sequences,
+                                         **{_CACHE_FIELD: self._prompt_cache(out.snapshots)})
+
+    def cache_prompt(self, input_ids: Prompts, attention_mask=None) -> PromptCache:
+        """Prefill and compress each prompt as ``generate`` would, and return their state as a
+        ``PromptCache`` (on this engine's device, tied to no slot) instead of generating:
+        ``generate(prompt + more, past_key_values=cache)`` then prefills only ``more``.
+
+        input_ids / attention_mask: as ``generate``'s (one sequence per prompt, at most
+        ``max_batch_size``). The cache keeps the logits of each prompt's last token, so a
+        prompt equal to the cached one (nothing after it) generates too.
+        """
+        self._check_no_tensor_parallel("cache_prompt")
+        prompts = self._check_prompts(input_ids, attention_mask, None)
+        requests = [Request(p, 1) for p in prompts]
+        with self._lock:
+            rt = self.runtime
+            self._check_runtime_free()
+            try:
+                for slot, request in enumerate(requests):
+                    rt.admit(slot, request)
+                return self._prompt_cache([rt.snapshot(s) for s in range(len(requests))])
+            finally:
+                rt.release_all()
+
+    def load_prompt_cache(self, path) -> PromptCache:
+        """The ``PromptCache`` saved at ``path`` (``PromptCache.save``), onto this engine's
+        device (nothing is compiled). ``ValueError`` naming the field where the file's model
+        fingerprint, compression config or format version differs from this engine's."""
+        self._check_no_tensor_parallel("load_prompt_cache")
+        return pc.load(path, fingerprint=self.fingerprint, config=pc.cache_config(self.config),
+                       device=self.device, num_layers=self.adapter.num_layers)
+
+    @property
+    def fingerprint(self) -> Dict[str, object]:
+        """The model's identity a ``PromptCache`` must match (``prompt_cache.model_fingerprint``;
+        computed once)."""
+        if self._fingerprint is None:
+            self._fingerprint = pc.model_fingerprint(self.model, self.adapter, self.dtype)
+        return self._fingerprint
+
+    def _prompt_cache(self, snapshots) -> PromptCache:
+        return PromptCache(snapshots, fingerprint=self.fingerprint,
+                           config=pc.cache_config(self.config), device=self.device)
+
+    def _check_prefixes(self, cache: Optional[PromptCache], prompts: List[List[int]]) -> list:
+        """Each prompt's ``SlotSnapshot`` from ``cache`` (None for all without one); a
+        ``ValueError`` naming what differs: the model, config, device, batch or tokens."""
+        if cache is None:
+            return [None] * len(prompts)
+        self._check_no_tensor_parallel("past_key_values")
+        pc.check_compatible(cache, fingerprint=self.fingerprint,
+                            config=pc.cache_config(self.config), device=self.device)
+        if len(cache) != len(prompts):
+            raise ValueError(f"past_key_values: expected one cached sequence per prompt "
+                             f"({len(prompts)}), got a cache of {len(cache)}")
+        for i, (prompt, seq) in enumerate(zip(prompts, cache.sequences)):
+            n = len(seq.tokens)
+            if prompt[:n] != list(seq.tokens):
+                at = next((j for j, (a, b) in enumerate(zip(prompt, seq.tokens)) if a != b),
+                          len(prompt))
+                raise ValueError(f"input_ids[{i}]: expected to start with the cache's {n} "
+                                 f"tokens (past_key_values.token_ids[{i}]), got {len(prompt)} "
+                                 f"tokens that differ from them at position {at}")
+        return list(cache.sequences)
+
+    def _check_no_tensor_parallel(self, what: str) -> None:
+        if self.adapter.tp.world > 1:
+            raise NotImplementedError(f"{what}: prompt caches with tensor_parallel="
+                                      f"{self.adapter.tp.world} (each rank holds a shard of the "
+                                      f"cache); expected tensor_parallel=1")
+
+    def _check_runtime_free(self) -> None:
+        if self.runtime.admitted:
+            raise ValueError(f"generate: expected a runtime without requests, got slots "
+                             f"{self.runtime.admitted} admitted through model.runtime; release "
+                             f"them first")
 
     def teacher_force(self, input_ids: Prompts, targets: Sequence[Sequence[int]],
-                      attention_mask: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                      attention_mask: Optional[torch.Tensor] = None,
+                      past_key_values: Optional[PromptCache] = None) -> List[torch.Tensor]:
         """Log-probabilities of ``targets[i]`` after ``input_ids[i]``, through the decode path.
 
         The prompt is prefilled (and compressed) as in ``generate``; then each target token is
         fed through the same compiled / captured decode step instead of a chosen one, so flushes
         and the ring are exercised exactly as in generation. Returns one (len(targets[i]),) fp32
         CPU tensor per sequence: ``log p(targets[i][j] | prompt, targets[i][:j])``.
+        ``past_key_values``: as ``generate``'s (the prompt's cached prefix restored, its tail
+        prefilled).
         """
         prompts = self._check_prompts(input_ids, attention_mask, None)
         vocab = self.adapter.vocab_size
@@ -195,7 +293,12 @@ class MiniKVModel:
         if max(len(t) for t in rows) > cap:
             raise ValueError(f"targets: expected at most {cap} tokens per sequence (max_new_tokens), "
                              f"got {max(len(t) for t in rows)}")
-        requests = [Request(p, len(t), (), Sampling(), forced=t) for p, t in zip(prompts, rows)]
+        prefixes = self._check_prefixes(past_key_values, prompts)
+        requests = [Request(p, len(t), (), Sampling(), forced=t, prefix=c)
+                    for p, t, c in zip(prompts, rows, prefixes)]
+        if past_key_values is not None:  # every request, before any is admitted
+            for i, request in enumerate(requests):
+                self.runtime.check_request(request, f"input_ids[{i}]")
         with self._lock:
             return self._run(requests, None, 1 << 30, None, logprobs=True)
 
@@ -247,17 +350,17 @@ class MiniKVModel:
     # -- internals -----------------------------------------------------------------------------
 
     def _run(self, requests: List[Request], streamer, eos_check_every: int, stop,
-             logprobs: bool = False):
+             logprobs: bool = False, snapshot: bool = False):
         """Admit every request (slots 0..B-1), step until all finished, collect, release.
 
         streamer: a callable given one list per step; stop: given the outputs so far, returns a
-        (B,) bool of sequences to end (HF's stopping criteria). Returns a ``GenerationOutput``,
-        or with ``logprobs`` the teacher-forced log-probabilities of each sequence."""
+        B flags of sequences to end (HF's stopping criteria). Returns a ``GenerationOutput``
+        (with ``snapshot``: each slot's ``SlotSnapshot`` at the end, in ``snapshots``), or with
+        ``logprobs`` the teacher-forced log-probabilities of each sequence."""
         rt, B = self.runtime, len(requests)
         slots = list(range(B))
-        if rt.admitted:
-            raise ValueError(f"generate: expected a runtime without requests, got slots "
-                             f"{rt.admitted} admitted through model.runtime; release them first")
+        self._check_runtime_free()
+        snapshots = None
         stopped = [False] * B
         try:
             t0 = time.perf_counter()
@@ -277,7 +380,7 @@ class MiniKVModel:
             while steps < last:
                 if watch:  # one sync a step anyway: look before every step
                     if stop is not None:
-                        for slot, end in zip(slots, stop(rt.outputs(slots)).tolist()):
+                        for slot, end in zip(slots, stop(rt.outputs(slots))):
                             if end and not finished[slot]:
                                 rt.finish(slot)
                                 stopped[slot] = True
@@ -295,7 +398,7 @@ class MiniKVModel:
                 elif watch:
                     finished = rt.finished(slots)
             if stop is not None:  # the criteria see the last token too
-                for slot, end in zip(slots, stop(rt.outputs(slots)).tolist()):
+                for slot, end in zip(slots, stop(rt.outputs(slots))):
                     stopped[slot] = stopped[slot] or (end and not finished[slot])
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -303,13 +406,16 @@ class MiniKVModel:
             if logprobs:
                 return rt.logprobs(slots)
             sequences = rt.outputs(slots)
+            if snapshot:
+                snapshots = [rt.snapshot(s) for s in slots]
         finally:
             rt.release_all()
         reasons = ["eos" if seq and seq[-1] in r.eos_ids else "stop" if s else "length"
                    for seq, r, s in zip(sequences, requests, stopped)]
         bucket = next(b for b in rt.buckets if b >= B)
         return GenerationOutput(sequences=sequences, stop_reasons=reasons, prefill_seconds=t1 - t0,
-                                decode_seconds=t2 - t1, decode_steps=steps, batch_bucket=bucket)
+                                decode_seconds=t2 - t1, decode_steps=steps, batch_bucket=bucket,
+                                snapshots=snapshots)
 
     def _check_prompts(self, input_ids, attention_mask, pad_token_id) -> List[List[int]]:
         cfg = self.config

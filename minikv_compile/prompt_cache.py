@@ -1,0 +1,268 @@
+"""``PromptCache``: the compressed KV state of prompts, kept to be asked again (issue 46).
+
+A prompt cache holds, for each sequence of a batch, one slot's snapshot (``graphs.cache.
+SlotSnapshot``: the valid rows of the quantized blocks, scales and zeros, the ring, the counters,
+the host copy with recall, the last token's logits) and the token ids it covers, with what it
+must be used with: the model's fingerprint, the compression config and the format's version.
+``MiniKVModel.cache_prompt`` makes one, ``generate(..., past_key_values=cache)`` restores it
+into free slots and prefills only the tail, ``save`` / ``MiniKVModel.load_prompt_cache`` keep
+it on disk (one safetensors file).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from minikv_compile.graphs.cache import SlotSnapshot
+
+FORMAT = "minikv_compile.PromptCache"
+FORMAT_VERSION = 1
+# The config fields a prompt cache need not match: capacities, batch size, ranks and the
+# compile settings do not change what a slot holds, so a cache serves any engine with room for
+# it. Every other field (selection, budgets, layout, rotation, recall) must match.
+FREE_CONFIG_FIELDS = ("max_batch_size", "max_prompt_len", "max_new_tokens", "compile",
+                      "cuda_graphs", "tensor_parallel")
+
+
+def cache_config(config) -> Dict[str, object]:
+    """The fields of a ``MiniKVConfig`` a prompt cache must match (all but
+    ``FREE_CONFIG_FIELDS``)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name not in FREE_CONFIG_FIELDS}
+
+
+def model_fingerprint(model, adapter, dtype: torch.dtype) -> Dict[str, object]:
+    """What identifies the model a cache was computed by: its architecture, sizes and dtype,
+    and a SHA-256 of a few of its weights (the embedding's and LM head's first rows, the first
+    and last layers' first q_proj and down_proj rows: a different checkpoint of the same shape
+    differs there)."""
+    layers = adapter.layers
+    picks = [model.get_input_embeddings().weight[:2], model.get_output_embeddings().weight[:2]]
+    for block in (layers[0], layers[-1]):
+        picks += [block.self_attn.q_proj.weight[:1], block.mlp.down_proj.weight[:1]]
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for t in picks:
+            digest.update(t.detach().float().cpu().numpy().tobytes())
+    config = model.config
+    return {"model_type": config.model_type,
+            "architectures": list(getattr(config, "architectures", None) or []),
+            "num_layers": adapter.num_layers, "hidden_size": adapter.hidden_size,
+            "num_q_heads": adapter.num_q_heads, "num_kv_heads": adapter.num_kv_heads,
+            "head_dim": adapter.head_dim, "vocab_size": adapter.vocab_size,
+            "dtype": str(dtype).replace("torch.", ""), "weights_sha256": digest.hexdigest()}
+
+
+def versions() -> Dict[str, object]:
+    """The format's version (checked on use) and the library versions that wrote it (kept for
+    the record)."""
+    from importlib import metadata
+
+    import transformers
+
+    try:
+        own = metadata.version("minikv_compile")
+    except metadata.PackageNotFoundError:
+        own = "unknown"
+    return {"format": FORMAT_VERSION, "minikv_compile": own, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+@dataclass(frozen=True)
+class PromptCacheMemory:
+    """A prompt cache's bytes against an uncompressed fp16 cache of the same tokens.
+
+    nbytes: on the device; host_nbytes: recall's host copy; fp16_bytes: K and V of every token
+    of every layer at 2 bytes a value (this rank's KV heads)."""
+
+    nbytes: int
+    host_nbytes: int
+    fp16_bytes: int
+    tokens: int
+
+    @property
+    def ratio(self) -> float:
+        """Device bytes over the fp16 cache's."""
+        return self.nbytes / self.fp16_bytes if self.fp16_bytes else float("nan")
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:10.2f} MiB"  # noqa: E731
+        lines = [f"prompt cache of {self.tokens} tokens",
+                 f"  device              {mib(self.nbytes)}",
+                 f"  uncompressed fp16   {mib(self.fp16_bytes)}",
+                 f"  device / fp16       {self.ratio:9.4f}"]
+        if self.host_nbytes:
+            lines.append(f"  host copy (recall)  {mib(self.host_nbytes)}")
+        return "\n".join(lines)
+
+
+class PromptCache:
+    """The compressed state of one prompt per sequence, on the engine's device, tied to no slot.
+
+    ``token_ids[i]``: the ids sequence ``i`` holds the K/V of (a prompt given to
+    ``generate(..., past_key_values=cache)`` must start with them). ``nbytes`` /
+    ``host_nbytes``: its bytes on the device / in host memory (recall's copy); ``num_tokens``:
+    the tokens of every sequence; ``memory()``: both against an fp16 cache. Never changed by
+    use. ``save(path)`` writes it to one safetensors file.
+    """
+
+    def __init__(self, sequences: Sequence[SlotSnapshot], *, fingerprint: Dict[str, object],
+                 config: Dict[str, object], device: torch.device,
+                 versions_: Optional[Dict[str, object]] = None):
+        self.sequences: List[SlotSnapshot] = list(sequences)
+        self.fingerprint, self.config = dict(fingerprint), dict(config)
+        self.device = torch.device(device)
+        self.versions = versions() if versions_ is None else dict(versions_)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __repr__(self) -> str:
+        return (f"PromptCache(batch={len(self)}, tokens={self.lengths}, "
+                f"nbytes={self.nbytes}, device={self.device})")
+
+    @property
+    def token_ids(self) -> List[List[int]]:
+        return [list(s.tokens) for s in self.sequences]
+
+    @property
+    def lengths(self) -> List[int]:
+        """Tokens held per sequence."""
+        return [len(s.tokens) for s in self.sequences]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held, every sequence together."""
+        return sum(self.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the device."""
+        return sum(s.nbytes for s in self.sequences)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes in host memory (recall's full-precision copy; 0 without recall)."""
+        return sum(s.host_nbytes for s in self.sequences)
+
+    def memory(self) -> PromptCacheMemory:
+        """The bytes against an fp16 cache of the same tokens (``kv_memory()``'s comparison)."""
+        fp = self.fingerprint
+        fp16 = 2 * fp["num_layers"] * fp["num_kv_heads"] * fp["head_dim"] * 2 * self.num_tokens
+        return PromptCacheMemory(nbytes=self.nbytes, host_nbytes=self.host_nbytes,
+                                 fp16_bytes=fp16, tokens=self.num_tokens)
+
+    def metadata(self) -> Dict[str, str]:
+        """The file's metadata (JSON strings): format, fingerprint, config, versions, lengths."""
+        return {"format": FORMAT, "fingerprint": json.dumps(self.fingerprint),
+                "config": json.dumps(self.config), "versions": json.dumps(self.versions),
+                "lengths": json.dumps(self.lengths)}
+
+    def save(self, path) -> None:
+        """Write the cache to ``path``: one safetensors file, the tensors of sequence ``i`` as
+        ``seq{i}.layer{l}.{buffer}`` (``SlotSnapshot.tensors``) and its token ids as
+        ``seq{i}.tokens`` (int64), with ``metadata()``. Atomic: written to a temporary file in
+        the same folder, then renamed over ``path``."""
+        from safetensors.torch import save_file
+
+        path = os.fspath(path)
+        tensors = {}
+        for i, seq in enumerate(self.sequences):
+            for name, t in seq.tensors().items():
+                tensors[f"seq{i}.{name}"] = t.detach().to("cpu").contiguous()
+            tensors[f"seq{i}.tokens"] = torch.tensor(seq.tokens, dtype=torch.int64)
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".promptcache-", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=self.metadata())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+
+def check_compatible(cache, *, fingerprint: Dict[str, object], config: Dict[str, object],
+                     device: torch.device, name: str = "past_key_values") -> None:
+    """``ValueError`` naming the first field in which ``cache`` differs from this engine's
+    model (``fingerprint``), compression config and device; or its format version."""
+    if not isinstance(cache, PromptCache):
+        raise ValueError(f"{name}: expected a minikv_compile.PromptCache (from cache_prompt, "
+                         f"generate or load_prompt_cache), got {type(cache).__name__}")
+    version = cache.versions.get("format")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{name}.versions.format: expected {FORMAT_VERSION}, got {version!r}")
+    for what, mine, theirs in (("fingerprint", fingerprint, cache.fingerprint),
+                               ("config", config, cache.config)):
+        for key in sorted(set(mine) | set(theirs)):
+            if mine.get(key) != theirs.get(key):
+                raise ValueError(f"{name}.{what}.{key}: expected this engine's "
+                                 f"{mine.get(key)!r}, got {theirs.get(key)!r} (the cache was "
+                                 f"made by another model or config)")
+    if cache.device != torch.device(device):
+        raise ValueError(f"{name}.device: expected this engine's {device}, got {cache.device}")
+
+
+def read_metadata(path) -> Dict[str, object]:
+    """The metadata of a saved cache, parsed (``ValueError`` if ``path`` holds none)."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"path: expected a saved prompt cache file, got {path!r}, which is not "
+                         f"a file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors' own error type varies by version
+        raise ValueError(f"path: expected a safetensors file, got {path!r} ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"path.format: expected {FORMAT!r}, got {meta.get('format')!r} "
+                         f"in {path!r}")
+    return {key: json.loads(meta[key]) for key in ("fingerprint", "config", "versions",
+                                                   "lengths")}
+
+
+def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
+         device: torch.device, num_layers: int) -> PromptCache:
+    """The cache saved at ``path`` (``PromptCache.save``), its device tensors on ``device``
+    and the host copy in host memory; every field checked (``check_compatible``) before any
+    tensor is read."""
+    from safetensors import safe_open
+
+    meta = read_metadata(path)
+    stub = PromptCache([], fingerprint=meta["fingerprint"], config=meta["config"],
+                       device=device, versions_=meta["versions"])
+    check_compatible(stub, fingerprint=fingerprint, config=config, device=device, name="path")
+    pin = torch.device(device).type == "cuda"
+    sequences = []
+    with safe_open(os.fspath(path), framework="pt") as f:
+        for i, length in enumerate(meta["lengths"]):
+            head = f"seq{i}."
+            names = [k for k in f.keys() if k.startswith(head)]
+            tensors = {}
+            for key in names:
+                t = f.get_tensor(key)
+                short = key[len(head):]
+                if short.endswith(("host_k", "host_v")):
+                    tensors[short] = t.pin_memory() if pin else t
+                elif short != "tokens":
+                    tensors[short] = t.to(device)
+            if head + "tokens" not in names:
+                raise ValueError(f"path: expected {head}tokens in the file, got none")
+            tokens = f.get_tensor(head + "tokens").tolist()
+            if len(tokens) != length:
+                raise ValueError(f"path.lengths[{i}]: expected {len(tokens)} (the file's "
+                                 f"tokens), got {length}")
+            sequences.append(SlotSnapshot.from_tensors(tokens, tensors, num_layers))
+    return PromptCache(
+        sequences, fingerprint=stub.fingerprint, config=stub.config, device=device,
+        versions_=stub.versions)

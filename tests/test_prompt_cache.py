@@ -1,0 +1,234 @@
+"""Prompt caches (issue 46): ``cache_prompt``, ``generate(..., past_key_values=cache)``, the
+multi-turn cache of ``return_dict_in_generate``, ``save`` / ``load_prompt_cache``, and every
+refusal. CPU, fp32, tiny random models (eager: these tests are about the cache, not the
+compile); one engine per configuration for the module.
+
+The 16-bit cache with nothing evicted is checked against HF's greedy tokens on the whole prompt;
+the compressed ones against the engine's decode path (the tail's tokens join the cache as
+generated tokens do, so teacher-forcing them through decode steps gives the same
+log-probabilities), and their uses against each other.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from minikv_compile import MiniKVConfig, PromptCache, minikv_compile
+from test_engine import FULL, hf_greedy, prompt_of, tiny
+
+# ring 32 (two groups of 16): docs and tails longer than it cross flushes
+RING = dict(residual_length=32, max_prompt_len=224, max_new_tokens=16)
+# the compressed engines teacher-force tails and answers through decode steps (80 tokens)
+LONG = dict(max_prompt_len=224, max_new_tokens=80)
+# the compressed configs evict from prompts of any length (a floor of kept tokens, where the
+# config has one, would keep these short prompts whole)
+EVICT = {"kept_floor": 1} if "kept_floor" in MiniKVConfig.__dataclass_fields__ else {}
+DOC, QUESTION = prompt_of(90, 1), prompt_of(45, 2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def full(model):
+    return minikv_compile(model, MiniKVConfig(**FULL, **RING, max_batch_size=2))
+
+
+@pytest.fixture(scope="module")
+def minikv(model):
+    """The library default at 2 bits, evicting half of the prompt."""
+    return minikv_compile(model, MiniKVConfig(residual_length=32, **LONG, **EVICT))
+
+
+@pytest.fixture(scope="module")
+def rotated(model):
+    """KIVI-2 at group 64 with the Hadamard rotation."""
+    return minikv_compile(model, MiniKVConfig(bits=2, group_size=64, rotation="hadamard",
+                                              heavy_budget=1.0, recent_budget=1.0,
+                                              residual_length=64, **LONG))
+
+
+@pytest.fixture(scope="module")
+def accurate(model):
+    """The 'accurate' preset: the same with SpeCache's recall (the host copy)."""
+    return minikv_compile(model, MiniKVConfig.preset("accurate", residual_length=64, **LONG))
+
+
+def _tensors(cache: PromptCache) -> dict:
+    return {f"{i}.{k}": t.clone() for i, s in enumerate(cache.sequences)
+            for k, t in s.tensors().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bits16_continuation_gives_hf_greedy_tokens(model, full, tmp_path):
+    cache = full.cache_prompt([DOC])
+    assert cache.token_ids == [DOC] and cache.lengths == [90] and len(cache) == 1
+    before = _tensors(cache)
+    want = hf_greedy(model, DOC + QUESTION, 16)
+    got = full.generate([DOC + QUESTION], past_key_values=cache, max_new_tokens=16)
+    assert got.sequences[0] == want
+    # asked again: the cache did not change by use, the answer neither
+    assert _same(_tensors(cache), before)
+    assert full.generate([DOC + QUESTION], past_key_values=cache,
+                         max_new_tokens=16).sequences[0] == want
+    # a prompt equal to the cached tokens: the first token from the stored logits
+    assert full.generate([DOC], past_key_values=cache, max_new_tokens=16
+                         ).sequences[0] == hf_greedy(model, DOC, 16)
+    # saved and loaded: the same tensors, the same tokens
+    path = tmp_path / "doc.safetensors"
+    cache.save(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["doc.safetensors"]  # no temporary left
+    loaded = full.load_prompt_cache(path)
+    assert _same(_tensors(loaded), before) and loaded.token_ids == [DOC]
+    assert full.generate([DOC + QUESTION], past_key_values=loaded,
+                         max_new_tokens=16).sequences[0] == want
+
+
+def test_bits16_batch_of_two(model, full):
+    docs, tails = [DOC, prompt_of(60, 7)], [QUESTION, prompt_of(3, 8)]
+    cache = full.cache_prompt(docs)
+    out = full.generate([d + t for d, t in zip(docs, tails)], past_key_values=cache,
+                        max_new_tokens=10)
+    assert out.sequences == [hf_greedy(model, d + t, 10) for d, t in zip(docs, tails)]
+
+
+def test_multi_turn_equals_a_fresh_run_over_the_conversation(model, full):
+    conversation = DOC + QUESTION
+    cache = None
+    for turn in range(3):
+        out = full.generate([conversation], past_key_values=cache, max_new_tokens=12,
+                            return_dict_in_generate=True)
+        answer = out.sequences[0, len(conversation):].tolist()
+        assert answer == hf_greedy(model, conversation, 12), turn
+        assert answer == full.generate([conversation], max_new_tokens=12).sequences[0]
+        cache = out.past_key_values
+        # the prompt and every new token but the last, which is chosen, not fed (as HF's cache)
+        assert cache.token_ids == [conversation + answer[:-1]]
+        conversation = conversation + answer + prompt_of(7, 20 + turn)
+
+
+def _decode_path_logprobs(cm, doc, tail, answer):
+    """log p(answer | doc + tail) with the tail teacher-forced through decode steps."""
+    return cm.teacher_force([doc], [tail + answer])[0][len(tail):]
+
+
+@pytest.mark.parametrize("engine", ["minikv", "rotated", "accurate"])
+def test_compressed_tail_joins_the_cache_as_decode_steps_do(engine, request, tmp_path):
+    cm = request.getfixturevalue(engine)
+    cache = cm.cache_prompt([DOC])
+    assert cache.nbytes < cache.memory().fp16_bytes  # the fp16 cache of the same tokens
+    assert (cache.host_nbytes > 0) == (engine == "accurate")
+    before = _tensors(cache)
+    answer = cm.generate([DOC + QUESTION], past_key_values=cache, max_new_tokens=12).sequences[0]
+    # reuse, and save / load, give identical tokens; the cache is not changed by use
+    assert cm.generate([DOC + QUESTION], past_key_values=cache,
+                       max_new_tokens=12).sequences[0] == answer
+    assert _same(_tensors(cache), before)
+    cache.save(tmp_path / "c.safetensors")
+    loaded = cm.load_prompt_cache(tmp_path / "c.safetensors")
+    assert _same(_tensors(loaded), before)
+    assert cm.generate([DOC + QUESTION], past_key_values=loaded,
+                       max_new_tokens=12).sequences[0] == answer
+    if engine == "accurate":
+        return  # the tail attends without recall, the decode steps with it: not comparable
+    # the tail's 45 tokens in chunks (two flushes of the 32-token ring) give the log-probs
+    # of the same tokens fed one decode step at a time
+    tail_path = cm.teacher_force([DOC + QUESTION], [answer], past_key_values=cache)[0]
+    decode_path = _decode_path_logprobs(cm, DOC, QUESTION, answer)
+    torch.testing.assert_close(tail_path, decode_path, rtol=1e-4, atol=1e-4)
+    # and a multi-turn cache continues as the conversation fed through decode steps
+    out = cm.generate([DOC + QUESTION], past_key_values=cache, max_new_tokens=12,
+                      return_dict_in_generate=True)
+    turn = prompt_of(9, 30)
+    conversation = DOC + QUESTION + answer + turn
+    second = cm.generate([conversation], past_key_values=out.past_key_values,
+                         max_new_tokens=8).sequences[0]
+    got = cm.teacher_force([conversation], [second], past_key_values=out.past_key_values)[0]
+    torch.testing.assert_close(
+        got, _decode_path_logprobs(cm, DOC, QUESTION + answer + turn, second),
+        rtol=1e-4, atol=1e-4)
+
+
+def test_saved_file_holds_the_metadata_and_only_the_valid_rows(full, minikv, tmp_path):
+    cache = minikv.cache_prompt([DOC])
+    path = tmp_path / "m.safetensors"
+    cache.save(path)
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        stored = sum(f.get_tensor(k).nbytes for k in f.keys()
+                     if k not in ("seq0.tokens", "seq0.logits"))
+        assert f.get_tensor("seq0.tokens").tolist() == DOC
+    assert json.loads(meta["fingerprint"]) == minikv.fingerprint
+    assert json.loads(meta["config"])["bits"] == 2 and json.loads(meta["lengths"]) == [90]
+    assert json.loads(meta["versions"])["format"] == 1
+    assert stored == cache.nbytes
+    # the slot's valid rows, not its capacity: less than one slot's allocation
+    slot_bytes = sum(t.nbytes for layer in minikv.runtime.cache.layers for t in layer)
+    assert cache.nbytes < slot_bytes // minikv.config.max_batch_size
+    report = cache.memory()
+    assert report.tokens == 90 and f"{report.ratio:9.4f}" in str(report)
+
+
+def test_refusals_name_what_differs_before_any_work(model, full, minikv, tmp_path):
+    cache = full.cache_prompt([DOC])
+    before = _tensors(cache)
+
+    def refused(match, cm=full, **kw):
+        with pytest.raises(ValueError, match=match):
+            cm.generate(**{"input_ids": [DOC + QUESTION], "past_key_values": cache,
+                           "max_new_tokens": 4, **kw})
+        assert not cm.runtime.admitted
+
+    refused(r"input_ids\[0\]: expected to start with the cache's 90 tokens .* position 5",
+            input_ids=[DOC[:5] + [(DOC[5] + 1) % 101] + DOC[6:]])
+    refused(r"input_ids\[0\]: expected to start .* got 40 tokens", input_ids=[DOC[:40]])
+    refused(r"past_key_values: expected one cached sequence per prompt \(2\), got a cache of 1",
+            input_ids=[DOC + QUESTION, DOC])
+    refused(r"past_key_values.config.bits: expected this engine's 2, got 16", cm=minikv)
+    refused(r"past_key_values: expected a minikv_compile.PromptCache", past_key_values=[DOC])
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.embed_tokens.weight[0, 0] += 1.0
+    with pytest.raises(ValueError, match=r"past_key_values.fingerprint.weights_sha256"):
+        minikv_compile(other, full.config).generate([DOC + QUESTION], past_key_values=cache)
+    elsewhere = PromptCache(cache.sequences, fingerprint=cache.fingerprint, config=cache.config,
+                            device=torch.device("meta"))
+    refused(r"past_key_values.device: expected this engine's cpu, got meta",
+            past_key_values=elsewhere)
+    # the tail and the new tokens must fit the slot: the evicting engine's slot holds half
+    # of its longest prompt and the new tokens (112 + 80), the cached doc 45 of its 90
+    small = minikv.cache_prompt([DOC])
+    refused(r"input_ids\[0\].prefix: layer 0 holds 45 tokens .* with 150 more .* is 195, "
+            r"expected at most the slot's capacity of 192",
+            cm=minikv, input_ids=[DOC + prompt_of(134, 9)], max_new_tokens=16,
+            past_key_values=small)
+    # a multi-turn cache keeps no logits of its last token: something must follow it
+    out = full.generate([DOC], max_new_tokens=3, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match=r"expected at least one token after the prefix's 92"):
+        full.generate([DOC + out.sequences[0, 90:].tolist()[:2]],
+                      past_key_values=out.past_key_values, max_new_tokens=2)
+    assert _same(_tensors(cache), before)
+    # files: another config, not a cache at all
+    path = tmp_path / "full.safetensors"
+    cache.save(path)
+    with pytest.raises(ValueError, match=r"path.config.bits: expected this engine's 2, got 16"):
+        minikv.load_prompt_cache(path)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"path: expected a safetensors file"):
+        full.load_prompt_cache(tmp_path / "junk.safetensors")
+    with pytest.raises(ValueError, match=r"path: expected a saved prompt cache file"):
+        full.load_prompt_cache(tmp_path / "missing.safetensors")
+
