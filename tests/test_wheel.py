@@ -2,6 +2,7 @@
 nothing of the lab: no ``perf/experiments``, ``perf/results`` or notes."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,14 +18,20 @@ LAB = ("perf/experiments", "perf/results")
 
 
 def _expected_modules() -> set[str]:
-    """Every tracked-looking .py of the library's folders, at its path in the wheel."""
+    """Every .py of the library's packages (folders with an ``__init__.py``, reached through
+    packages from each source root), at its path in the wheel. Lab folders are no packages."""
     out = set()
     for src, pkg in SOURCES.items():
-        for path in (ROOT / src).rglob("*.py"):
-            rel = path.relative_to(ROOT).as_posix()
-            if "__pycache__" in rel or rel.startswith(LAB):
-                continue
-            out.add(pkg + rel[len(src):])
+        for init in (ROOT / src).rglob("__init__.py"):
+            folder = init.parent
+            parts = folder.relative_to(ROOT / src).parts
+            if not all((ROOT / src).joinpath(*parts[:i], "__init__.py").is_file()
+                       for i in range(len(parts))):
+                continue  # below a folder that is no package
+            for path in folder.glob("*.py"):
+                rel = path.relative_to(ROOT).as_posix()
+                assert not rel.startswith(LAB), f"{rel}: a package inside the lab"
+                out.add(pkg + rel[len(src):])
     return out
 
 
@@ -54,3 +61,18 @@ def test_the_wheel_ships_the_library_and_the_report_tool_not_the_lab(tmp_path):
     for module in ("minikv_compile/__init__.py", "minikv_compile/perf/__main__.py",
                    "minikv_compile/perf/accuracy/__main__.py", "minikv_compile/ops/__init__.py"):
         assert module in files, module
+
+    # the report tool runs from the installed wheel alone (not from the checkout's sources)
+    site = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                          str(site), str(wheels[0])], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run([sys.executable, "-c", "import minikv_compile, runpy, sys; "
+                          "print(minikv_compile.__file__); sys.argv = ['perf', '--help']; "
+                          "runpy.run_module('minikv_compile.perf', run_name='__main__')"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    where, usage = run.stdout.split("\n", 1)
+    assert Path(where).is_relative_to(site), where
+    assert usage.startswith("usage: python -m minikv_compile.perf") and "engine-vs-hf" in usage
