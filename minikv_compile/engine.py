@@ -177,8 +177,8 @@ class MiniKVModel:
             streamer.put(generation.hf_sequences(ids, prompts, [[]] * len(prompts), plan.pad))
         stop = None
         if stopping_criteria is not None:
-            stop = lambda outs: stopping_criteria(  # noqa: E731
-                generation.hf_sequences(ids, prompts, outs, plan.pad), None)
+            stop = lambda outs: generation.stop_flags(stopping_criteria(  # noqa: E731
+                generation.hf_sequences(ids, prompts, outs, plan.pad), None), len(prompts))
         with self._lock:
             out = self._run(requests, _stream_to(streamer, plan.pad) if hf_streamer else streamer,
                             every, stop, snapshot=plan.output == "dict")

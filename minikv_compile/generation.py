@@ -159,3 +159,28 @@ def hf_sequences(input_ids, prompts: List[List[int]], outputs: List[List[int]],
                          "into one tensor, got None")
     tail = torch.tensor([o + [pad] * (n - len(o)) for o in outputs], dtype=torch.int64)
     return torch.cat([head, tail], dim=1)
+
+
+def stop_flags(result: Any, batch: int) -> List[bool]:
+    """A stopping criterion's answer as one flag per sequence: HF's ``(B,)`` bool (or 0/1)
+    tensor, list or array; a single element (or a bool) ends or keeps every sequence, as HF's
+    ``is_done | result`` broadcasts it. Any other length is refused, never zipped short."""
+    try:
+        flags = torch.as_tensor(result)
+    except Exception:  # noqa: BLE001 -- any object torch cannot read is the caller's error
+        flags = None
+    if flags is None or not (flags.dtype == torch.bool or not (
+            flags.dtype.is_floating_point or flags.dtype.is_complex)):
+        raise ValueError(f"stopping_criteria: expected a (B,) bool tensor (one flag per "
+                         f"sequence), got {type(result).__name__}"
+                         + ("" if flags is None else f" of {flags.dtype}"))
+    if flags.dtype != torch.bool:
+        if ((flags != 0) & (flags != 1)).any():
+            raise ValueError(f"stopping_criteria: expected bool flags (or 0 / 1), got values "
+                             f"{sorted(set(flags.flatten().tolist()))[:8]}")
+        flags = flags != 0
+    if flags.ndim > 1 or flags.numel() not in (1, batch):
+        raise ValueError(f"stopping_criteria: expected a result of shape ({batch},) (one flag per "
+                         f"sequence) or (1,) (one for all, broadcast as HF does), got shape "
+                         f"{tuple(flags.shape)}")
+    return flags.flatten().tolist() * (batch if flags.numel() == 1 else 1)

@@ -16,11 +16,17 @@ import torch
 from minikv_compile.graphs.sampling import Sampling
 
 __all__ = ["check_int", "check_float", "check_bool", "token_rows", "eos_ids", "SamplingParams",
-           "sampling_params", "MIN_TEMPERATURE"]
+           "sampling_params", "MIN_TEMPERATURE", "MIN_PENALTY", "FP32_MAX", "FP32_TINY"]
 
 # logits / temperature stays finite in fp32 for any real logit (|x| < 1e4 gives < 1e8), and at
 # 1e-4 the softmax is already one-hot unless two logits lie within ~1e-3: below it, use greedy.
 MIN_TEMPERATURE = 1e-4
+# Sampling runs in fp32: a float knob must be a number fp32 holds (not rounded to inf, nor to 0 or
+# a subnormal), and a seen positive logit (|x| < 1e4) divided by the repetition penalty and then
+# by MIN_TEMPERATURE must stay finite: 1e4 / (1e-4 * 3.4e38) = 2.9e-31, so at least 1e-30.
+FP32_MAX = float(torch.finfo(torch.float32).max)
+FP32_TINY = float(torch.finfo(torch.float32).tiny)
+MIN_PENALTY = 1e-30
 
 _INT_DTYPES = frozenset(d for d in (getattr(torch, n, None) for n in (
     "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")) if d is not None)
@@ -102,8 +108,9 @@ def check_int(name: str, value: Any, *, lo: Optional[int] = None, hi: Optional[i
 
 
 def check_float(name: str, value: Any, *, lo: Optional[float] = None, hi: Optional[float] = None,
-                lo_open: bool = False, hi_open: bool = False) -> float:
-    """``value`` as a finite Python float in the range ``lo``..``hi`` (ends open or closed).
+                lo_open: bool = False, hi_open: bool = False, fp32: bool = False) -> float:
+    """``value`` as a finite Python float in the range ``lo``..``hi`` (ends open or closed);
+    with ``fp32``, also one that float32 holds: 0 or a magnitude in [FP32_TINY, FP32_MAX].
 
     Accepts Python, numpy and 0-d tensor ints and floats; refuses bools, strings, nan and inf.
 
@@ -120,6 +127,9 @@ def check_float(name: str, value: Any, *, lo: Optional[float] = None, hi: Option
             or (lo is not None and (as_float <= lo if lo_open else as_float < lo))
             or (hi is not None and (as_float >= hi if hi_open else as_float > hi))):
         raise ValueError(f"{name}: expected {wanted}, got {_show(value)}")
+    if fp32 and as_float != 0 and not FP32_TINY <= abs(as_float) <= FP32_MAX:
+        raise ValueError(f"{name}: expected {wanted} that float32 holds (0 or a magnitude in "
+                         f"[{FP32_TINY:.4g}, {FP32_MAX:.4g}]), got {_show(value)}")
     return as_float
 
 
@@ -361,14 +371,15 @@ def sampling_params(*, do_sample: Any, temperature: Any, top_k: Any, top_p: Any,
 
     ``temperature``: None (1.0) or >= ``MIN_TEMPERATURE`` when sampling; ``top_k``: None or 0
     (off, HF's reading) or an int in ``[1, vocab_size]``; ``top_p``: None or in ``(0, 1]``;
-    ``repetition_penalty``: None or > 0 (1.0 is off); ``seed``: None or in ``[0, 2**63 - 1]``.
+    ``repetition_penalty``: None or in ``[MIN_PENALTY, FP32_MAX]`` (1.0 is off); ``seed``: None
+    or in ``[0, 2**63 - 1]``; every float one that fp32, the sampling step's dtype, holds.
     With ``do_sample=False`` temperature, top-k and top-p are checked for type only and have no
     effect (HF warns), so ``temperature=0`` with greedy is accepted.
     """
     vocab = check_int("vocab_size", vocab_size, lo=1)
     greedy = not check_bool("do_sample", do_sample)
     penalty = 1.0 if repetition_penalty is None else check_float(
-        "repetition_penalty", repetition_penalty, lo=0, lo_open=True)
+        "repetition_penalty", repetition_penalty, lo=MIN_PENALTY, hi=FP32_MAX)
     seed = None if seed is None else check_int("seed", seed, lo=0, hi=2**63 - 1)
     if greedy:
         for name, value in (("temperature", temperature), ("top_p", top_p)):
@@ -383,7 +394,8 @@ def sampling_params(*, do_sample: Any, temperature: Any, top_k: Any, top_p: Any,
         raise ValueError(f"temperature: expected >= {MIN_TEMPERATURE} when sampling (lower overflows "
                          "logits / temperature in fp32; use do_sample=False for greedy), "
                          f"got {temperature!r}")
+    check_float("temperature", temp, lo=0, lo_open=True, fp32=True)  # above fp32's max
     k = 0 if top_k is None else check_int("top_k", top_k, lo=0, hi=vocab)
-    p = 1.0 if top_p is None else check_float("top_p", top_p, lo=0, hi=1, lo_open=True)
+    p = 1.0 if top_p is None else check_float("top_p", top_p, lo=0, hi=1, lo_open=True, fp32=True)
     return SamplingParams(greedy=False, temperature=temp, top_k=k or vocab, top_p=p,
                           repetition_penalty=penalty, seed=seed)

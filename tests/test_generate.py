@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.inputs import FP32_MAX, MIN_PENALTY, MIN_TEMPERATURE
 from test_engine import FULL, prompt_of, tiny
 
 CFG = dict(**FULL, residual_length=32, max_prompt_len=64, max_new_tokens=24, max_batch_size=4)
@@ -98,6 +99,23 @@ def test_repetition_penalty_matches_hf_greedy(model, cm):
     assert got == want and got != cm.generate([p], max_new_tokens=20).sequences[0]
 
 
+@pytest.mark.parametrize("penalty", [MIN_PENALTY, FP32_MAX], ids=["lowest", "highest"])
+def test_the_extreme_accepted_penalties_run_as_hf(model, cm, penalty):
+    """The ends of the accepted range run in the fp32 sampling step (no overflow, no NaN) and
+    choose what HF chooses; one step beyond each is refused before any work."""
+    p = prompt_of(40, 6)
+    ids = torch.tensor([p])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                          do_sample=False, repetition_penalty=penalty)[0, 40:].tolist()
+    assert cm.generate([p], max_new_tokens=12, repetition_penalty=penalty).sequences[0] == want
+    sampled = cm.generate([p], max_new_tokens=12, repetition_penalty=penalty, do_sample=True,
+                          temperature=MIN_TEMPERATURE, seed=3).sequences[0]
+    assert len(sampled) == 12 and all(0 <= t < model.config.vocab_size for t in sampled)
+    beyond = penalty / 10 if penalty == MIN_PENALTY else penalty * 10
+    with pytest.raises(ValueError, match="repetition_penalty: expected a finite number in"):
+        cm.generate([p], max_new_tokens=12, repetition_penalty=beyond)
+
+
 class _StopOn(StoppingCriteria):
     def __init__(self, token):
         self.token = token
@@ -150,6 +168,12 @@ def test_stopping_criteria_and_streamers_as_hf(model, cm):
     (dict(eos_token_id=True), ValueError, "eos_token_id"),
     (dict(eos_token_id=101), ValueError, "eos_token_id"),
     (dict(temperature=1e-38, do_sample=True), ValueError, "temperature"),
+    # floats beyond what the fp32 sampling step holds: a ValueError, not a RuntimeError mid-run
+    (dict(repetition_penalty=1e39), ValueError, r"repetition_penalty: expected a finite number "
+                                                r"in \[1e-30, 3.4"),
+    (dict(repetition_penalty=1e-31), ValueError, "repetition_penalty"),
+    (dict(temperature=1e39, do_sample=True), ValueError, "temperature: .* that float32 holds"),
+    (dict(top_p=1e-40, do_sample=True), ValueError, "top_p: .* that float32 holds"),
 ])
 def test_unsupported_and_bad_arguments_fail_before_any_work(cm, kwargs, error, match):
     replays, compiles = cm.stats["replays"], cm.stats["compiles"]
@@ -157,6 +181,40 @@ def test_unsupported_and_bad_arguments_fail_before_any_work(cm, kwargs, error, m
         cm.generate([prompt_of(30)], **kwargs)
     assert cm.runtime.admitted == [] and (cm.stats["replays"], cm.stats["compiles"]) == (
         replays, compiles)
+
+
+class _OneForAll(StoppingCriteria):
+    """One flag for the whole batch (HF broadcasts it): stop once every row has ``n`` tokens."""
+
+    def __init__(self, width):
+        self.width = width
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.tensor([input_ids.shape[1] >= self.width])
+
+
+def test_a_one_element_stopping_result_is_broadcast_and_other_lengths_refused(model, cm):
+    prompts = torch.tensor([prompt_of(20, 1), prompt_of(20, 2), prompt_of(20, 3)])
+    mask = torch.ones_like(prompts)
+    stop = StoppingCriteriaList([_OneForAll(20 + 5)])
+    want = model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                          stopping_criteria=stop)
+    got = cm.generate(prompts, attention_mask=mask, max_new_tokens=12, stopping_criteria=stop,
+                      return_dict_in_generate=False)
+    assert torch.equal(got, want) and got.shape[1] <= 20 + 5
+    assert cm.generate(prompts, max_new_tokens=12,
+                       stopping_criteria=lambda ids, scores: True).decode_steps < 11
+    free = cm.generate(prompts, max_new_tokens=12).sequences
+    for wrong, match in [
+            (lambda ids, scores: torch.ones(2, dtype=torch.bool), r"shape \(3,\) .* got shape \(2,\)"),
+            (lambda ids, scores: torch.ones(3, 1, dtype=torch.bool), r"got shape \(3, 1\)"),
+            (lambda ids, scores: torch.ones(3), "expected a \\(B,\\) bool tensor"),
+            (lambda ids, scores: torch.full((3,), 2), r"bool flags \(or 0 / 1\), got values \[2\]"),
+            (lambda ids, scores: "yes", "expected a \\(B,\\) bool tensor .* got str")]:
+        with pytest.raises(ValueError, match="stopping_criteria: .*" + match):
+            cm.generate(prompts, max_new_tokens=12, stopping_criteria=wrong)
+        assert cm.runtime.admitted == []
+    assert cm.generate(prompts, max_new_tokens=12).sequences == free  # the engine goes on
 
 
 def test_bad_ids_and_masks(cm):

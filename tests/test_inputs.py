@@ -7,8 +7,9 @@ import torch
 from transformers import BatchEncoding
 
 from minikv_compile.config import MiniKVConfig
-from minikv_compile.inputs import (MIN_TEMPERATURE, SamplingParams, check_bool, check_float, check_int,
-                                   eos_ids, sampling_params, token_rows)
+from minikv_compile.inputs import (FP32_MAX, FP32_TINY, MIN_PENALTY, MIN_TEMPERATURE, SamplingParams,
+                                   check_bool, check_float, check_int, eos_ids, sampling_params,
+                                   token_rows)
 
 V = 50  # vocab size of the checks below
 
@@ -331,6 +332,10 @@ _DEFAULTS = dict(do_sample=True, temperature=None, top_k=None, top_p=None, repet
      SamplingParams(False, 0.5, 8, 1.0, 1.0, 0)),
     (dict(temperature=2), SamplingParams(False, 2.0, V, 1.0, 1.0, None)),
     (dict(temperature=MIN_TEMPERATURE), SamplingParams(False, MIN_TEMPERATURE, V, 1.0, 1.0, None)),
+    # the ends of what the fp32 sampling step holds
+    (dict(temperature=FP32_MAX, top_p=FP32_TINY, repetition_penalty=MIN_PENALTY),
+     SamplingParams(False, FP32_MAX, V, FP32_TINY, MIN_PENALTY, None)),
+    (dict(repetition_penalty=FP32_MAX), SamplingParams(False, 1.0, V, 1.0, FP32_MAX, None)),
     (dict(top_k=0), SamplingParams(False, 1.0, V, 1.0, 1.0, None)),      # HF: 0 is off
     (dict(top_k=V), SamplingParams(False, 1.0, V, 1.0, 1.0, None)),
     (dict(seed=2**63 - 1), SamplingParams(False, 1.0, V, 1.0, 1.0, 2**63 - 1)),
@@ -366,8 +371,15 @@ def test_sampling_params_accepts(kw, want):
     (dict(top_p=1.5), r"top_p: expected a finite number in \(0, 1\], got 1\.5"),
     (dict(top_p="0.9"), r"top_p: expected a finite number in \(0, 1\], got '0\.9'"),
     (dict(top_p=True), r"top_p: expected a finite number in \(0, 1\], got True"),
-    (dict(repetition_penalty=0.0), r"repetition_penalty: expected a finite number > 0, got 0\.0"),
-    (dict(repetition_penalty="1.2"), r"repetition_penalty: expected a finite number > 0, got '1\.2'"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty: expected a finite number in \[1e-30, "
+                                   r"3\.4028234663852886e\+38\], got 0\.0"),
+    (dict(repetition_penalty="1.2"), r"repetition_penalty: expected a finite number in .*, got '1\.2'"),
+    # beyond what the fp32 sampling step holds (a RuntimeError mid-run before)
+    (dict(repetition_penalty=1e39), r"repetition_penalty: expected .* got 1e\+39"),
+    (dict(repetition_penalty=9e-31), r"repetition_penalty: expected .* got 9e-31"),
+    (dict(temperature=1e39), r"temperature: expected a finite number > 0 that float32 holds \(0 or "
+                             r"a magnitude in \[1\.175e-38, 3\.403e\+38\]\), got 1e\+39"),
+    (dict(top_p=1e-39), r"top_p: expected a finite number in \(0, 1\] that float32 holds .* got 1e-39"),
     (dict(seed=-1), r"seed: expected an int in \[0, 9223372036854775807\], got -1"),
     (dict(seed=2**63), r"seed: expected an int in \[0, 9223372036854775807\], got 9223372036854775808"),
     (dict(seed=1.0), r"seed: expected an int in \[0, 9223372036854775807\], got 1\.0"),
@@ -376,7 +388,8 @@ def test_sampling_params_accepts(kw, want):
     (dict(do_sample=False, temperature="1"), r"temperature: expected a finite number, got '1'"),
     (dict(do_sample=False, top_k=True), r"top_k: expected an int, got True"),
     (dict(do_sample=False, top_p="0.9"), r"top_p: expected a finite number, got '0\.9'"),
-    (dict(do_sample=False, repetition_penalty=-1.0), r"repetition_penalty: expected a finite number > 0"),
+    (dict(do_sample=False, repetition_penalty=-1.0), r"repetition_penalty: expected a finite number in"),
+    (dict(do_sample=False, repetition_penalty=1e39), r"repetition_penalty: expected a finite number in"),
 ])
 def test_sampling_params_refuses(kw, match):
     with pytest.raises(ValueError, match=match):
