@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .llama import LlamaFamilyAdapter, load_shard, shard_model
-from .parallel import TensorParallel
+from .checkpoint import load_shard
+from .llama import LlamaFamilyAdapter
+from .parallel import TensorParallel, shard_model
 
 # model_type -> adapter class. SmolLM2 is a Llama ("llama"); Mistral without a sliding window.
 ADAPTERS = {
@@ -21,7 +22,7 @@ def get_adapter(model: nn.Module, max_positions: int, fuse_projections: bool = F
                 tp: TensorParallel = TensorParallel()) -> LlamaFamilyAdapter:
     """The adapter for ``model`` (an HF ``*ForCausalLM``), or ``NotImplementedError``.
 
-    ``fuse_projections`` concatenates q/k/v and gate/up weights in place (see ``llama.py``);
+    ``fuse_projections`` concatenates q/k/v and gate/up weights in place (``fusion.py``);
     ``tp`` of several ranks shards the model in place to this rank's share (``shard_model``,
     unless it is that shard already; ``ValueError`` when its heads or features do not divide
     by the ranks).

@@ -9,7 +9,7 @@ own: the engine owns the cache and the attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,8 @@ from torch import nn
 from minikv_compile import ops
 from minikv_compile.ops.rotation import hadamard_matrix
 
-from .parallel import TensorParallel, row_share, shard_rows
+from .fusion import fusable, fuse_layer, unfuse_layer
+from .parallel import TensorParallel, model_heads, shard_model
 
 # Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``): one tile of 16
 # or 32 (padded) rows, so 9-16 rows cost what 8 do (H100, 16 x 2k: 6.36 ms a step against 7.15 for
@@ -49,11 +50,6 @@ class LayerWeights(NamedTuple):
     v: Optional[tuple]
     o: tuple
     next_norm: Optional[torch.Tensor]
-
-
-# The norms whose forward is ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``,
-# what ``ops.fused_linear`` computes in front of a projection (and ``ops.rms_norm`` on its own).
-_PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
 @dataclass(frozen=True)
@@ -117,7 +113,7 @@ class LlamaFamilyAdapter:
         self.decoder = model.model
         self.layers = list(self.decoder.layers)
         self.num_layers = len(self.layers)
-        self.num_q_heads, self.num_kv_heads, self.head_dim = _heads(config)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = model_heads(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.scale = float(self.layers[0].self_attn.scaling)
@@ -133,10 +129,10 @@ class LlamaFamilyAdapter:
         self.num_q_heads //= tp.world
         self.num_kv_heads //= tp.world
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
-        self.fused = [_fuse_layer(block) for block in self.layers] if fuse_projections else None
+        self.fused = [fuse_layer(block) for block in self.layers] if fuse_projections else None
         # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
         # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
-        self.fused_decode = self.fused is not None and _fusable(self.layers[0], config)
+        self.fused_decode = self.fused is not None and fusable(self.layers[0], config)
         # ``rotate_heads("hadamard")``: H (D, D) fp32, and per layer the folded v_proj (CPU path;
         # the fused path holds it in its [q; k; v]) and o_proj weights. None: no rotation.
         self.hadamard: Optional[torch.Tensor] = None
@@ -197,16 +193,12 @@ class LlamaFamilyAdapter:
                     fb[nq + nkv:] = v_b
 
     def unfuse(self) -> None:
-        """Undo ``_fuse_layer``: every q/k/v and gate/up module gets weights (and biases) of its
+        """Undo ``fuse_layer``: every q/k/v and gate/up module gets weights (and biases) of its
         own again, and the fused tensors are dropped. Decode then runs the modules one by one."""
         if self.fused is None:
             return
         for block in self.layers:
-            attn, mlp = block.self_attn, block.mlp
-            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                m.weight.data = m.weight.data.clone()
-                if m.bias is not None:
-                    m.bias.data = m.bias.data.clone()
+            unfuse_layer(block)
         if self.hadamard is not None:  # the folded v rows lived in the fused [q; k; v] only
             nv = self.num_kv_heads * self.head_dim
             self.rotated_v = [(w[-nv:].clone(), None if b is None else b[-nv:].clone())
@@ -388,223 +380,6 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = 
         x_scaled, sumsq = normed
         return x_scaled, dict(rms_sumsq=sumsq, eps=norm.variance_epsilon)
     return ops.rms_norm(x, norm.weight, norm.variance_epsilon), {}
-
-
-def _fusable(block: nn.Module, config) -> bool:
-    """The layer's norms are plain RMSNorms and its MLP is ``down(silu(gate) * up)``."""
-    norms = (block.input_layernorm, block.post_attention_layernorm)
-    plain = all(type(n).__name__ in _PLAIN_RMSNORMS and hasattr(n, "variance_epsilon")
-                for n in norms)
-    return plain and getattr(config, "hidden_act", None) in ("silu", "swish")
-
-
-def _fuse_layer(block: nn.Module) -> dict:
-    """Concatenate [q; k; v] and [gate; up] weights (and biases) of one layer, in place.
-
-    Decoding at small batch reads every weight once per token; one GEMV over the concatenated
-    matrix replaces three (two) launches, and the small k/v GEMVs no longer run far under the
-    bandwidth. The modules' own parameters are re-pointed at slices of the fused tensors, so the
-    model keeps working unchanged and no weight is stored twice (``unfuse`` undoes it).
-    ``shared``: the layer was fused already (an earlier engine on the same model) and its
-    tensors are taken as they are: a second engine stores no weight twice either (a copy did
-    not fit beside a Llama-3.1-70B shard of 66.7 GiB on an 80 GB H100).
-    """
-    attn, mlp = block.self_attn, block.mlp
-    qkv, qkv_shared = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up, _ = _concat_linears([mlp.gate_proj, mlp.up_proj])
-    return {"qkv": qkv, "gate_up": gate_up, "shared": qkv_shared}
-
-
-def _concat_linears(linears) -> Tuple[Tuple[torch.Tensor, Optional[torch.Tensor]], bool]:
-    """((weight, bias), shared): the linears' rows concatenated; ``shared`` when they already
-    were consecutive rows of one tensor, which is then returned as a view, not copied."""
-    has_bias = [m.bias is not None for m in linears]
-    if any(has_bias) and not all(has_bias):
-        raise NotImplementedError("expected all or none of the fused projections to have a bias")
-    weights = [m.weight.data for m in linears]
-    biases = [m.bias.data for m in linears] if all(has_bias) else None
-    weight, bias = _joined(weights), None if biases is None else _joined(biases)
-    if weight is not None and (biases is None or bias is not None):
-        return (weight, bias), True
-    weight, bias = torch.cat(weights), None if biases is None else torch.cat(biases)
-    row = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = weight[row: row + n]
-        if bias is not None:
-            m.bias.data = bias[row: row + n]
-        row += n
-    return (weight, bias), False
-
-
-def _joined(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The tensor whose consecutive rows ``parts`` are (contiguous, in order, in one storage),
-    as a view; None if they are not."""
-    first = parts[0]
-    offset = first.storage_offset()
-    for t in parts:
-        if (not t.is_contiguous() or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype
-                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or t.storage_offset() != offset):
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in parts)
-    return first.as_strided((rows,) + tuple(first.shape[1:]), first.stride(),
-                            first.storage_offset())
-
-
-def shard_model(model: nn.Module, tp: TensorParallel) -> None:
-    """Keep rank ``tp.rank``'s share of every layer and of the LM head of a Llama-family
-    ``*ForCausalLM``, in place (the full tensors are freed), and mark the model
-    (``model.minikv_shard = (rank, world)``): an adapter of the same rank takes it as it is.
-    The adapter calls it on a whole model; a caller may call it first, on a model on the meta
-    device, and materialize the shard alone (a model larger than the host's memory): then the
-    non-persistent buffers (RoPE's ``inv_freq``) are computed anew and, on ranks other than 0,
-    o_proj's and down_proj's biases stay zero.
-
-    Attention by KV heads: k/v_proj rows of KV heads ``[r H_kv / N, (r + 1) H_kv / N)``,
-    q_proj rows of the query heads of their GQA groups (query head ``i`` reads KV head
-    ``i // (H_q / H_kv)``, so an equal split of both keeps each group on one rank), o_proj
-    columns of those query heads. MLP by intermediate features: gate/up rows, down_proj
-    columns. o_proj and down_proj give partial sums that the adapter all-reduces, so their
-    biases stay on rank 0 alone (zeros elsewhere: added once, not N times). The LM head by
-    vocabulary rows (``shard_rows``: any vocabulary size), as a parameter of its own, so that
-    tied input embeddings stay whole. Embeddings and norms stay whole on every rank.
-
-    Raises ``ValueError`` (before anything is touched) when the heads or the intermediate size
-    do not divide by the ranks, or the model is a shard already.
-    """
-    if getattr(model, "minikv_shard", None) is not None:
-        raise ValueError(f"model: expected a whole model, got the shard of rank "
-                         f"{model.minikv_shard[0]} of {model.minikv_shard[1]}")
-    _cut(model, _shard_plan(model, tp), tp)
-
-
-def _cut(model: nn.Module, plan: dict, tp: TensorParallel) -> None:
-    """Cut ``model``'s parameters by ``plan`` (``_shard_plan``) and mark it as the shard."""
-    params = dict(model.named_parameters(remove_duplicate=False))  # a tied LM head too
-    with torch.no_grad():
-        for name, (how, part) in plan.items():
-            p = params[name]
-            if how == "rows":
-                p.data = p.data[part].clone(memory_format=torch.contiguous_format)
-            elif how == "cols":
-                p.data = p.data[:, part].clone(memory_format=torch.contiguous_format)
-            elif how == "zero":
-                p.data.zero_()
-            else:  # "vocab": a parameter of its own (tied embeddings stay whole)
-                module, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-                setattr(module, attr, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
-    model.minikv_shard = (tp.rank, tp.world)
-
-
-def _shard_plan(model: nn.Module, tp: TensorParallel) -> dict:
-    """How rank ``tp.rank`` keeps each parameter of a Llama-family ``*ForCausalLM`` that it does
-    not keep whole: ``{name: (how, part)}``, ``how`` one of ``"rows"`` / ``"cols"`` (of a weight;
-    a bias follows its weight's rows), ``"zero"`` (a row-parallel projection's bias on a rank
-    other than 0) and ``"vocab"`` (``shard_rows``). ``shard_model`` cuts by it, ``load_shard``
-    reads by it. ``ValueError`` when the heads or the intermediate size do not divide."""
-    layers = list(model.model.layers)
-    n_q, n_kv, D = _heads(model.config)
-    heads = tp.split("num_key_value_heads", n_kv)
-    q_heads = tp.split("num_attention_heads", n_q)
-    ff = tp.split("intermediate_size", layers[0].mlp.gate_proj.weight.shape[0])
-    q_rows = slice(q_heads.start * D, q_heads.stop * D)
-    kv_rows = slice(heads.start * D, heads.stop * D)
-    plan = {}
-    for i, block in enumerate(layers):
-        attn, mlp = block.self_attn, block.mlp
-        for proj, rows in (("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows),
-                           ("self_attn.v_proj", kv_rows), ("mlp.gate_proj", ff),
-                           ("mlp.up_proj", ff)):
-            plan[f"model.layers.{i}.{proj}.weight"] = ("rows", rows)
-            if block.get_submodule(proj).bias is not None:
-                plan[f"model.layers.{i}.{proj}.bias"] = ("rows", rows)
-        for proj, cols in (("self_attn.o_proj", q_rows), ("mlp.down_proj", ff)):
-            plan[f"model.layers.{i}.{proj}.weight"] = ("cols", cols)
-            if block.get_submodule(proj).bias is not None and tp.rank != 0:
-                plan[f"model.layers.{i}.{proj}.bias"] = ("zero", None)
-    for name in ("weight", "bias"):
-        if getattr(model.lm_head, name) is not None:
-            plan[f"lm_head.{name}"] = ("vocab", None)
-    return plan
-
-
-def load_shard(model_dir, tp: TensorParallel, device: Union[str, torch.device],
-               dtype: torch.dtype) -> nn.Module:
-    """Rank ``tp.rank``'s shard (``shard_model``'s) of the Llama-family checkpoint in
-    ``model_dir`` (an HF model directory with ``model.safetensors`` or an index of several
-    files), read share by share: the model is built on the meta device, cut, materialized on
-    ``device`` and each parameter filled with only this rank's bytes of the checkpoint
-    (safetensors slices), so that neither the host nor the device ever holds the whole model
-    (a 70B model in bf16, ~141 GB, fits neither one H200 nor the host beside a second rank's
-    copy). RoPE's buffers are computed anew; the model is in eval mode, marked as the shard.
-
-    ``ValueError`` when the directory has no safetensors checkpoint or the checkpoint lacks a
-    parameter of the model (named); a tied LM head reads the input embeddings.
-    """
-    import json
-    from pathlib import Path
-
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = {name: model_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
-    elif (model_dir / "model.safetensors").is_file():
-        with safe_open(model_dir / "model.safetensors", framework="pt") as f:
-            files = {name: model_dir / "model.safetensors" for name in f.keys()}
-    else:
-        raise ValueError(f"model: expected an HF model directory with model.safetensors or "
-                         f"model.safetensors.index.json, got {str(model_dir)!r} without them")
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    plan = _shard_plan(model, tp)
-    _cut(model, plan, tp)
-    model.to_empty(device=device)
-    opened = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            source = name
-            if name not in files and name == "lm_head.weight":
-                source = "model.embed_tokens.weight"  # tied to the input embeddings
-            if source not in files:
-                raise ValueError(f"model: expected the checkpoint in {str(model_dir)!r} to "
-                                 f"hold {source!r}, got no such tensor")
-            path = files[source]
-            if path not in opened:
-                opened[path] = safe_open(path, framework="pt")
-            part = opened[path].get_slice(source)
-            how, cut = plan.get(name, ("whole", None))
-            if how == "zero":
-                p.zero_()
-                continue
-            if how == "rows":
-                t = part[cut]
-            elif how == "cols":
-                t = part[:, cut]
-            elif how == "vocab":  # shard_rows, read from the file
-                rows, _ = row_share(part.get_shape()[0], tp)
-                t = torch.zeros(p.shape, dtype=p.dtype)
-                t[: rows.stop - rows.start] = part[rows]
-            else:
-                t = part[:]
-            p.copy_(t.to(dtype))
-    with torch.device(device):  # (not weights: computed, not loaded)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    if (model_dir / "generation_config.json").is_file():  # as from_pretrained reads it
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
-    return model.eval()
-
-
-def _heads(config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of the whole model, from its HF config."""
-    n_q = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_q
-    return n_q, n_kv, getattr(config, "head_dim", None) or config.hidden_size // n_q
 
 
 def _rotate_each_head(x: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,12 @@
 One process per device (``torchrun --nproc-per-node N``), ``torch.distributed``'s default process
 group (NCCL on CUDA, gloo on the CPU). Rank ``r`` of ``N`` holds KV heads
 ``[r H_kv / N, (r + 1) H_kv / N)`` with the query heads of their GQA groups, the same share of
-the MLP's intermediate features and the ``r``-th slice of the vocabulary (``models/llama.py``);
-the decode step and prefill then need only ``all_reduce`` (after o_proj and down_proj) and
-``gather_vocab`` (the logits). Both are ``torch.distributed._functional_collectives``, which
-``torch.compile(fullgraph=True)`` traces into the compiled step (and NCCL captures into a CUDA
-graph); with one rank they return their input and no collective runs, so a single-device engine
-runs the same code.
+the MLP's intermediate features and the ``r``-th slice of the vocabulary (``shard_model`` cuts a
+Llama-family model so); the decode step and prefill then need only ``all_reduce`` (after o_proj
+and down_proj) and ``gather_vocab`` (the logits). Both are
+``torch.distributed._functional_collectives``, which ``torch.compile(fullgraph=True)`` traces
+into the compiled step (and NCCL captures into a CUDA graph); with one rank they return their
+input and no collective runs, so a single-device engine runs the same code.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -133,4 +134,90 @@ def shard_rows(w: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return out
 
 
-__all__ = ["TensorParallel", "join_torchrun", "row_share", "shard_rows"]
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> None:
+    """Keep rank ``tp.rank``'s share of every layer and of the LM head of a Llama-family
+    ``*ForCausalLM``, in place (the full tensors are freed), and mark the model
+    (``model.minikv_shard = (rank, world)``): an adapter of the same rank takes it as it is.
+    The adapter calls it on a whole model; a caller may call it first, on a model on the meta
+    device, and materialize the shard alone (a model larger than the host's memory): then the
+    non-persistent buffers (RoPE's ``inv_freq``) are computed anew and, on ranks other than 0,
+    o_proj's and down_proj's biases stay zero.
+
+    Attention by KV heads: k/v_proj rows of KV heads ``[r H_kv / N, (r + 1) H_kv / N)``,
+    q_proj rows of the query heads of their GQA groups (query head ``i`` reads KV head
+    ``i // (H_q / H_kv)``, so an equal split of both keeps each group on one rank), o_proj
+    columns of those query heads. MLP by intermediate features: gate/up rows, down_proj
+    columns. o_proj and down_proj give partial sums that the adapter all-reduces, so their
+    biases stay on rank 0 alone (zeros elsewhere: added once, not N times). The LM head by
+    vocabulary rows (``shard_rows``: any vocabulary size), as a parameter of its own, so that
+    tied input embeddings stay whole. Embeddings and norms stay whole on every rank.
+
+    Raises ``ValueError`` (before anything is touched) when the heads or the intermediate size
+    do not divide by the ranks, or the model is a shard already.
+    """
+    if getattr(model, "minikv_shard", None) is not None:
+        raise ValueError(f"model: expected a whole model, got the shard of rank "
+                         f"{model.minikv_shard[0]} of {model.minikv_shard[1]}")
+    _cut(model, _shard_plan(model, tp), tp)
+
+
+def _cut(model: nn.Module, plan: dict, tp: TensorParallel) -> None:
+    """Cut ``model``'s parameters by ``plan`` (``_shard_plan``) and mark it as the shard."""
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied LM head too
+    with torch.no_grad():
+        for name, (how, part) in plan.items():
+            p = params[name]
+            if how == "rows":
+                p.data = p.data[part].clone(memory_format=torch.contiguous_format)
+            elif how == "cols":
+                p.data = p.data[:, part].clone(memory_format=torch.contiguous_format)
+            elif how == "zero":
+                p.data.zero_()
+            else:  # "vocab": a parameter of its own (tied embeddings stay whole)
+                module, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+                setattr(module, attr, nn.Parameter(shard_rows(p.detach(), tp), p.requires_grad))
+    model.minikv_shard = (tp.rank, tp.world)
+
+
+def _shard_plan(model: nn.Module, tp: TensorParallel) -> dict:
+    """How rank ``tp.rank`` keeps each parameter of a Llama-family ``*ForCausalLM`` that it does
+    not keep whole: ``{name: (how, part)}``, ``how`` one of ``"rows"`` / ``"cols"`` (of a weight;
+    a bias follows its weight's rows), ``"zero"`` (a row-parallel projection's bias on a rank
+    other than 0) and ``"vocab"`` (``shard_rows``). ``shard_model`` cuts by it, ``load_shard``
+    reads by it. ``ValueError`` when the heads or the intermediate size do not divide."""
+    layers = list(model.model.layers)
+    n_q, n_kv, D = model_heads(model.config)
+    heads = tp.split("num_key_value_heads", n_kv)
+    q_heads = tp.split("num_attention_heads", n_q)
+    ff = tp.split("intermediate_size", layers[0].mlp.gate_proj.weight.shape[0])
+    q_rows = slice(q_heads.start * D, q_heads.stop * D)
+    kv_rows = slice(heads.start * D, heads.stop * D)
+    plan = {}
+    for i, block in enumerate(layers):
+        attn, mlp = block.self_attn, block.mlp
+        for proj, rows in (("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows),
+                           ("self_attn.v_proj", kv_rows), ("mlp.gate_proj", ff),
+                           ("mlp.up_proj", ff)):
+            plan[f"model.layers.{i}.{proj}.weight"] = ("rows", rows)
+            if block.get_submodule(proj).bias is not None:
+                plan[f"model.layers.{i}.{proj}.bias"] = ("rows", rows)
+        for proj, cols in (("self_attn.o_proj", q_rows), ("mlp.down_proj", ff)):
+            plan[f"model.layers.{i}.{proj}.weight"] = ("cols", cols)
+            if block.get_submodule(proj).bias is not None and tp.rank != 0:
+                plan[f"model.layers.{i}.{proj}.bias"] = ("zero", None)
+    for name in ("weight", "bias"):
+        if getattr(model.lm_head, name) is not None:
+            plan[f"lm_head.{name}"] = ("vocab", None)
+    return plan
+
+
+def model_heads(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the whole model, from its HF config."""
+    n_q = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_q
+    return n_q, n_kv, getattr(config, "head_dim", None) or config.hidden_size // n_q
+
+
+__all__ = ["TensorParallel", "join_torchrun", "model_heads", "row_share", "shard_model",
+           "shard_rows"]

@@ -17,11 +17,12 @@ The data, per layer (``Bmax`` slots, ``H_kv`` KV heads, ``T_cap`` quantized toke
 Attention with recall is attention over the quantized region in which every position listed in
 ``recall_idx`` (and below ``lens[b, 0]``) takes the recalled k/v in place of its dequantized
 value, followed by the ring as usual. Ring tokens are full precision already and never recalled.
-That attention is ``minikv::decode_attention_recall`` (:mod:`.attention_decode`, the decode
-attention kernels with recall on), which also writes the statistic the next step's recall is
-chosen from: ``mass (Bmax, L, H_kv, >= T_cap + ring rows)`` uint8, one plane per slot and layer,
-the attention a KV group pays each position the next step holds (a full ring's tokens at the
-positions its flush gives them) as a code of its logarithm (:func:`mass_codes`), 0 at the others.
+That attention is ``minikv::decode_attention_recall`` (:mod:`.attention_decode_recall`: the
+decode attention kernels with recall on, whose recall parts are device functions here), which
+also writes the statistic the next step's recall is chosen from: ``mass (Bmax, L, H_kv, >= T_cap
++ ring rows)`` uint8, one plane per slot and layer, the attention a KV group pays each position
+the next step holds (a full ring's tokens at the positions its flush gives them) as a code of its
+logarithm (:func:`mass_codes`), 0 at the others.
 
 The ops here:
 
@@ -148,6 +149,69 @@ def _recall_gather_triton(host_k, host_v, idx, recall_k, recall_v) -> None:
     grid = (min(triton.cdiv(rows, block_r), _GATHER_PROGRAMS),)
     _recall_gather_kernel[grid](host_k, host_v, idx, recall_k, recall_v, T_cap, K, D, rows,
                                 BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_GATHER_WARPS)
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode attention's recall parts: device functions of ``attention_decode``'s split kernel,
+# called under its RECALL constexpr (``minikv::decode_attention_recall``)
+# ----------------------------------------------------------------------------------------------
+
+_MASS_STEPS = tl.constexpr(MASS_STEPS)
+_MASS_ZERO = tl.constexpr(MASS_ZERO)
+
+
+@triton.jit
+def kept(bm_plane, tokens, hi, RECALL: tl.constexpr):
+    """(BLOCK_N,) bool: ``tokens < hi``, less (with RECALL) the recalled ones, whose bit
+    ``t % 32`` of word ``t // 32`` is set in the plane's recall bitmap."""
+    keep = tokens < hi
+    if RECALL:
+        word = tl.load(bm_plane + tokens // 32, mask=keep, other=0)
+        keep = keep & (((word >> (tokens % 32)) & 1) == 0)
+    return keep
+
+
+@triton.jit
+def store_mass(mass_plane, tokens, keep, p, m_i, lse2, held):
+    """The attention mass of a block's kept tokens, ``sum_n exp2(s[t, n] - lse2[n])`` over the
+    columns n, computed as ``sum_n p[t, n] * exp2(m_i[n] - lse2[n])`` (p = exp2(s - m_i)), stored
+    as its one-byte code (:func:`mass_codes`).
+
+    tokens, keep: (BLOCK_N,); p: (BLOCK_N, BLOCK_H) fp32; m_i: (BLOCK_H,) the running max p was
+    taken against; lse2: (BLOCK_H,) the reference log-sum-exp (log2 domain) of the last row's
+    columns, +inf in the others (weight 0); held: (BLOCK_N,) or a scalar, False for a token the
+    next step does not hold quantized: code 0 (never ranked). The exponent is capped at 120: a
+    reference far below this step's scores saturates the mass (at code 255) instead of making
+    inf * 0 = NaN.
+    """
+    w = tl.exp2(tl.minimum(m_i - lse2, 120.0))
+    mass = tl.sum(p * w[None, :], axis=1)
+    code = tl.floor(tl.log2(tl.maximum(mass, 1e-30)) * _MASS_STEPS + (_MASS_ZERO + 0.5))
+    code = tl.where(held, tl.minimum(tl.maximum(code, 1.0), 255.0), 0.0)
+    tl.store(mass_plane + tokens, code.to(tl.uint8), mask=keep)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def mark_recalled(bm_plane, ridx_plane, K_REC, lo, hi):
+    """Words ``[lo // 32, ceil(hi / 32))`` of a plane's recall bitmap, from its K indices: bit
+    ``t % 32`` of word ``t // 32`` is set iff some index is ``t`` (-1: none). Whole words, so
+    that two splits sharing a word write the same value."""
+    w_hi = tl.cdiv(hi, 32)
+    for w0 in range(lo // 32, w_hi, 32):
+        w = w0 + tl.arange(0, 32)
+        words = tl.zeros((32,), tl.int32)
+        for j0 in range(0, K_REC, 64):
+            j = j0 + tl.arange(0, 64)
+            pos = tl.load(ridx_plane + j, mask=j < K_REC, other=-1)
+            bit = tl.where(pos >= 0, 1 << (pos & 31), 0)
+            hits = tl.where((pos // 32)[None, :] == w[:, None], bit[None, :], 0)   # (32, 64)
+            words = words | tl.reduce(hits, 1, _or)
+        tl.store(bm_plane + w, words, mask=w < w_hi)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from minikv_compile.ops import (HostStore, decode_attention, decode_attention_re
                                 recall_gather, recall_store, recall_topk)
 from minikv_compile.ops import recall as recall_module
 from minikv_compile.ops._checks import sm_count
-from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_recall_triton,
-                                                 _decode_attention_triton, _plan,
-                                                 decode_attention_recall_ref,
+from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_triton, _plan,
                                                  decode_attention_ref)
+from minikv_compile.ops.attention_decode_recall import (_decode_attention_recall_triton,
+                                                        decode_attention_recall_ref)
 from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
 from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_triton,
                                        mass_codes, mass_values, recall_gather_ref,
