@@ -92,8 +92,22 @@ def exponential_noise(seed: torch.Tensor, counter: torch.Tensor, token_ids: torc
     """
     key = _mix32(seed & _MASK32 ^ _mix32((seed >> 32) & _MASK32 ^ _mix32(counter & _MASK32)))
     x = _mix32(_mix32((key[:, None] + token_ids * _WEYL) & _MASK32))
-    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)   # 24 bits: exact in fp32, in (0, 1)
-    return -torch.log(u)
+    return exponential_from_bits(x >> 8)
+
+
+def exponential_from_bits(k: torch.Tensor) -> torch.Tensor:
+    """``-log(u)`` for ``u = (k + 1/2) / 2**24``, ``k`` int64 in ``[0, 2**24)``: fp32, in
+    ``[2.9e-8, 17.3]``, strictly positive and finite for every ``k``.
+
+    ``k + 1/2`` near ``2**24`` needs 25 bits, so fp32 would round ``u`` to 1 and the noise to 0
+    (one id in 2**24: a removed token then won as ``0 / 0``). Both halves are computed from
+    their distance to the nearer end, ``(m + 1/2) / 2**24`` with ``m < 2**23``, which is exact:
+    ``-log(t)`` below one half, ``-log1p(-t)`` above it.
+    """
+    upper = k >= 2**23
+    m = torch.where(upper, 2**24 - 1 - k, k)
+    t = (m.to(torch.float32) + 0.5) * (1.0 / 2**24)            # exact, in (0, 1/2)
+    return torch.where(upper, -torch.log1p(-t), -torch.log(t))
 
 
 def choose_tokens(logits: torch.Tensor, *, greedy: torch.Tensor, temperature: torch.Tensor,
@@ -118,5 +132,6 @@ def choose_tokens(logits: torch.Tensor, *, greedy: torch.Tensor, temperature: to
     probs = probs.masked_fill((cumsum_rows(probs) - probs) >= top_p[:, None], 0.0)
     noise = exponential_noise(seed, counter, order)
     noise = torch.where(greedy[:, None], torch.ones_like(noise), noise)
-    choice = argmax_rows(probs / noise)
+    # A removed token (probability 0) scores -1 whatever its noise: it can never win the race.
+    choice = argmax_rows(torch.where(probs > 0, probs / noise, -1.0))
     return order.gather(-1, choice[:, None])[:, 0]
