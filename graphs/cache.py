@@ -170,7 +170,7 @@ class StaticKVCache:
                            for name, n in rows.items()})
             if host is not None:
                 store, n = self.recall.stores[i], n_quant + n_ring
-                host.append(tuple(_host_copy(t[slot, :, :n]) for t in (store.k, store.v)))
+                host.append(tuple(t[slot, :, :n].clone() for t in (store.k, store.v)))
         return SlotSnapshot(tokens=tuple(tokens), lens=tuple(map(tuple, counts)), layers=layers,
                             host=host, logits=None if logits is None else logits.clone())
 
@@ -221,13 +221,6 @@ class StaticKVCache:
                     dst[slot, :, : src.shape[1]].copy_(src, non_blocking=True)
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory (pinned where a GPU is present: restores copy it back
-    asynchronously)."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    return out.copy_(t)
-
-
 @dataclass(frozen=True)
 class SlotSnapshot:
     """One slot's compressed state, not tied to a slot: what ``StaticKVCache.snapshot`` copies
@@ -241,7 +234,7 @@ class SlotSnapshot:
         ``k_ring, v_ring (H, n_ring, D)``; with bits 16 ``k_cache, v_cache (H, n_quant, D)`` and
         no scales or zeros.
     host: recall's host copy per layer, ``(k, v)`` each ``(H, n_quant + n_ring, D)`` in host
-        memory, or None without recall.
+        memory (not pinned: a restore copies it host to host), or None without recall.
     logits: ``(V,)`` fp32 of the last token (what the first new token is chosen from when
         nothing follows it), or None when the state was taken after decoding.
     """

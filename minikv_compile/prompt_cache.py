@@ -242,7 +242,6 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
     stub = PromptCache([], fingerprint=meta["fingerprint"], config=meta["config"],
                        device=device, versions_=meta["versions"])
     check_compatible(stub, fingerprint=fingerprint, config=config, device=device, name="path")
-    pin = torch.device(device).type == "cuda"
     sequences = []
     with safe_open(os.fspath(path), framework="pt") as f:
         for i, length in enumerate(meta["lengths"]):
@@ -252,8 +251,8 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
             for key in names:
                 t = f.get_tensor(key)
                 short = key[len(head):]
-                if short.endswith(("host_k", "host_v")):
-                    tensors[short] = t.pin_memory() if pin else t
+                if short.endswith(("host_k", "host_v")):  # recall's copy stays in host memory
+                    tensors[short] = t
                 elif short != "tokens":
                     tensors[short] = t.to(device)
             if head + "tokens" not in names:

@@ -8,6 +8,8 @@ Commands (``--help`` on each for its options; ``perf/README.md`` for what each m
     max-prompt     longest batch-1 prompt per method under a memory cap (binary search)
     prefill        prefill time and peak memory against prompt length
     memory-claim   the paper's 2.4 GB vs 0.33 GB claim, from the engine's allocated buffers
+    prompt-cache   a cached compressed prompt: TTFT, an 8-turn chat and save/load against a
+                   fresh prefill, the disk and the host link (issue 46)
     serve          streamed HTTP load: this engine's server vs HF continuous batching
                    (TTFT, ITL, tokens/s against Poisson rates; serve-worker is its server)
     report         redraw markdown and plots of every report in --out, write summary.md
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .argtypes import comma_list, positive_float, positive_int, shape_list
+from .prompt_cache_bench import PRESET as PROMPT_CACHE_PRESET, cmd_prompt_cache
 
 PROG = "python -m minikv_compile.perf"
 ALL_METHODS = ("hf-eager", "hf-static", "full", "kivi", "minikv", "minikv-pyramid")
@@ -77,6 +80,7 @@ PRESETS: Dict[str, Dict[str, Dict[str, object]]] = {
         "full": dict(model="llama2-7b", prompt_len=4096, new_tokens=512, methods=list(ENGINE_ONLY)),
         "tiny": dict(model="tiny", prompt_len=64, new_tokens=16, methods=list(ENGINE_ONLY)),
     },
+    "prompt-cache": PROMPT_CACHE_PRESET,
 }
 
 
@@ -162,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, ENGINE_ONLY)
     p.add_argument("--prompt-len", type=positive_int, default=None)
     p.add_argument("--new-tokens", type=positive_int, default=None)
+
+    from .prompt_cache_bench import add_parser as add_prompt_cache_parser
+
+    add_prompt_cache_parser(sub, common, positive_int)
 
     from .serve_bench import add_parsers as add_serve_parsers
 
@@ -856,6 +864,7 @@ COMMANDS = {
     "max-prompt": cmd_max_prompt,
     "prefill": cmd_prefill,
     "memory-claim": cmd_memory_claim,
+    "prompt-cache": cmd_prompt_cache,
 }
 
 

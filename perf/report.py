@@ -256,6 +256,17 @@ _SETUP_COLUMNS: List[Column] = [
 ]
 
 
+_PROMPT_CACHE_COLUMNS: List[Column] = [
+    ("measure", lambda r: r.get("measure")),
+    ("prompt", lambda r: r.get("prompt_len")),
+    ("s (median)", lambda r: _num(r.get("time_s"), "{:.4f}")),
+    ("bytes", lambda r: fmt_bytes(r.get("file_bytes") or r.get("cache_bytes"))),
+    ("fp16 bytes", lambda r: fmt_bytes(r.get("fp16_bytes"))),
+    ("ideal s (disk + link)", lambda r: _num(r.get("ideal_s"), "{:.4f}")),
+    ("efficiency", lambda r: _num(r.get("efficiency"), "{:.2f}")),
+]
+
+
 def _gb(n) -> str:
     return "–" if n is None else f"{n / 1e9:.3f} GB"
 
@@ -275,6 +286,8 @@ TABLES: Dict[str, List[Tuple[str, str, List[Column]]]] = {
                    ("Probes (prefill peak memory and time against prompt length)", "probe", _PROBE_COLUMNS)],
     "prefill": [("Prefill time and peak memory against prompt length", "prefill", _PREFILL_COLUMNS)],
     "memory-claim": [("KV bytes the engine allocates (batch 1)", "memory-claim", _MEMORY_COLUMNS)],
+    "prompt-cache": [("A cached compressed prompt against a fresh prefill", "prompt-cache",
+                      _PROMPT_CACHE_COLUMNS)],
 }
 
 

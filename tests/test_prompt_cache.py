@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from minikv_compile import MiniKVConfig, PromptCache, minikv_compile
+from minikv_compile.perf.__main__ import main
 from test_engine import FULL, hf_greedy, prompt_of, tiny
 
 # ring 32 (two groups of 16): docs and tails longer than it cross flushes
@@ -32,6 +29,16 @@ LONG = dict(max_prompt_len=224, max_new_tokens=80)
 # config has one, would keep these short prompts whole)
 EVICT = {"kept_floor": 1} if "kept_floor" in MiniKVConfig.__dataclass_fields__ else {}
 DOC, QUESTION = prompt_of(90, 1), prompt_of(45, 2)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny shapes: intra-op threads only contend (on a loaded 2-core machine, several times
+    # slower)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +239,21 @@ def test_refusals_name_what_differs_before_any_work(model, full, minikv, tmp_pat
     with pytest.raises(ValueError, match=r"path: expected a saved prompt cache file"):
         full.load_prompt_cache(tmp_path / "missing.safetensors")
 
+
+def test_perf_prompt_cache_runs_tiny(tmp_path):
+    """The GPU benchmark's plumbing on the CPU (``--tiny``): every measurement ran and the
+    report holds its figures and the target lines."""
+    assert main(["prompt-cache", "--tiny", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "prompt-cache.json").read_text())
+    rows = {r["measure"]: r for r in data["results"] if r.get("measure")}
+    assert {"cache_prompt", "ttft_cached", "ttft_fresh", "chat_cached", "chat_reprefill",
+            "save", "load"} <= set(rows)
+    assert all(r["status"] == "ok" and r["time_s"] > 0 for r in rows.values())
+    assert rows["save"]["file_bytes"] > rows["cache_prompt"]["cache_bytes"] > 0
+    assert rows["save"]["efficiency"] > 0 and rows["load"]["disk_read_s"] > 0
+    notes = "\n".join(data["notes"])
+    for target in ("TTFT cached / fresh", "chat total", "file / fp16 cache", "target save",
+                   "target load"):
+        assert target in notes
+    # the saved caches and the bandwidth files are removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompt-cache.json", "prompt-cache.md"]
