@@ -2,9 +2,11 @@
 
 The runtime owns the static cache, the per-slot device state and the graph runner. ``admit``
 prefills one prompt into a free slot's region of the cache (eager) and sets only that slot's
-state (``admit_batch``: several prompts into several slots, in one pass); ``release`` frees
-it; ``step`` advances every live slot by one token with one replay of the smallest captured
-bucket that covers the admitted slots. All three run between replays while other slots are
+state (``admit_batch``: several prompts into several slots, in one pass); a request with a
+``prefix`` (a ``SlotSnapshot``) is admitted by restoring it and prefilling only the prompt's
+tail; ``snapshot`` copies a slot's state out, the slot unchanged; ``release`` frees it; ``step``
+advances every live slot by one token with one replay of the smallest captured bucket that
+covers the admitted slots. All of them run between replays while other slots are
 mid-generation, and none of them touches another slot.
 """
 from __future__ import annotations

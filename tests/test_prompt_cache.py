@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 
 import pytest
 import torch
@@ -257,3 +258,28 @@ def test_perf_prompt_cache_runs_tiny(tmp_path):
         assert target in notes
     # the saved caches and the bandwidth files are removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompt-cache.json", "prompt-cache.md"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 16])
+def test_gpu_tail_path_gives_the_decode_paths_log_probs(bits):
+    """On CUDA (bf16, the compiled and captured decode step, the Triton tail kernel): reuse and
+    save / load give identical tokens, and the tail path's log-probabilities are the decode
+    path's within bf16's rounding (the tail's K/V come from one GEMM over the chunk, the decode
+    path's from one GEMV a token)."""
+    model = tiny(dtype=torch.bfloat16, device="cuda")
+    budgets = dict(heavy_budget=1.0, recent_budget=1.0) if bits == 16 else EVICT
+    cm = minikv_compile(model, MiniKVConfig(bits=bits, residual_length=32, **LONG, **budgets))
+    cache = cm.cache_prompt([DOC])
+    assert cache.device.type == "cuda" and cache.sequences[0].layers[0]["k_ring"].is_cuda
+    answer = cm.generate([DOC + QUESTION], past_key_values=cache, max_new_tokens=12).sequences[0]
+    assert cm.generate([DOC + QUESTION], past_key_values=cache,
+                       max_new_tokens=12).sequences[0] == answer
+    with tempfile.TemporaryDirectory() as folder:
+        cache.save(f"{folder}/c.safetensors")
+        loaded = cm.load_prompt_cache(f"{folder}/c.safetensors")
+    assert cm.generate([DOC + QUESTION], past_key_values=loaded,
+                       max_new_tokens=12).sequences[0] == answer
+    tail = cm.teacher_force([DOC + QUESTION], [answer], past_key_values=cache)[0]
+    decode = _decode_path_logprobs(cm, DOC, QUESTION, answer)
+    assert (tail - decode).abs().mean() < 0.05 and (tail - decode).abs().max() < 0.3
