@@ -3,7 +3,8 @@
 The one place these numbers are computed (docs/algorithm.md, "Budgets" and "KV bytes");
 prefill, allocation, ``kv_memory()`` and ``perf`` all call it. ``config`` is a ``MiniKVConfig``
 (read only: ``heavy_budget``, ``recent_budget``, ``budget_policy``, ``pyramid_depth``,
-``max_prompt_len``, ``max_new_tokens``, ``bits``, ``group_size``).
+``kept_floor``, ``residual_length``, ``max_prompt_len``, ``max_new_tokens``, ``bits``,
+``group_size``).
 """
 from __future__ import annotations
 
@@ -28,14 +29,52 @@ def heavy_fraction(config, layer: int, num_layers: int) -> float:
 
 
 def kept_tokens(config, prompt_len: int, layer: int, num_layers: int) -> Tuple[int, int]:
-    """``(n_RW, n_HH(l))`` for a prompt of ``prompt_len`` tokens; their sum is capped at L.
+    """``(n_RW, n_HH(l))`` for a prompt of ``prompt_len`` tokens; their sum is capped at L and
+    floored at ``min(L, kept_floor)``.
 
     ``n_RW = ceil(recent_budget * L)`` (the 1e-9 keeps 0.25 * 4096 from rounding up to 1025),
-    ``n_HH = round(a_HH(l) * L)``.
+    ``n_HH = round(a_HH(l) * L)``. Where their sum falls below the floor, the floor's tokens are
+    shared in the budgets' ratio (the recent window's share rounded up; all recent when both
+    budgets are 0): a prompt of at most ``kept_floor`` tokens keeps every token, a longer one at
+    least ``kept_floor``. The sum is non-decreasing in L, which ``capacities`` relies on.
     """
     n_rw = min(prompt_len, math.ceil(config.recent_budget * prompt_len - 1e-9))
     n_hh = round(heavy_fraction(config, layer, num_layers) * prompt_len)
-    return n_rw, max(0, min(n_hh, prompt_len - n_rw))
+    n_hh = max(0, min(n_hh, prompt_len - n_rw))
+    floor = min(prompt_len, config.kept_floor)
+    if n_rw + n_hh >= floor:
+        return n_rw, n_hh
+    a_rw, a_hh = config.recent_budget, heavy_fraction(config, layer, num_layers)
+    share = a_rw / (a_rw + a_hh) if a_rw + a_hh > 0 else 1.0
+    n_rw = min(floor, math.ceil(share * floor - 1e-9))
+    return n_rw, floor - n_rw
+
+
+def prefill_ring_tokens(config, kept: int) -> int:
+    """Of a layer's ``kept`` prompt tokens (in position order), how many prefill leaves in the
+    full-precision ring: the last ones, the others quantized from region token 0.
+
+    All of them when they fit (``kept <= residual_length``): nothing quantized until the ring
+    fills with generated tokens. Otherwise the last ``t`` with ``T <= t < T + G`` and
+    ``kept - t`` a whole number of groups, ``T`` = half the ring rounded down to whole groups
+    (64 of 128 at G = 16; 0 when the ring is one group, the last ``kept mod G`` as before):
+    the prompt's tail stays exact for the first ``R - t`` generated tokens, the flush comes
+    when the ring is full, and ``t * (R - t)`` (tail tokens times the steps they last) is
+    largest at ``t = R / 2``.
+    """
+    R, G = config.residual_length, config.group_size
+    if kept <= R:
+        return kept
+    tail = R // (2 * G) * G
+    return tail + (kept - tail) % G
+
+
+def ring_tokens_after(config, kept: int, written: int) -> int:
+    """Tokens in the ring after ``written`` decode writes following a prefill that kept
+    ``kept`` prompt tokens: a full ring is flushed whole just before the next write (lazily,
+    so a ring that has just filled still holds ``residual_length``)."""
+    R, t = config.residual_length, prefill_ring_tokens(config, kept) + written
+    return t if t <= R else (t - 1) % R + 1
 
 
 def kept_per_layer(config, prompt_len: int, num_layers: int) -> List[int]:
@@ -46,8 +85,10 @@ def kept_per_layer(config, prompt_len: int, num_layers: int) -> List[int]:
 def capacities(config, num_layers: int) -> List[int]:
     """``T_cap`` per layer: the most tokens a slot of that layer holds in its quantized region.
 
-    The kept count of the longest prompt (``ceil`` and ``round`` are non-decreasing, so it grows
-    with ``L``) plus every generated token, rounded up to a whole group (the report's padding).
+    The kept count of the longest prompt (it grows with ``L``: ``kept_tokens``) plus every
+    generated token, rounded up to a whole group (the report's padding). Wherever prefill splits
+    the kept tokens between region and ring (``prefill_ring_tokens``), the region only ever
+    holds whole groups of tokens already counted here.
     """
     G = config.group_size
     return [math.ceil((kept + config.max_new_tokens) / G) * G

@@ -120,8 +120,9 @@ def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer:
         idx = select_tokens(scores, n_recent, n_heavy)     # (H_kv, n)
         idx = idx[..., None].expand(-1, -1, adapter.head_dim)
         k_sel, v_sel = k[0].gather(1, idx), v[0].gather(1, idx)
+    # the kept tokens' last ones stay in the full-precision ring: all of them when they fit
     ops.cache_write_prefill(k_sel.contiguous(), v_sel.contiguous(), slot, lc, cache.bits,
-                            cache.group_size)
+                            cache.group_size, budget.prefill_ring_tokens(config, k_sel.shape[1]))
     if cache.recall is not None:
         # SpeCache's host copy: row t = the token at quantized position t (the order of k_sel;
         # its ring tail takes the next positions when flushed). Pinned: the copy is async.

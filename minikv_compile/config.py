@@ -88,9 +88,17 @@ class MiniKVConfig:
         Quantization group: keys per channel over this many tokens, values per token over this
         many channels, or the whole head where the head has fewer (SmolLM2's 64 channels with
         key groups of 128: 14.8% of fp16's bytes at 2 bits instead of 15.6% at 64).
+    kept_floor:
+        The fewest prompt tokens a layer keeps: a prompt of at most ``kept_floor`` tokens is kept
+        whole, a longer one keeps at least ``kept_floor`` (the budgets scaled up in their ratio
+        where they keep fewer). Below it eviction saves less than it costs (the default's reason
+        is beside it); 1 leaves the budgets alone (the paper's bytes at any length).
     residual_length:
         ``n_r``: tokens held in full precision in the ring before a flush; a multiple of
-        ``group_size``.
+        ``group_size``. Prefill leaves the kept prompt in the ring when it fits (a prompt of at
+        most ``n_r`` tokens gives the uncompressed cache's tokens until the ring, filling with
+        generated tokens, is flushed at ``n_r``), else its last ``n_r / 2`` tokens or so
+        (``graphs/budget.py``, ``prefill_ring_tokens``).
     rotation:
         ``"none"``, or ``"hadamard"``: every KV head's keys and the queries are multiplied by an
         orthonormal Hadamard matrix ``H`` (``D x D``, ``D = head_dim`` a power of two) after RoPE,
@@ -133,6 +141,9 @@ class MiniKVConfig:
 
     heavy_budget: float = 0.25
     recent_budget: float = 0.25
+    # Eviction's saving below 1024 tokens (at 50% kept, 2 bits: L/4 bytes a value column) is
+    # under the 128-token fp16 ring's 256 each slot holds anyway, and frees no allocation.
+    kept_floor: int = 1024
     budget_policy: str = "uniform"
     pyramid_depth: int = 7
     # The selection defaults are the best rule of the accuracy harness at MiniKV's bytes
@@ -188,9 +199,9 @@ class MiniKVConfig:
         if self.bits == 1 and self.group_size < 32:
             raise ValueError(f"group_size: expected 32, 64 or 128 with bits=1 (one int32 packs 32 "
                              f"tokens of a key group), got {self.group_size}")
-        for name in ("residual_length", "pyramid_depth", "snapkv_window", "snapkv_kernel",
-                     "selection_block", "max_batch_size", "max_prompt_len", "max_new_tokens",
-                     "tensor_parallel"):
+        for name in ("kept_floor", "residual_length", "pyramid_depth", "snapkv_window",
+                     "snapkv_kernel", "selection_block", "max_batch_size", "max_prompt_len",
+                     "max_new_tokens", "tensor_parallel"):
             store(name, _positive_int(name, getattr(self, name)))
         store("sink_tokens", check_int("sink_tokens", self.sink_tokens, lo=0))
         if self.residual_length % self.group_size:

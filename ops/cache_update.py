@@ -7,7 +7,7 @@ start of step ``s + 1``, so the attention of step ``s`` still saw it in full pre
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -462,10 +462,10 @@ def _cache_write_prefill_op(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
                             k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                             v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                             k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
-                            bits: int, group_size: int) -> None:
+                            bits: int, group_size: int, ring_tokens: int) -> None:
     # One implementation for every device: the quantize ops dispatch to Triton on CUDA.
     n = k_sel.shape[1]
-    n_quant = n // group_size * group_size
+    n_quant = n - ring_tokens
     if n_quant:
         _store_region(slot, 0, k_sel[:, :n_quant], v_sel[:, :n_quant], k_cache, k_scale, k_zero,
                       v_cache, v_scale, v_zero, bits, group_size, quantize_keys, quantize_values)
@@ -477,7 +477,7 @@ def _cache_write_prefill_op(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
 
 @_cache_write_prefill_op.register_fake
 def _(k_sel, v_sel, slot, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring,
-      lens, bits, group_size):
+      lens, bits, group_size, ring_tokens):
     return None
 
 
@@ -607,13 +607,15 @@ def cache_write_ring(k_new: torch.Tensor, v_new: torch.Tensor, k_ring: torch.Ten
 
 
 def cache_write_prefill(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
-                        layer: LayerBuffers, bits: int, group_size: int) -> None:
+                        layer: LayerBuffers, bits: int, group_size: int,
+                        ring_tokens: Optional[int] = None) -> None:
     """Store one sequence's selected prompt tokens in slot ``slot`` of one layer (eager, end of
     prefill).
 
-    The first ``n_q = floor(n / G) * G`` tokens go to the region from token 0 (quantized unless
-    ``bits == 16``), the last ``n % G`` to the ring from index 0, and ``lens[slot] = (n_q, n % G)``.
-    Other slots are not touched.
+    The first ``n_q = n - ring_tokens`` tokens go to the region from token 0 (quantized unless
+    ``bits == 16``), the last ``ring_tokens`` to the ring from index 0, and
+    ``lens[slot] = (n_q, ring_tokens)``. ``ring_tokens`` (default ``n % G``, the fewest) must
+    leave ``n_q`` a multiple of G and fit the ring. Other slots are not touched.
 
     Args:
         k_sel, v_sel: ``(H, n, D)`` in the ring's dtype, tokens in position order, any strides;
@@ -629,9 +631,13 @@ def cache_write_prefill(k_sel: torch.Tensor, v_sel: torch.Tensor, slot: int,
     check_tensor("v_sel", v_sel, shape=tuple(k_sel.shape), dtypes=(k_ring.dtype,),
                  device=k_ring.device)
     n = k_sel.shape[1]
-    if n > T_cap + group_size - 1 or n % group_size > R:
-        raise ValueError(f"k_sel: expected at most T_cap + G - 1 = {T_cap + group_size - 1} "
-                         f"tokens (and n % G <= R = {R}), got shape {tuple(k_sel.shape)}")
+    t = n % group_size if ring_tokens is None else ring_tokens
+    if not (isinstance(t, int) and 0 <= t <= min(n, R) and (n - t) % group_size == 0):
+        raise ValueError(f"ring_tokens: expected an int in [0, min(n, R) = {min(n, R)}] leaving "
+                         f"a multiple of G = {group_size} of the n = {n} tokens, got {t!r}")
+    if n - t > T_cap:
+        raise ValueError(f"k_sel: expected at most T_cap = {T_cap} tokens besides the "
+                         f"{t} for the ring, got shape {tuple(k_sel.shape)}")
     if not (isinstance(slot, int) and 0 <= slot < Bmax):
         raise ValueError(f"slot: expected an int in [0, {Bmax}), got {slot!r}")
-    torch.ops.minikv.cache_write_prefill(k_sel, v_sel, slot, *layer, bits, group_size)
+    torch.ops.minikv.cache_write_prefill(k_sel, v_sel, slot, *layer, bits, group_size, t)

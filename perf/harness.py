@@ -657,8 +657,8 @@ def kv_bytes_read(model, method: str, prompt_len: int, generated: int, batch: in
     HF and the full engine: every held token in the model dtype. Quantized engine methods: per
     layer the kept prompt tokens plus generated ones, quantized (``bits/8`` code bytes plus an
     fp16 scale and zero per group of ``G`` values, for K and V), except those still in the
-    residual ring, held in the model dtype. The ring count follows the flush rule:
-    ``(kept mod G + generated) mod n_r``.
+    residual ring, held in the model dtype. The ring count follows prefill's split and the
+    flush rule (``budget.ring_tokens_after``).
     """
     s = model_summary(model)
     width = s["kv_heads"] * s["head_dim"]
@@ -673,7 +673,7 @@ def kv_bytes_read(model, method: str, prompt_len: int, generated: int, batch: in
         if cfg.bits == 16:
             total += 2 * width * held * elt
             continue
-        ring = (kept % cfg.group_size + generated) % cfg.residual_length
+        ring = budget.ring_tokens_after(cfg, kept, generated)
         quant = held - ring
         per_value = budget.bytes_per_kv_value(cfg.bits, cfg.group_size, s["head_dim"])
         total += 2 * width * (quant * per_value + ring * elt)

@@ -46,10 +46,11 @@ def _rot(x):
 
 
 class ReferenceMiniKV:
-    def __init__(self, model, *, heavy, recent, bits, group, ring, pyramid_depth=None):
+    def __init__(self, model, *, heavy, recent, bits, group, ring, pyramid_depth=None,
+                 kept_floor=1):
         self.m, self.cfg = model, model.config
         self.heavy, self.recent, self.bits, self.group, self.R = heavy, recent, bits, group, ring
-        self.pyramid_depth = pyramid_depth
+        self.pyramid_depth, self.kept_floor = pyramid_depth, kept_floor
         c = self.cfg
         self.Hq, self.Hkv = c.num_attention_heads, c.num_key_value_heads
         self.D = getattr(c, "head_dim", None) or c.hidden_size // self.Hq
@@ -106,6 +107,11 @@ class ReferenceMiniKV:
                     col += p.sum(0)
                 n_rw = min(L, math.ceil(self.recent * L - 1e-9))
                 n_hh = max(0, min(round(self._heavy_frac(layer) * L), L - n_rw))
+                floor = min(L, self.kept_floor)
+                if n_rw + n_hh < floor:  # the floor, shared in the budgets' ratio
+                    a = self.recent + self._heavy_frac(layer)
+                    n_rw = min(floor, math.ceil((self.recent / a if a else 1.0) * floor - 1e-9))
+                    n_hh = floor - n_rw
                 if n_rw + n_hh >= L:
                     idx = list(range(L))
                 else:
@@ -116,7 +122,10 @@ class ReferenceMiniKV:
             reg, ring = [], []
             for hk in range(self.Hkv):
                 ks, vs = k[keep[hk], hk], v[keep[hk], hk]
-                n = len(keep[hk]) // self.group * self.group
+                # the ring takes all the kept tokens when they fit, else the last ones from half
+                # a ring (rounded down to whole groups) up, the region whole groups before them
+                kept, half = len(keep[hk]), self.R // (2 * self.group) * self.group
+                n = 0 if kept <= self.R else (kept - half) // self.group * self.group
                 reg.append(self._quant(ks[:n], vs[:n]))
                 ring.append([ks[n:], vs[n:]])
             self.region.append(reg)

@@ -102,10 +102,10 @@ class SlotModel:
         self.tokens = {}                                         # slot -> [(k, v) (H, D)]
         self.n_quant = {}
 
-    def prefill(self, slot, k_sel, v_sel):
+    def prefill(self, slot, k_sel, v_sel, ring_tokens=None):
         n = k_sel.shape[1]
         self.tokens[slot] = [(k_sel[:, i], v_sel[:, i]) for i in range(n)]
-        self.n_quant[slot] = n // self.G * self.G
+        self.n_quant[slot] = n // self.G * self.G if ring_tokens is None else n - ring_tokens
         for i in range(n - self.n_quant[slot]):
             self._write_ring(slot, i, *self.tokens[slot][self.n_quant[slot] + i])
 
@@ -556,18 +556,23 @@ def test_write_ring_several_tokens_bad_inputs():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [0, 5, 16, 47, 64 + 15])
+@pytest.mark.parametrize("n, ring", [(0, None), (5, None), (16, None), (47, None),
+                                     (64 + 15, None),
+                                     # more than n % G in the ring: all of a short prompt, or
+                                     # the last ring tokens of a longer one
+                                     (32, 32), (5, 5), (47, 31), (64 + 15, 31)])
 @pytest.mark.parametrize("bits", [2, 4, 16])
-def test_write_prefill(bits, n):
+def test_write_prefill(bits, n, ring):
     Bmax, H, D, R, G, T_cap = 3, 2, 32, 32, 16, 64
     bufs = make_cache(Bmax, H, T_cap, R, D, bits, G, torch.bfloat16)
     model = SlotModel(bufs, R, bits, G)
     g = torch.Generator().manual_seed(n)
     k_sel, v_sel = (torch.randn(H, n, D, generator=g).to(torch.bfloat16) for _ in range(2))
-    cache_write_prefill(k_sel, v_sel, 1, bufs, bits, G)
-    model.prefill(1, k_sel, v_sel)
+    cache_write_prefill(k_sel, v_sel, 1, bufs, bits, G, ring)
+    model.prefill(1, k_sel, v_sel, ring)
     model.check(bufs)
-    assert bufs[8][1].tolist() == [n // G * G, n % G]
+    t = n % G if ring is None else ring
+    assert bufs[8][1].tolist() == [n - t, t]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -581,7 +586,7 @@ def test_opcheck_write_prefill(bits):
     bufs = make_cache(Bmax, H, T_cap, R, D, bits, G, torch.float16)
     k_sel, v_sel = new_tokens(H, 37, D, torch.float16, torch.Generator().manual_seed(1))
     torch.library.opcheck(torch.ops.minikv.cache_write_prefill.default,
-                          (k_sel, v_sel, 2, *bufs, bits, G))
+                          (k_sel, v_sel, 2, *bufs, bits, G, 37 - 32))
 
 
 @pytest.mark.parametrize("bits", [2, 16])
@@ -676,6 +681,9 @@ def test_bad_inputs():
         cache_write_prefill(k_sel, k_sel, 0, bufs, 2, G)
     with pytest.raises(ValueError, match="slot: expected an int in"):
         cache_write_prefill(k_sel[:, :5], k_sel[:, :5], Bmax, bufs, 2, G)
+    for ring in (R + G, 3, -1):  # over the ring, a part of a group left, negative
+        with pytest.raises(ValueError, match=r"ring_tokens: expected an int in \[0, min"):
+            cache_write_prefill(k_sel[:, :R + G + 5], k_sel[:, :R + G + 5], 0, bufs, 2, G, ring)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -754,7 +762,7 @@ def test_opcheck_gpu(bits):
     k_sel, v_sel = (t.cuda() for t in new_tokens(H, 300, D, torch.bfloat16,
                                                  torch.Generator().manual_seed(1)))
     torch.library.opcheck(torch.ops.minikv.cache_write_prefill.default,
-                          (k_sel, v_sel, 7, *cuda, bits, G))
+                          (k_sel, v_sel, 7, *cuda, bits, G, 300 % G))
 
 
 def _gpu_layers(bits, dtype):

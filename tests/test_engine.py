@@ -69,15 +69,18 @@ def test_full_cache_reproduces_hf_greedy(kind):
 ])
 def test_minikv_matches_plain_reference(mode):
     model = tiny()
-    paper = dict(selection="h2o", snapkv_kernel=7, selection_block=1, sink_tokens=0)
+    # kept_floor=1: the budgets alone, so that a 101-token prompt is evicted from
+    paper = dict(selection="h2o", snapkv_kernel=7, selection_block=1, sink_tokens=0, kept_floor=1)
     cfg = MiniKVConfig(**{**paper, **dict(residual_length=32, max_prompt_len=128, max_new_tokens=70),
                           **mode})
     cm = minikv_compile(model, cfg)
-    prompt = prompt_of(101, seed=3)  # 101 kept 50% -> 51 tokens: 48 quantized + 3 in the ring
+    # 101 kept 50% -> 51 tokens: 32 quantized + 19 in the ring (half the ring and 51 mod 16)
+    prompt = prompt_of(101, seed=3)
     got = cm.generate([prompt], max_new_tokens=70).sequences[0]
     ref = ReferenceMiniKV(model, heavy=cfg.heavy_budget, recent=cfg.recent_budget, bits=cfg.bits,
                           group=cfg.group_size, ring=cfg.residual_length,
-                          pyramid_depth=cfg.pyramid_depth if cfg.budget_policy == "pyramid" else None)
+                          pyramid_depth=cfg.pyramid_depth if cfg.budget_policy == "pyramid" else None,
+                          kept_floor=cfg.kept_floor)
     assert got == ref.generate(prompt, 70)  # 70 steps cross two flushes of the 32-token ring
 
 

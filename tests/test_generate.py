@@ -281,7 +281,7 @@ def test_built_and_called_under_any_grad_mode(model):
 
 def test_kv_memory_compares_like_with_like(model):
     cm = minikv_compile(model, MiniKVConfig(**{**CFG, "bits": 2, "heavy_budget": 0.25,
-                                               "recent_budget": 0.25}))
+                                               "recent_budget": 0.25, "kept_floor": 1}))
     rep = cm.kv_memory(prompt_len=30, new_tokens=10, batch=1)
     # 2 layers, 2 KV heads x 64: an uncompressed fp32 cache of 1 x (30 + 10) tokens
     assert rep.full_dtype == torch.float32 and rep.full_bytes == 2 * 2 * 128 * 40 * 4

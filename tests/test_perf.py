@@ -198,12 +198,16 @@ def test_bytes_read_per_step_llama31_8b():
     # the input embedding table is not read by a step (only B rows of it)
     assert facts["weight_bytes_read_per_step"] == facts["weight_bytes"] - 128256 * 4096 * 2
     assert H.kv_bytes_read(meta, "hf-static", 32768, 0, 1) == 2 * 32 * 1024 * 32768 * 2
-    assert H.kv_bytes_read(meta, "minikv", 32768, 0, 1) == 32 * 2 * 1024 * 16384 // 2
-    # 16 generated tokens sit in the bf16 ring (2 bytes per value instead of half a byte)
-    assert H.kv_bytes_read(meta, "minikv", 4096, 16, 8) == 8 * 32 * 2 * 1024 * (2048 // 2 + 16 * 2)
+    # prefill leaves the last 64 kept tokens in the bf16 ring (2 bytes per value instead of
+    # half a byte), 16 generated tokens join them
+    kv_32k = 32 * 2 * 1024 * ((16384 - 64) // 2 + 64 * 2)
+    assert H.kv_bytes_read(meta, "minikv", 32768, 0, 1) == kv_32k
+    assert H.kv_bytes_read(meta, "minikv", 4096, 16, 8) == 8 * 32 * 2 * 1024 * (
+        (2048 - 64) // 2 + (64 + 16) * 2)
     bw = {"bytes_per_s": 4.27e12}
     f = H.floor_figures(meta, "minikv", 32768, 1, 0, 4.0, bw)
-    assert f["floor_ms"] == pytest.approx(1e3 * (facts["weight_bytes_read_per_step"] + 2**29) / 4.27e12)
+    weights = facts["weight_bytes_read_per_step"]
+    assert f["floor_ms"] == pytest.approx(1e3 * (weights + kv_32k) / 4.27e12)
     assert f["x_floor"] == pytest.approx(4.0 / f["floor_ms"])
 
 

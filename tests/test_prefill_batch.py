@@ -26,7 +26,7 @@ from test_engine import prompt_of, tiny
 # heavy + recent = 1: a request with the engine's budgets keeps every token (the SDPA path, no
 # scores); smaller per-request budgets evict (selective attention, scores, selection).
 CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=40, max_batch_size=8,
-           heavy_budget=0.5, recent_budget=0.5)
+           heavy_budget=0.5, recent_budget=0.5, kept_floor=1)
 # (prompt length, budgets): nothing evicted at 5, 37, 3 tokens; evicted at the others, under
 # four different budgets. 3 and 5 tokens keep fewer than a group: all in the ring.
 MIX = [(5, None), (100, (0.25, 0.25)), (37, None), (128, (0.1, 0.3)), (17, (0.5, 0.2)),

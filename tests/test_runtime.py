@@ -17,7 +17,8 @@ from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling, choose_tokens, exponential_noise
 from test_engine import prompt_of, tiny
 
-CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=120, max_batch_size=4)
+CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=120, max_batch_size=4,
+           kept_floor=1)  # short prompts evicted from (the budgets alone)
 SAMPLED = Sampling(greedy=False, temperature=1.3, top_k=40, top_p=0.9, seed=1234)
 
 

@@ -13,7 +13,8 @@ from minikv_compile.scheduler import (IncrementalDetokenizer, QueueFull, Schedul
                                       ServeRequest)
 from test_engine import prompt_of, tiny
 
-CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=40, max_batch_size=4)
+CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=40, max_batch_size=4,
+           kept_floor=1)  # short prompts evicted from (the budgets alone)
 
 
 class CharTokenizer:
@@ -93,14 +94,16 @@ def test_queue_limit_and_sampled_requests_with_a_seed():
     sched = Scheduler(cm, CharTokenizer(), max_queue=2)
     p = prompt_of(30, seed=5)
     sampled = Sampling(greedy=False, temperature=1.2, seed=77)
-    handles = [sched.submit(ServeRequest(p, 20, sampling=sampled)) for _ in range(2)]
+    # A burst at an idle scheduler: the free slot takes one, the queue the next 2 (max_queue
+    # counts requests waiting beyond the free slots), the 4th is refused.
+    handles = [sched.submit(ServeRequest(p, 20, sampling=sampled)) for _ in range(3)]
     with pytest.raises(QueueFull) as e:
         sched.submit(ServeRequest(p, 20))
     assert e.value.retry_after >= 1
     sched.start()
     try:
         texts = [h.result()[0] for h in handles]
-        assert texts[0] == texts[1]  # the same seed, the same tokens, whatever ran before
+        assert texts[0] == texts[1] == texts[2]  # the same seed, the same tokens, whatever ran before
     finally:
         sched.shutdown()
     assert sched.metrics.requests["rejected"] == 1

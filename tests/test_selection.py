@@ -166,7 +166,7 @@ def test_prefill_keeps_what_the_rule_selects(monkeypatch, over):
 
     monkeypatch.setattr(prefill_module, "token_scores", spy)
     model = _tiny_llama()
-    paper = dict(snapkv_kernel=7, selection_block=1, sink_tokens=0)
+    paper = dict(snapkv_kernel=7, selection_block=1, sink_tokens=0, kept_floor=1)
     config = MiniKVConfig(**{**paper, **dict(bits=16, heavy_budget=0.2, recent_budget=0.15,
                                              residual_length=32, max_prompt_len=128,
                                              max_new_tokens=24, snapkv_window=8), **over})
@@ -216,7 +216,8 @@ def test_prefill_computes_cumulative_scores_only_for_the_rules_that_read_them(mo
     monkeypatch.setattr(prefill_module.ops, "selective_attention", spy)
     model = _tiny_llama()
     config = MiniKVConfig(bits=16, heavy_budget=0.2, recent_budget=0.15, residual_length=32,
-                          max_prompt_len=128, max_new_tokens=8, snapkv_window=8, selection=rule)
+                          max_prompt_len=128, max_new_tokens=8, snapkv_window=8, selection=rule,
+                          kept_floor=1)
     cm = minikv_compile(model, config)
     prompt = torch.randint(0, 101, (97,), generator=torch.Generator().manual_seed(5)).tolist()
     got = cm.generate([prompt], max_new_tokens=8).sequences[0]
