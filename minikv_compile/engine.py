@@ -147,8 +147,9 @@ class MiniKVModel:
         ``return_dict_in_generate=False`` / ``True``, what HF returns: a ``(B, L + n)`` tensor of
         the input and the new tokens (padded with the pad id), or HF's
         ``GenerateDecoderOnlyOutput`` with that tensor as ``sequences`` and, as
-        ``past_key_values``, the ``PromptCache`` of each prompt and its new tokens but the last
-        (which is chosen, not fed: HF's cache holds the same), for the next turn.
+        ``past_key_values`` (unless ``use_cache=False``), the ``PromptCache`` of each prompt and
+        its new tokens but the last (which is chosen, not fed: HF's cache holds the same), for
+        the next turn.
         """
         if inputs is not None and input_ids is not None:
             raise ValueError("input_ids: expected the prompt once (inputs or input_ids), got both")
@@ -181,7 +182,7 @@ class MiniKVModel:
                 generation.hf_sequences(ids, prompts, outs, plan.pad), None), len(prompts))
         with self._lock:
             out = self._run(requests, _stream_to(streamer, plan.pad) if hf_streamer else streamer,
-                            every, stop, snapshot=plan.output == "dict")
+                            every, stop, snapshot=plan.keep_cache)
         if hf_streamer:
             streamer.end()
         if plan.output == "engine":
@@ -190,8 +191,8 @@ class MiniKVModel:
         if plan.output == "tensor":
             return sequences
         # transformers 5 names the field ``cache`` (``past_key_values`` reads it, with a warning)
-        return GenerateDecoderOnlyOutput(sequences=sequences,
-                                         **{_CACHE_FIELD: self._prompt_cache(out.snapshots)})
+        cache = self._prompt_cache(out.snapshots) if plan.keep_cache else None
+        return GenerateDecoderOnlyOutput(sequences=sequences, **{_CACHE_FIELD: cache})
 
     def cache_prompt(self, input_ids: Prompts, attention_mask=None) -> PromptCache:
         """Prefill and compress each prompt as ``generate`` would, and return their state as a
@@ -336,16 +337,16 @@ class MiniKVModel:
     def stats(self) -> Dict[str, object]:
         """Compiles and replays so far: proof that the decode step is compiled once per bucket
         and really replayed from CUDA graphs (``compiles``: the compiled graphs run, ``loaded``:
-        those of them an earlier process compiled and saved); and per bucket, the kernels its
-        step runs per layer (``models.llama.DecodePlan``; SpeCache's step runs two rows a slot)."""
-        r, a = self.runtime.runner, self.adapter
-        rows = 2 if self.config.recall_top_k else 1
+        those of them an earlier process compiled and saved); and per ``(bucket, mode)`` (every
+        bucket's greedy step, and the other modes prepared so far) every kernel its step runs,
+        with its launch (``graphs.step_plan.StepPlan.kernels``)."""
+        r, rt = self.runtime.runner, self.runtime
+        keys = sorted({(b, "greedy") for b in rt.buckets} | set(rt.plans))
         return {"compiles": r.compiles, "loaded": r.loads, "replays": r.replays,
                 "graphs": r.graphs,
                 "compile_seconds": dict(r.compile_seconds),
                 "capture_seconds": dict(r.capture_seconds),
-                "kernels": {b: a.decode_plan(rows * b, self.dtype).kernels()
-                            for b in self.runtime.buckets}}
+                "kernels": {key: rt.plan(*key).kernels() for key in keys}}
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -26,10 +26,11 @@ _DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
              "repetition_penalty": 1.0, "min_length": 0}
 _SUPPORTED = frozenset(["max_new_tokens", "max_length", "min_new_tokens", "min_length",
                         "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
-                        "eos_token_id", "pad_token_id", "return_dict_in_generate"])
+                        "eos_token_id", "pad_token_id", "return_dict_in_generate",
+                        "use_cache"])
 # Fields that change nothing here: ids a decoder-only call with input ids does not read, the
 # cache HF would build (the engine has its own), and HF's own compile settings.
-_NO_EFFECT = frozenset(["bos_token_id", "decoder_start_token_id", "use_cache", "cache_config",
+_NO_EFFECT = frozenset(["bos_token_id", "decoder_start_token_id", "cache_config",
                         "cache_implementation", "compile_config", "disable_compile",
                         "transformers_version", "_from_model_config", "max_cache_len"])
 
@@ -44,7 +45,8 @@ class GenerationPlan:
     id, else the first eos id, as HF does); declared_pad: the configured one alone. output:
     ``"engine"``
     (``GenerationOutput``), ``"tensor"`` (HF's default: prompt + new tokens) or ``"dict"``
-    (HF's ``GenerateDecoderOnlyOutput``).
+    (HF's ``GenerateDecoderOnlyOutput``). keep_cache: the dict carries each sequence's
+    ``PromptCache`` (``"dict"`` unless ``use_cache=False``, as HF returns its cache).
     """
 
     max_new_tokens: int
@@ -54,6 +56,7 @@ class GenerationPlan:
     pad: Optional[int]
     declared_pad: Optional[int]
     output: str
+    keep_cache: bool = False
 
 
 def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int,
@@ -106,6 +109,7 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int
                                top_k=get("top_k"), top_p=get("top_p"),
                                repetition_penalty=get("repetition_penalty"), seed=seed,
                                vocab_size=vocab_size)
+    use_cache = True if merged.use_cache is None else check_bool("use_cache", merged.use_cache)
     output = "engine"
     if "return_dict_in_generate" in set_here:
         as_dict = check_bool("return_dict_in_generate", kwargs["return_dict_in_generate"])
@@ -113,7 +117,7 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int
     return GenerationPlan(max_new_tokens=max_new, min_new_tokens=min(min_new, max_new),
                           sampling=sampling, eos=tuple(eos),
                           pad=pad if pad is not None or not eos else eos[0], declared_pad=pad,
-                          output=output)
+                          output=output, keep_cache=output == "dict" and use_cache)
 
 
 def _refuse_unsupported(config: GenerationConfig) -> None:

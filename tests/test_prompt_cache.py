@@ -125,6 +125,8 @@ def test_multi_turn_equals_a_fresh_run_over_the_conversation(model, full):
         cache = out.past_key_values
         # the prompt and every new token but the last, which is chosen, not fed (as HF's cache)
         assert cache.token_ids == [conversation + answer[:-1]]
+        assert full.generate([conversation], max_new_tokens=2, return_dict_in_generate=True,
+                             use_cache=False).past_key_values is None
         conversation = conversation + answer + prompt_of(7, 20 + turn)
 
 
