@@ -12,14 +12,261 @@ row ``r < T`` and query head ``i`` (KV head ``i // (H_q / H_kv)``)::
 - 1 .. lens[b, 1] - 2 + T`` (the caller writes them first): each row sees itself, not the rows
 after it. With T = 1 this is :func:`.attention_decode.decode_attention`; the row convention is
 :func:`.attention_decode.decode_attention_recall`'s, for any ``T <= R``.
+
+On CUDA, two launches, like decode attention's (whose combine kernel and block loaders this
+module reuses):
+
+1. ``_tail_attention_split_kernel``, grid ``(B * H_kv, ceil(T * GQA / BLOCK_M), NUM_SPLITS +
+   1)``: a flash-attention forward whose M axis holds the chunk's rows times the KV group's
+   query heads (``m = t * GQA + g``), so each block of BLOCK_N cached tokens is loaded and
+   dequantized once for BLOCK_M (query row, head) pairs, in registers, with decode attention's
+   fp32 unpacking (``_dequant_last``), rounded to the model dtype and fed to fp16/bf16 dots
+   (fp32 dots for fp32 models). Programs ``s < NUM_SPLITS`` cover an equal, block-aligned
+   share of the slot's valid quantized tokens (no mask: every row sees all of them); program
+   ``s == NUM_SPLITS`` covers the ring with the causal mask. Each writes its rows' partial
+   ``(m, l, acc)``.
+2. ``_decode_attention_combine_kernel`` over the ``B * T`` rows merges them into ``out``.
+
+``NUM_SPLITS`` depends only on shapes and the GPU's SM count (never on ``lens``): fixed shapes,
+no host sync, capturable in a CUDA graph.
 """
 from __future__ import annotations
 
-import torch
+import os
+from typing import NamedTuple, Optional
 
-from ._checks import FLOAT_DTYPES, check_choice, check_tensor
-from .attention_decode import _HEAD_DIMS, _check_inputs, _region_ref
-from .cache_layout import ring_length
+import torch
+import triton
+import triton.language as tl
+
+from . import _gdc as gdc
+from ._checks import FLOAT_DTYPES, check_choice, check_tensor, sm_count as sm_count_of
+from .attention_decode import (_HEAD_DIMS, _LOG2E, MAX_SPLITS, _check_inputs,
+                               _decode_attention_combine_kernel, _dequant_last, _load_keys_t,
+                               _load_rows, _load_values, _region_ref, _round_to)
+from .cache_layout import ring_length, value_group
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_rows(q, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 BF16_BY_HAND: tl.constexpr):
+    """One online-softmax step of BLOCK_M query rows over a block of BLOCK_N tokens.
+
+    q: (BLOCK_M, D) in DOT_DTYPE; k_t: (D, BLOCK_N) and v: (BLOCK_N, D) holding model-dtype
+    (ELEM) values; valid: (BLOCK_M, BLOCK_N) or (1, BLOCK_N) bool. m_i, l_i: (BLOCK_M,) fp32
+    running max (log2 domain, a finite floor: a row may see no token of a ring block) and
+    denominator; acc: (BLOCK_M, D) fp32.
+    """
+    s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=INPUT_PRECISION) * qk_scale
+    s = tl.where(valid, s, float("-inf"))                                # (BLOCK_M, BLOCK_N)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # p is rounded to the model dtype like in any fp16/bf16 flash attention.
+    p_lo = _round_to(p, ELEM, BF16_BY_HAND).to(DOT_DTYPE)
+    pv = tl.dot(p_lo, v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)    # (BLOCK_M, D)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _tail_attention_split_kernel(
+    q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
+    m_ptr, l_ptr, acc_ptr,
+    qk_scale,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    ROWS, H_KV, T_CAP, RING_ROWS, NUM_SPLITS,
+    GQA: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+    BITS: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (b * H_kv + h, mb, s): query rows ``m = mb * BLOCK_M + arange(BLOCK_M)`` of KV
+    group h of slot b, ``m = t * GQA + g`` for chunk row t and query head h * GQA + g (the
+    dots' M axis), against split s: splits ``s < NUM_SPLITS`` cover an equal, block-aligned
+    share of the slot's valid quantized tokens (seen by every row), split ``NUM_SPLITS`` the
+    ring (row t sees its first ``lens[b, 1] + t`` tokens). Writes the partials ``(m, l, acc)``
+    of its rows to ``(B * ROWS, H_q, S)`` / ``(B * ROWS, H_q, S, D)`` fp32, S = NUM_SPLITS + 1,
+    which ``_decode_attention_combine_kernel`` merges."""
+    gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
+    bh = tl.program_id(0)
+    b = bh // H_KV
+    h = bh % H_KV
+    split = tl.program_id(2)
+    # int64: Bmax * H_kv * T_cap * D exceeds 2^31 for large caches; offsets inside one plane fit.
+    plane = b.to(tl.int64) * H_KV + h
+    # Clamping keeps a corrupt length from reading outside the buffers.
+    n_quant = tl.minimum(tl.load(lens_ptr + 2 * b), T_CAP)
+    n_ring = tl.load(lens_ptr + 2 * b + 1)
+
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = offs_m // GQA                                                     # chunk row
+    head = h * GQA + offs_m % GQA                                         # query head
+    row_ok = t < ROWS  # rows >= ROWS are padding: q = 0, never stored
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    elem_ty = kr_ptr.dtype.element_ty
+
+    if split < NUM_SPLITS:
+        # -- quantized region: this split's block-aligned share of [0, n_quant), every row
+        split_len = tl.cdiv(tl.cdiv(n_quant, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, n_quant)
+        if BITS == 16:
+            k_plane = k_ptr + plane * T_CAP * D
+            v_plane = v_ptr + plane * T_CAP * D
+        else:
+            P: tl.constexpr = 32 // BITS
+            k_plane = k_ptr + plane * (T_CAP // P * D)
+            ks_plane = ks_ptr + plane * (T_CAP // G * D)
+            kz_plane = kz_ptr + plane * (T_CAP // G * D)
+            v_plane = v_ptr + plane * (T_CAP * (D // P))
+            vs_plane = vs_ptr + plane * (T_CAP * (D // GV))
+            vz_plane = vz_ptr + plane * (T_CAP * (D // GV))
+        for start in range(lo, hi, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            valid = tokens < hi
+            if BITS == 16:
+                k_t, v = _load_rows(k_plane, v_plane, tokens, valid, D)
+            else:
+                # codes dequantized in registers, once per block for all BLOCK_M rows
+                kw, ks, kz = _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
+                                          D, BITS, G, BLOCK_N)
+                vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
+                                          D, BITS, GV)
+                k_t = _round_to(_dequant_last(kw, ks, kz, BITS, G), elem_ty,
+                                BF16_BY_HAND)                             # (D, BLOCK_N)
+                v = _round_to(_dequant_last(vw, vs, vz, BITS, GV), elem_ty,
+                              BF16_BY_HAND)                               # (BLOCK_N, D)
+            m_i, l_i, acc = _attend_rows(q, k_t, v, valid[None, :], m_i, l_i, acc, qk_scale,
+                                         elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
+    else:
+        # -- residual ring, causal: row t sees ring tokens [0, n_ring + t)
+        seen = tl.minimum(n_ring + t, RING_ROWS)                           # (BLOCK_M,)
+        hi = tl.minimum(n_ring + tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M - 1,
+                                            ROWS * GQA - 1) // GQA, RING_ROWS)
+        ring_plane = plane * RING_ROWS * D
+        for start in range(0, hi, BLOCK_N):
+            tokens = start + tl.arange(0, BLOCK_N)
+            k_t, v = _load_rows(kr_ptr + ring_plane, vr_ptr + ring_plane, tokens, tokens < hi,
+                                D)
+            m_i, l_i, acc = _attend_rows(q, k_t, v, tokens[None, :] < seen[:, None], m_i, l_i,
+                                         acc, qk_scale, elem_ty, DOT_DTYPE, INPUT_PRECISION,
+                                         BF16_BY_HAND)
+
+    # -- partials of this program's rows: row (b * ROWS + t) * H_q + head, slot `split`
+    rows = ((b * ROWS + t) * (H_KV * GQA) + head) * (NUM_SPLITS + 1) + split
+    tl.store(m_ptr + rows, m_i, mask=row_ok)
+    tl.store(l_ptr + rows, l_i, mask=row_ok)
+    tl.store(acc_ptr + rows[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher (callable on CPU tensors under TRITON_INTERPRET=1)
+# ----------------------------------------------------------------------------------------------
+
+
+class _TailPlan(NamedTuple):
+    """One launch of the split kernel: splits of the quantized region, the tiles (BLOCK_M query
+    rows x BLOCK_N tokens), warps and pipeline stages."""
+
+    num_splits: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _tail_plan(dtype: torch.dtype, bits: int, group_size: int, head_dim: int, batch: int,
+               rows: int, h_q: int, h_kv: int, capacity: int, sm_count: int) -> _TailPlan:
+    """Tiles as a flash-attention forward's: 128 query rows (a KV group's chunk rows x heads) x
+    64 tokens at D <= 128 on 8 warps for fp16/bf16; 64 x 32 on 4 warps for fp32 models (fp32
+    dots run on the FMA units) and D 256; whole key groups per block. Splits: ~2 programs per SM
+    in all (the partials are ``2 * SMs * BLOCK_M * D`` fp32 whatever B and T), never a
+    full-capacity region cut into pieces shorter than 4 blocks, at most 64."""
+    wide = dtype != torch.float32 and head_dim <= 128
+    block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(rows * (h_q // h_kv))))
+    block_n = max(64 if wide else 32, group_size if bits != 16 else 16)
+    warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    programs = batch * h_kv * triton.cdiv(rows * (h_q // h_kv), block_m)
+    want = triton.cdiv(2 * sm_count, programs)
+    useful = max(1, capacity // (4 * block_n))
+    return _TailPlan(max(1, min(want, useful, 64)), block_m, block_n, warps, 2)
+
+
+def _tail_attention_triton(
+    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+    scale: float, bits: int, group_size: int, plan: Optional[_TailPlan] = None,
+) -> torch.Tensor:
+    """The CUDA implementation of :func:`tail_attention` (inputs already validated; also
+    callable on CPU tensors under TRITON_INTERPRET=1). Two launches: the split kernel, grid
+    ``(B * H_kv, ceil(T * GQA / BLOCK_M), NUM_SPLITS + 1)``, then decode attention's combine
+    over the ``B * T`` rows. ``plan``: ``_tail_plan``'s by default (tests and the benchmark
+    pass others)."""
+    batch, rows, h_q, d = q.shape
+    h_kv, ring_rows = k_ring.shape[1], k_ring.shape[2]
+    gqa = h_q // h_kv
+    capacity = k_cache.shape[2] if bits == 16 else v_cache.shape[2]
+    if plan is None:
+        plan = _tail_plan(q.dtype, bits, group_size, d, batch, rows, h_q, h_kv, capacity,
+                          sm_count_of(q.device))
+    for name, n, low in (("block_m", plan.block_m, 16), ("block_n", plan.block_n, 16)):
+        if n < low or n & (n - 1):
+            raise ValueError(f"{name}: expected a power of two >= {low}, got {n}")
+    if bits != 16 and plan.block_n % group_size:
+        raise ValueError(f"block_n: expected a multiple of group_size={group_size}, "
+                         f"got {plan.block_n}")
+    if not 1 <= plan.num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 1..{MAX_SPLITS}, got {plan.num_splits}")
+    n_slots = plan.num_splits + 1  # + the ring's split
+
+    m = torch.empty(batch * rows, h_q, n_slots, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(batch * rows, h_q, n_slots, d, dtype=torch.float32, device=q.device)
+    out = q.new_empty(q.shape)                                            # (B, T, H_q, D)
+
+    # As decode attention's launcher: the interpreter (triton 3.9) mishandles bf16 (its tl.dot
+    # multiplies the raw bits, its casts truncate), so there bf16 values are rounded by hand and
+    # kept in fp32; fp32 models keep exact fp32 products.
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    bf16_by_hand = interpret and q.dtype == torch.bfloat16
+    if q.dtype == torch.float32 or bf16_by_hand:
+        dot_dtype, precision = tl.float32, "ieee"
+    else:
+        dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
+    pdl = gdc.supported(q.device)
+
+    grid = (batch * h_kv, triton.cdiv(rows * gqa, plan.block_m), n_slots)
+    _tail_attention_split_kernel[grid](
+        q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+        m, l, acc,
+        scale * _LOG2E, *q.stride(),
+        rows, h_kv, capacity, ring_rows, plan.num_splits,
+        GQA=gqa, BLOCK_M=plan.block_m, D=d,
+        BITS=bits, G=group_size, GV=value_group(group_size, d), BLOCK_N=plan.block_n,
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand, PDL=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl,
+    )
+    # (the combine's lse_ref, update and their strides belong to its RECALL mode: never read)
+    block_d = min(d, 32)
+    out_rows = out.view(batch * rows, h_q, d)
+    _decode_attention_combine_kernel[(batch * rows * h_q, d // block_d)](
+        m, l, acc, out_rows, m, lens, lens, h_q, *out_rows.stride(), 0, 0, n_slots,
+        D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots), BF16_BY_HAND=bf16_by_hand,
+        ROWS=1, RECALL=False, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,6 +323,9 @@ def _tail_attention_op(
 def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
       scale, bits, group_size):
     return q.new_empty(q.shape)
+
+
+_tail_attention_op.register_kernel("cuda")(_tail_attention_triton)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,11 +15,13 @@ from typing import List, Sequence
 import pytest
 import torch
 
+from aot import compile_for_sm90
 from test_decode_attention import DTYPES, ULP, Case, make_case, poisoned
 
-from minikv_compile.ops import tail_attention
+from minikv_compile.ops import decode_attention, tail_attention
 from minikv_compile.ops.attention_decode import decode_attention_ref
-from minikv_compile.ops.attention_tail import tail_attention_ref
+from minikv_compile.ops.attention_tail import (_tail_attention_triton, _tail_plan, _TailPlan,
+                                               tail_attention_ref)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -29,14 +31,15 @@ from minikv_compile.ops.attention_tail import tail_attention_ref
 
 def make_tail_case(batch: int, b_max: int, h_kv: int, d: int, capacity: int, ring: int,
                    bits: int, group_size: int, dtype: torch.dtype, rows: int,
-                   n_quant: Sequence[int], n_ring: Sequence[int], device: str = "cpu"):
+                   n_quant: Sequence[int], n_ring: Sequence[int], device: str = "cpu",
+                   outliers: bool = False):
     """A cache whose slot b < batch holds ``n_quant[b]`` quantized tokens and ``n_ring[b] +
     rows - 1`` ring tokens, the last ``rows`` of them the chunk's; ``lens[b, 1] = n_ring[b]``
     (row 0's count). Returns (case, poisoned buffers): in the second, everything past the last
     row's token and every slot >= batch is NaN or garbage."""
     full = [n + rows - 1 for n in n_ring]
     case = make_case(batch, b_max, h_kv, d, capacity, ring, bits, group_size, dtype, n_quant,
-                     full, device=device)
+                     full, outliers=outliers, device=device)
     bad = poisoned(case, batch)
     for lens in (case.bufs[-1], bad[-1]):
         lens[:batch, 1] -= rows - 1
@@ -49,13 +52,14 @@ def tail_fp64(q: torch.Tensor, case: Case, n_seen0: Sequence[int], scale: float)
     batch, rows, h_q, d = q.shape
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(batch):
-        h_kv = case.keys[b].shape[0]
+        keys, values = case.keys[b].cpu(), case.values[b].cpu()
+        h_kv = keys.shape[0]
         for r in range(rows):
             n = n_seen0[b] + r
-            k, v = case.keys[b][:, :n], case.values[b][:, :n]               # (H_kv, n, D)
+            k, v = keys[:, :n], values[:, :n]                                 # (H_kv, n, D)
             qr = q[b, r].double().cpu().view(h_kv, h_q // h_kv, d)
-            probs = torch.softmax(qr @ k.cpu().transpose(1, 2) * scale, dim=-1)
-            out[b, r] = (probs @ v.cpu()).reshape(h_q, d)
+            probs = torch.softmax(qr @ k.transpose(1, 2) * scale, dim=-1)
+            out[b, r] = (probs @ v).reshape(h_q, d)
     return out
 
 
@@ -102,10 +106,14 @@ REF_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("bits", [2, 4, 16])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch,b_max,h_kv,gqa,d,capacity,ring,rows,group,n_quant,n_ring",
-                         REF_SHAPES)
+# every shape at bits 2, 4 and 16, each bits in each dtype over the shapes
+REF_CASES = [pytest.param(*shape.values, bits, DTYPES[(i + j) % 3],
+                          id=f"{shape.id}-{bits}-{DTYPES[(i + j) % 3]}")
+             for i, shape in enumerate(REF_SHAPES) for j, bits in enumerate((2, 4, 16))]
+
+
+@pytest.mark.parametrize("batch,b_max,h_kv,gqa,d,capacity,ring,rows,group,n_quant,n_ring,bits,"
+                         "dtype", REF_CASES)
 def test_reference_matches_fp64(batch, b_max, h_kv, gqa, d, capacity, ring, rows, group,
                                 n_quant, n_ring, bits, dtype):
     case, bad = make_tail_case(batch, b_max, h_kv, d, capacity, ring, bits, group, dtype, rows,
@@ -223,3 +231,256 @@ def test_rows_up_to_the_ring_length_are_accepted():
                                rtol=ULP[torch.float32], atol=1e-5)
     with pytest.raises(ValueError, match="R=16, got shape"):
         tail_attention(torch.randn(1, 17, 2, 16), *case.bufs, 0.25, 2, 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the Triton kernel under the interpreter (tiny shapes: it runs as Python)
+# ----------------------------------------------------------------------------------------------
+
+
+def run_triton(q, case: Case, scale: float, bufs=None, **fields):
+    """The kernel with ``_tail_plan``'s launch for these shapes, ``fields`` replaced."""
+    k_cache, v_cache, k_ring = case.bufs[0], case.bufs[3], case.bufs[6]
+    batch, rows, h_q, d = q.shape
+    capacity = k_cache.shape[2] if case.bits == 16 else v_cache.shape[2]
+    plan = _tail_plan(q.dtype, case.bits, case.group_size, d, batch, rows, h_q, k_ring.shape[1],
+                      capacity, 1)._replace(**fields)
+    return _tail_attention_triton(q, *(bufs or case.bufs), scale, case.bits, case.group_size,
+                                  plan)
+
+
+# (batch, b_max, h_kv, gqa, d, capacity, ring, rows T, n_quant per slot, n_ring per slot)
+T5 = (2, 3, 2, 3, 16, 64, 32, 5, [48, 0], [1, 28])
+T1 = (1, 1, 1, 1, 16, 32, 16, 1, [32], [7])
+T17 = (2, 2, 1, 4, 32, 64, 32, 17, [64, 16], [16, 1])
+# Every (bits, dtype) path on the 5-row chunk; the 1- and 17-row ones on one dtype per bits (the
+# interpreter runs every program as Python: ~1-3 s a call).
+KERNEL_CASES = (
+    [pytest.param(T5, bits, dtype, id=f"T5-gqa3-{bits}-{dtype}") for bits in (2, 4, 16)
+     for dtype in DTYPES]
+    + [pytest.param(shape, bits, dtype, id=f"{name}-{bits}-{dtype}")
+       for name, shape in (("T1-mha", T1), ("T17-gqa4", T17))
+       for bits, dtype in ((2, torch.float32), (4, torch.bfloat16), (16, torch.float16))])
+
+
+def _kernel_case(shape, bits, dtype, group_size=16):
+    batch, b_max, h_kv, gqa, d, capacity, ring, rows, n_quant, n_ring = shape
+    case, bad = make_tail_case(batch, b_max, h_kv, d, capacity, ring, bits, group_size, dtype,
+                               rows, n_quant, n_ring)
+    q = torch.randn(batch, rows, h_kv * gqa, d).to(dtype)
+    return case, bad, q, seen0(n_quant, n_ring), d ** -0.5
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("shape,bits,dtype", KERNEL_CASES)
+def test_triton_matches_reference(shape, bits, dtype):
+    case, _, q, n_seen0, scale = _kernel_case(shape, bits, dtype)
+    # 16-token blocks, 3 splits over at most 64 tokens: some splits get one block, some none;
+    # 32-row tiles: the 17 rows x 4 heads of T17 span 3 of them, the last mostly padding.
+    out = run_triton(q, case, scale, num_splits=3, block_m=32, block_n=16)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_within_2x(out, q, case, n_seen0, scale)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits", [2, 16])
+def test_triton_unused_capacity_and_slots_are_never_read(bits):
+    """NaN scales and ring rows and random codes past every slot's last token (the last row's),
+    and everything of the slot >= B: bit-identical results."""
+    case, bad, q, _, scale = _kernel_case(T5, bits, torch.float16)
+    clean = run_triton(q, case, scale, num_splits=3, block_m=16, block_n=16)
+    assert torch.equal(run_triton(q, case, scale, bufs=bad, num_splits=3, block_m=16,
+                                  block_n=16), clean)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits,group_size", [(1, 32), (2, 32), (4, 64)])
+def test_triton_group_sizes(bits, group_size):
+    case, _ = make_tail_case(2, 2, 1, 64, 128, 64, bits, group_size, torch.float32, 4,
+                             [64, 128], [60, 9])
+    q = torch.randn(2, 4, 2, 64)
+    out = run_triton(q, case, 0.125, num_splits=2, block_m=16)
+    assert_within_2x(out, q, case, [124, 137], 0.125)
+
+
+@pytest.mark.interpret
+def test_triton_default_plan_and_strided_query():
+    # the launcher's own plan (one split on the CPU), q with a non-unit last stride
+    case, _ = make_tail_case(2, 2, 2, 16, 64, 16, 2, 16, torch.float16, 3, [64, 16], [1, 12])
+    q = torch.randn(2, 16, 4, 3).half().permute(0, 3, 2, 1)                # (2, 3, 4, 16)
+    out = _tail_attention_triton(q, *case.bufs, 0.25, 2, 16)
+    assert_within_2x(out, q, case, [65, 28], 0.25)
+
+
+@pytest.mark.interpret
+def test_triton_one_row_matches_decode_attention():
+    case, _ = make_tail_case(2, 2, 2, 16, 64, 16, 2, 16, torch.float32, 1, [48, 64], [3, 16])
+    q = torch.randn(2, 1, 4, 16)
+    out = run_triton(q, case, 0.25, num_splits=2, block_m=16, block_n=16)
+    torch.testing.assert_close(out[:, 0], decode_attention(q[:, 0], *case.bufs, 0.25, 2, 16),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("block_m", 24, "block_m: expected a power of two >= 16, got 24"),
+    ("block_n", 8, "block_n: expected a power of two >= 16, got 8"),
+    ("block_n", 16, "block_n: expected a multiple of group_size=32, got 16"),
+    ("num_splits", 0, r"num_splits: expected 1..128, got 0"),
+])
+def test_bad_launch_plan_raises(field, value, message):
+    case, _ = make_tail_case(1, 1, 1, 32, 64, 32, 2, 32, torch.float32, 2, [32], [1])
+    with pytest.raises(ValueError, match=message):
+        run_triton(torch.randn(1, 2, 1, 32), case, 0.25, **{field: value})
+
+
+def test_launch_plan():
+    # the 8B shape on an H100 (132 SMs): 128 rows x 64 tokens on 8 warps, ~2 programs per SM
+    plan = _tail_plan(torch.bfloat16, 2, 16, 128, 1, 128, 32, 8, 32768, 132)
+    assert plan == _TailPlan(num_splits=9, block_m=128, block_n=64, num_warps=8, num_stages=2)
+    # a short chunk of a small GQA model: the row tile shrinks to the rows there are
+    assert _tail_plan(torch.float16, 2, 16, 64, 1, 3, 9, 3, 4096, 132).block_m == 16
+    # fp32 models and groups longer than the default block
+    assert _tail_plan(torch.float32, 2, 16, 128, 1, 64, 32, 8, 4096, 132)[1:3] == (64, 32)
+    assert _tail_plan(torch.bfloat16, 2, 128, 64, 1, 64, 9, 3, 4096, 132).block_n == 128
+
+
+def test_tail_kernels_compile_for_sm90():
+    # The 8B shape's default launch (bf16, bits 2) and the fp32 and bits-16 paths, for an
+    # H100/H200, without a GPU (tests/aot.py says why).
+    compile_for_sm90("""
+from minikv_compile.ops import attention_tail as a
+ptrs = ["q_ptr", "k_ptr", "ks_ptr", "kz_ptr", "v_ptr", "vs_ptr", "vz_ptr", "kr_ptr", "vr_ptr",
+        "lens_ptr", "m_ptr", "l_ptr", "acc_ptr"]
+for dt, tdt, bits, block_m, block_n, warps in (("bf16", tl.bfloat16, 2, 128, 64, 8),
+                                               ("fp32", tl.float32, 16, 64, 32, 4)):
+    codes = "*i32" if bits != 16 else "*" + dt
+    types = dict(q_ptr="*" + dt, k_ptr=codes, ks_ptr="*fp16", kz_ptr="*fp16", v_ptr=codes,
+                 vs_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*" + dt, vr_ptr="*" + dt,
+                 lens_ptr="*i32")
+    sig = {p: types.get(p, "*fp32") for p in ptrs}
+    sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
+        "stride_qb", "stride_qt", "stride_qh", "stride_qd", "ROWS", "H_KV", "T_CAP", "RING_ROWS",
+        "NUM_SPLITS")}})
+    triton.compile(ASTSource(fn=a._tail_attention_split_kernel, signature=dict(sig, **{
+        k: "constexpr" for k in ("GQA", "BLOCK_M", "D", "BITS", "G", "GV", "BLOCK_N",
+                                 "DOT_DTYPE", "INPUT_PRECISION", "BF16_BY_HAND", "PDL")}),
+        constexprs=dict(GQA=4, BLOCK_M=block_m, D=128, BITS=bits, G=16, GV=16, BLOCK_N=block_n,
+                        DOT_DTYPE=tdt, INPUT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                        BF16_BY_HAND=False, PDL=True)),
+        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2))
+""")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real sizes, determinism, CUDA-graph capture and replay
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_llama_size(bits, dtype):
+    # Llama-3.1-8B attention: 32 query / 8 KV heads, D 128; a 64-token chunk over up to 4k
+    # quantized tokens (outlier key channels) and a 128-token ring with its spare row.
+    ring = 128 if bits == 16 else 129
+    n_quant, n_ring = [4096, 0, 1008], [1, 65, 30]
+    case, _ = make_tail_case(3, 4, 8, 128, 4096, ring, bits, 16, dtype, 64, n_quant, n_ring,
+                             device="cuda", outliers=True)
+    q = torch.randn(3, 64, 32, 128, device="cuda").to(dtype)
+    out = tail_attention(q, *case.bufs, 128 ** -0.5, bits, 16)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_within_2x(out, q, case, seen0(n_quant, n_ring), 128 ** -0.5)
+    ref = tail_attention_ref(q, *case.bufs, 128 ** -0.5, bits, 16)
+    torch.testing.assert_close(out, ref, rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_smollm_gqa(bits, dtype):
+    # SmolLM2-135M attention: 9 query / 3 KV heads, D 64; 17 rows, partly filled slots.
+    n_quant, n_ring = [2048, 0, 4000 // 16 * 16], [1, 100, 9]
+    case, _ = make_tail_case(3, 5, 3, 64, 2048 + 2000, 128, bits, 16, dtype, 17, n_quant,
+                             n_ring, device="cuda")
+    q = torch.randn(3, 17, 9, 64, device="cuda").to(dtype)
+    out = tail_attention(q, *case.bufs, 0.125, bits, 16)
+    assert_within_2x(out, q, case, seen0(n_quant, n_ring), 0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group_size", [(1, 32), (2, 32), (2, 64), (4, 128)])
+def test_gpu_group_sizes(bits, group_size):
+    g = group_size
+    n_quant, n_ring = [4096, 10 * g], [1, 40]
+    case, _ = make_tail_case(2, 2, 8, 128, 4096, 128, bits, g, torch.float16, 33, n_quant,
+                             n_ring, device="cuda", outliers=True)
+    q = torch.randn(2, 33, 32, 128, device="cuda").half()
+    out = tail_attention(q, *case.bufs, 128 ** -0.5, bits, g)
+    assert_within_2x(out, q, case, seen0(n_quant, n_ring), 128 ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 16])
+def test_gpu_unused_capacity_and_slots_are_never_read_and_deterministic(bits):
+    case, bad = make_tail_case(3, 5, 8, 128, 4096, 128, bits, 16, torch.bfloat16, 20,
+                               [1024, 4096, 0], [3, 100, 1], device="cuda")
+    q = torch.randn(3, 20, 32, 128, device="cuda").bfloat16()
+    clean = tail_attention(q, *case.bufs, 128 ** -0.5, bits, 16)
+    assert torch.equal(clean, tail_attention(q, *bad, 128 ** -0.5, bits, 16))
+    for _ in range(3):
+        assert torch.equal(clean, tail_attention(q, *case.bufs, 128 ** -0.5, bits, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_one_row_matches_decode_attention(dtype):
+    n_quant, n_ring = [4096, 16, 2048], [1, 128, 77]
+    case, _ = make_tail_case(3, 3, 8, 128, 4096, 128, 2, 16, dtype, 1, n_quant, n_ring,
+                             device="cuda")
+    q = torch.randn(3, 1, 32, 128, device="cuda").to(dtype)
+    out = tail_attention(q, *case.bufs, 128 ** -0.5, 2, 16)
+    assert_within_2x(out, q, case, seen0(n_quant, n_ring), 128 ** -0.5)
+    torch.testing.assert_close(out[:, 0], decode_attention(q[:, 0], *case.bufs, 128 ** -0.5),
+                               rtol=8 * ULP[dtype], atol=8 * ULP[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 16])
+def test_gpu_opcheck(bits):
+    case, _ = make_tail_case(2, 3, 2, 64, 256, 32, bits, 16, torch.float16, 5, [128, 256],
+                             [1, 20], device="cuda")
+    q = torch.randn(2, 5, 8, 64, device="cuda").half()
+    torch.library.opcheck(torch.ops.minikv.tail_attention.default,
+                          (q, *case.bufs, 0.125, bits, 16))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_follows_lens():
+    """Capture once; change lens on the device (in place) and q; replay matches the reference."""
+    case, _ = make_tail_case(4, 6, 8, 128, 4096, 128, 2, 16, torch.bfloat16, 32,
+                             [4096, 1024, 0, 16], [1, 97, 2, 64], device="cuda")
+    lens = case.bufs[-1]
+    q = torch.randn(4, 32, 32, 128, device="cuda").bfloat16()
+    scale = 128 ** -0.5
+
+    def step():
+        return tail_attention(q, *case.bufs, scale, 2, 16)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: Triton compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    for new_lens in ([[16, 5], [4096, 97], [2048, 1], [0, 40]],
+                     [[4096, 1], [0, 1], [16, 60], [1024, 97]]):
+        lens[:4].copy_(torch.tensor(new_lens, dtype=torch.int32, device="cuda"))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        expected = tail_attention_ref(q, *case.bufs, scale, 2, 16)
+        torch.testing.assert_close(out, expected, rtol=4 * ULP[torch.bfloat16],
+                                   atol=4 * ULP[torch.bfloat16])
+        assert torch.equal(out, step())
