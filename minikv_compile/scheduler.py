@@ -86,6 +86,7 @@ class Handle:
         self.completion_tokens = 0
         self.finish_reason: Optional[str] = None
         self.cancelled = threading.Event()
+        self.slotted = False  # taken from the queue into a slot (the scheduler's)
         self._on_delta = on_delta
         self._deltas: Optional["queue.Queue[Delta]"] = None if on_delta else queue.Queue()
 
@@ -134,7 +135,9 @@ class _Running:
 class Scheduler:
     """The loop that owns ``engine`` (its runtime of slots) and serves ``submit`` ted requests.
 
-    max_queue: requests waiting for a slot at most; one more raises ``QueueFull``.
+    max_queue: requests waiting for a slot at most, beyond those the free slots take (a burst
+        of ``max_batch_size + max_queue`` requests at an idle server is taken whole); one more
+        raises ``QueueFull``.
     prefill_ms: milliseconds of prefill between two decode steps while other requests stream,
         in whole layers (at least one: a layer of a 32k-token prompt takes ~75 ms on the 8B
         shape), by the loop's own measurement of the layers run so far (``PrefillClock``);
@@ -188,6 +191,7 @@ class Scheduler:
         self._pending: Deque[Tuple[Callable, List[Tuple[int, "_Running"]]]] = collections.deque()
         self.metrics = Metrics()
         self._waiting: Deque[Handle] = collections.deque()
+        self._slotted = 0  # requests given a slot (prefilling or running), under ``_cv``
         self._running: Dict[int, _Running] = {}
         self._cv = threading.Condition()
         self._ids = itertools.count()
@@ -249,7 +253,8 @@ class Scheduler:
             if self._stop:
                 raise RuntimeError("the scheduler is shut down: expected a running scheduler")
             self._drop_cancelled()  # a cancelled request holds no place in the queue
-            if len(self._waiting) >= self.max_queue:
+            free = max(0, self.engine.config.max_batch_size - self._slotted)
+            if len(self._waiting) >= self.max_queue + free:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(self.max_queue, retry_after=max(1.0, 0.5 * len(self._waiting)))
             handle = Handle(f"cmpl-{next(self._ids)}", request, on_delta)
@@ -412,6 +417,9 @@ class Scheduler:
             return
         self._alone.update(handles)
         with self._cv:
+            for handle in handles:
+                handle.slotted = False
+            self._slotted -= len(handles)
             self._waiting.extendleft(reversed(handles))
 
     def _start_admission(self) -> bool:
@@ -434,6 +442,8 @@ class Scheduler:
                                 or tokens + handle.prompt_tokens > self.prefill_batch_tokens):
                     break
                 self._waiting.popleft()
+                handle.slotted = True
+                self._slotted += 1
             alone = handle in self._alone
             self._alone.discard(handle)
             if handle.cancelled.is_set():
@@ -530,6 +540,10 @@ class Scheduler:
         self._end(run.handle, reason, None, run.text[run.sent:])
 
     def _end(self, handle: Handle, reason: str, error: Optional[str], text: str = "") -> None:
+        if handle.slotted:
+            with self._cv:
+                handle.slotted = False
+                self._slotted -= 1
         handle.finish_reason = reason  # counted before the client can see the end
         self.metrics.requests[reason] += 1
         handle._emit(Delta(text, [], reason, error))
