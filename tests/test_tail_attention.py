@@ -334,9 +334,12 @@ def test_bad_launch_plan_raises(field, value, message):
 
 
 def test_launch_plan():
-    # the 8B shape on an H100 (132 SMs): 128 rows x 64 tokens on 8 warps, ~2 programs per SM
+    # the 8B shape on an H100 (132 SMs): 128 rows x 64 tokens on 8 warps; 8 heads x 4 row
+    # tiles x 8 splits = 256 quantized programs, within 2 per SM
     plan = _tail_plan(torch.bfloat16, 2, 16, 128, 1, 128, 32, 8, 32768, 132)
-    assert plan == _TailPlan(num_splits=9, block_m=128, block_n=64, num_warps=8, num_stages=2)
+    assert plan == _TailPlan(num_splits=8, block_m=128, block_n=64, num_warps=8, num_stages=2)
+    # more programs than 2 per SM without splitting: one split
+    assert _tail_plan(torch.bfloat16, 2, 16, 128, 8, 128, 32, 8, 32768, 132).num_splits == 1
     # a short chunk of a small GQA model: the row tile shrinks to the rows there are
     assert _tail_plan(torch.float16, 2, 16, 64, 1, 3, 9, 3, 4096, 132).block_m == 16
     # fp32 models and groups longer than the default block
