@@ -139,7 +139,8 @@ def _engine_row(model, method: str, batch: int, prompt_len: int, tp: TensorParal
     row = {"method": method, "batch": batch, "prompt_len": prompt_len, "ranks": tp.world,
            "ms_per_token": timing["ms_per_token"],
            "weight_bytes_per_rank": floor["weight_bytes_read"], "kv_bytes_per_rank": kv,
-           "step_collectives_ms": step_comm_ms, "setup": runner.setup_info()}
+           "step_collectives_ms": step_comm_ms, "warm_s": timing["warm_s"],
+           "prefill_s": timing["prefill_s"], "setup": runner.setup_info()}
     if bandwidth:
         row["floor_ms"] = (1e3 * (floor["weight_bytes_read"] + kv) / bandwidth["bytes_per_s"]
                            + step_comm_ms)
@@ -214,7 +215,9 @@ def main(argv=None) -> int:
         del model
         _free(device)
     if theirs:
+        start = time.perf_counter()
         model = hf_sharded_model(shape, dtype)
+        build_s = time.perf_counter() - start  # its shard materialized and initialized
         vocab = model.config.vocab_size
         for method in theirs:
             for batch, prompt_len in cases:
@@ -224,7 +227,8 @@ def main(argv=None) -> int:
                                      args.warm_tokens, args.timed_tokens)
                 rows.append({"method": method, "batch": batch, "prompt_len": prompt_len,
                              "ranks": tp.world, "ms_per_token": timing["ms_per_token"],
-                             "setup": runner.setup_info()})
+                             "warm_s": timing["warm_s"], "prefill_s": timing["prefill_s"],
+                             "build_s": build_s, "setup": runner.setup_info()})
                 save()
                 runner.close()
                 _free(device)
