@@ -190,17 +190,24 @@ class _TailPlan(NamedTuple):
 
 def _tail_plan(dtype: torch.dtype, bits: int, group_size: int, head_dim: int, batch: int,
                rows: int, h_q: int, h_kv: int, capacity: int, sm_count: int) -> _TailPlan:
-    """Tiles as a flash-attention forward's: 128 query rows (a KV group's chunk rows x heads) x
-    64 tokens at D <= 128 on 8 warps for fp16/bf16 (sm_90, bits 2: 236 registers a thread, so
-    one program per SM); 64 x 32 on 4 warps for fp32 models (fp32 dots run on the FMA units)
-    and D 256; whole key groups per block. Splits: as many as keep the quantized programs within
-    2 programs per SM (whole waves of equal programs; the partials are then at most ``2 * SMs *
-    BLOCK_M * D`` fp32 whatever B and T), never a full-capacity region cut into pieces shorter
-    than 4 blocks, at most 64."""
-    wide = dtype != torch.float32 and head_dim <= 128
-    block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(rows * (h_q // h_kv))))
-    block_n = max(64 if wide else 32, group_size if bits != 16 else 16)
-    warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    """Tiles as a flash-attention forward's, sized so that ptxas (sm_90) spills nothing on the
+    usual shapes: fp16/bf16 models BLOCK_M 128 query rows (a KV group's chunk rows x heads) x
+    BLOCK_N 64 tokens at D 128 on 8 warps (bits 2: 236 registers a thread, so one program per
+    SM), fewer rows for D 256 or longer key groups (blocks hold whole groups); fp32 models
+    (dots on the FMA units, which spilled kilobytes a thread at 64 x 32) 32 x 16 on 8 warps
+    (108 registers). Splits: as many as keep the quantized programs within 2 per SM (whole
+    waves of equal programs; the partials are then at most ``2 * SMs * BLOCK_M * D`` fp32
+    whatever B and T), never a full-capacity region cut into pieces shorter than 4 blocks, at
+    most 64."""
+    group = group_size if bits != 16 else 16
+    if dtype == torch.float32:
+        block_n = max(16, group)
+        block_m = max(16, min(32, 65536 // (block_n * head_dim)))
+    else:
+        block_n = max(64 if head_dim <= 128 else 32, group)
+        block_m = min(128, 16384 // head_dim, 8192 // block_n)
+    block_m = min(block_m, max(16, triton.next_power_of_2(rows * (h_q // h_kv))))
+    warps = 8 if dtype == torch.float32 or block_m * head_dim >= 8192 else 4
     programs = batch * h_kv * triton.cdiv(rows * (h_q // h_kv), block_m)
     want = 2 * sm_count // programs
     useful = max(1, capacity // (4 * block_n))

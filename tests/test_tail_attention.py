@@ -343,7 +343,7 @@ def test_launch_plan():
     # a short chunk of a small GQA model: the row tile shrinks to the rows there are
     assert _tail_plan(torch.float16, 2, 16, 64, 1, 3, 9, 3, 4096, 132).block_m == 16
     # fp32 models and groups longer than the default block
-    assert _tail_plan(torch.float32, 2, 16, 128, 1, 64, 32, 8, 4096, 132)[1:3] == (64, 32)
+    assert _tail_plan(torch.float32, 2, 16, 128, 1, 64, 32, 8, 4096, 132)[1:4] == (32, 16, 8)
     assert _tail_plan(torch.bfloat16, 2, 128, 64, 1, 64, 9, 3, 4096, 132).block_n == 128
 
 
@@ -355,7 +355,7 @@ from minikv_compile.ops import attention_tail as a
 ptrs = ["q_ptr", "k_ptr", "ks_ptr", "kz_ptr", "v_ptr", "vs_ptr", "vz_ptr", "kr_ptr", "vr_ptr",
         "lens_ptr", "m_ptr", "l_ptr", "acc_ptr"]
 for dt, tdt, bits, block_m, block_n, warps in (("bf16", tl.bfloat16, 2, 128, 64, 8),
-                                               ("fp32", tl.float32, 16, 64, 32, 4)):
+                                               ("fp32", tl.float32, 16, 32, 16, 8)):
     codes = "*i32" if bits != 16 else "*" + dt
     types = dict(q_ptr="*" + dt, k_ptr=codes, ks_ptr="*fp16", kz_ptr="*fp16", v_ptr=codes,
                  vs_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*" + dt, vr_ptr="*" + dt,
