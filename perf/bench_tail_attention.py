@@ -5,7 +5,7 @@ prompt's tail after a cached prefix, chunked, against running it through the dec
     python -m minikv_compile.perf.bench_tail_attention [--out results.json] [--sweep]
 
 Shapes: Llama-3.1-8B attention (32 query / 8 KV heads, D = 128, bf16), G = 16, a ring of 128
-rows that holds the chunk: ``lens = (N, 1)`` (row 0's token at ring row 0; row t sees the first
+rows (256 for the 256-token chunk) that holds the chunk: ``lens = (N, 1)`` (row 0's token at ring row 0; row t sees the first
 t + 1 ring rows). The first row is the issue's case: one sequence, 32k quantized tokens (bits
 2), T = 128 (one ring of tail). Caches come from ``bench_decode_attention._cache`` (random
 codes, every slot full).
@@ -45,8 +45,9 @@ H_Q, H_KV, D, RING, GROUP = 32, 8, 128, 128, 16
 class ExperimentConfig:
     B: int
     n_quant: int            # quantized tokens held per sequence (the cache capacity too)
-    T: int                  # the chunk's query rows (<= RING)
+    T: int                  # the chunk's query rows (<= ring)
     bits: int = 2           # 2, 4 or 16
+    ring: int = RING        # ring rows (the chunk's room)
     H_q: int = H_Q
     H_kv: int = H_KV
     D: int = D
@@ -56,11 +57,12 @@ class ExperimentConfig:
     @property
     def name(self) -> str:
         return (f"B{self.B} {self.n_quant // 1024}k T{self.T} {self.bits}b "
-                f"{self.H_q}/{self.H_kv}h D{self.D}")
+                f"{self.H_q}/{self.H_kv}h D{self.D}" + (f" R{self.ring}" if self.ring != RING
+                                                         else ""))
 
     def decode_config(self) -> "bda.ExperimentConfig":
         return bda.ExperimentConfig(self.B, self.n_quant, self.bits, self.H_q, self.H_kv, self.D,
-                                    RING, self.group_size, self.dtype)
+                                    self.ring, self.group_size, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,11 @@ class ExperimentResult:
 
 
 def get_configs() -> List[ExperimentConfig]:
-    """The issue's row first, then shorter chunks, other bits, a batch and a shorter cache."""
+    """The issue's row first, then shorter chunks and a 256-token one (in a ring of 256), other
+    bits, a batch and a shorter cache."""
     return [ExperimentConfig(1, 32768, 128),
             ExperimentConfig(1, 32768, 16), ExperimentConfig(1, 32768, 64),
+            ExperimentConfig(1, 32768, 256, ring=256),
             ExperimentConfig(1, 32768, 128, bits=4), ExperimentConfig(1, 32768, 128, bits=16),
             ExperimentConfig(4, 8192, 128), ExperimentConfig(1, 4096, 128)]
 
