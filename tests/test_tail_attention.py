@@ -313,6 +313,23 @@ def test_triton_default_plan_and_strided_query():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("bits", [2, 16])
+def test_one_slot_views(bits):
+    """The engine's call for one slot: every buffer's rows ``[slot, slot + 1)`` (views; empty
+    scales as they are), so that slot 0 of the call is the cache's slot ``slot``."""
+    case, _ = make_tail_case(3, 3, 2, 16, 64, 16, bits, 16, torch.float16, 4, [48, 16, 64],
+                             [1, 9, 13])
+    q = torch.randn(1, 4, 4, 16).half()
+    views = [t[2:3] if t.numel() else t for t in case.bufs]
+    out = tail_attention(q, *views, 0.25, bits, 16)
+    one = Case(case.bufs, case.keys[2:], case.values[2:], bits, 16)
+    torch.testing.assert_close(out.double(), tail_fp64(q, one, [64 + 13], 0.25),
+                               rtol=ULP[torch.float16], atol=1e-5)
+    kernel = run_triton(q, one, 0.25, bufs=views, num_splits=2, block_m=16, block_n=16)
+    assert_within_2x(kernel, q, one, [64 + 13], 0.25)
+
+
+@pytest.mark.interpret
 def test_triton_one_row_matches_decode_attention():
     case, _ = make_tail_case(2, 2, 2, 16, 64, 16, 2, 16, torch.float32, 1, [48, 64], [3, 16])
     q = torch.randn(2, 1, 4, 16)
