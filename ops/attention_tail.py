@@ -11,7 +11,7 @@ row ``r < T`` and query head ``i`` (KV head ``i // (H_q / H_kv)``)::
 ``lens[b, 1]`` counts row 0's own token, and the chunk's T tokens sit in ring rows ``lens[b, 1]
 - 1 .. lens[b, 1] - 2 + T`` (the caller writes them first): each row sees itself, not the rows
 after it. With T = 1 this is :func:`.attention_decode.decode_attention`; the row convention is
-:func:`.attention_decode.decode_attention_recall`'s, for any ``T <= R``.
+``decode_attention_recall``'s (R in {1, 2} there), for any ``T <= R``.
 
 On CUDA, two launches, like decode attention's (whose combine kernel and block loaders this
 module reuses):
