@@ -24,7 +24,7 @@ from .decode import MAX_EOS_IDS, DecodeStep, RecallDecodeStep, SlotState
 from .graph_runner import GraphRunner
 from .prefill import prefill_pieces
 from .sampling import Sampling
-from .tail import prefill_tail
+from .tail import TailPrefill
 
 @contextlib.contextmanager
 def engine_mode():
@@ -114,6 +114,8 @@ class SlotRuntime:
                                   device=device, compile=compile, cuda_graphs=cuda_graphs,
                                   state_buffers=self.state.buffers(), active=self.state.active,
                                   identity=identity)
+        # a cached prompt's tail (``restore``): its layer compiled as the step's is
+        self.tail = TailPrefill(adapter, self.cache, compile)
         self.buckets = _buckets(config.max_batch_size)
         self._requests: List[Optional[Request]] = [None] * config.max_batch_size
         self._reserved: set = set()  # slots whose admission is under way (admit_in_pieces)
@@ -308,12 +310,12 @@ class SlotRuntime:
 
     def _restore(self, s: int, prefix: SlotSnapshot, prompt: torch.Tensor):
         """Slot ``s`` takes ``prefix`` and the prompt's tail after it (a generator of
-        ``prefill_tail``'s chunks); returns the logits of the prompt's last token (1, V) fp32."""
+        ``TailPrefill``'s chunks); returns the logits of the prompt's last token (1, V) fp32."""
         self.cache.restore(s, prefix)
         n = len(prefix.tokens)
         if n == prompt.shape[0]:
             return prefix.logits[None].to(self.device)
-        return (yield from prefill_tail(self.adapter, self.cache, s, prompt[n:], n))
+        return (yield from self.tail(s, prompt[n:], n))
 
     def snapshot(self, slot: int) -> SlotSnapshot:
         """Slot ``slot``'s state as a ``SlotSnapshot``, the slot unchanged: the K/V of every

@@ -1,4 +1,4 @@
-"""Eager prefill of a prompt's tail into a slot that already holds its prefix (a restored
+"""Prefill of a prompt's tail into a slot that already holds its prefix (a restored
 ``SlotSnapshot``): the tail's tokens join the cache the way generated tokens do.
 
 Chunks of T tokens, each one pass of the model's layers: ``minikv::cache_begin_step`` of the
@@ -9,65 +9,123 @@ rows ``lens[1] - 1 .. lens[1] - 2 + T`` (and the host copy with recall), ``minik
 the last layer every layer's ring counter takes the other T - 1 tokens. T is the room left in
 the fullest ring (layers keep different counts under a pyramid budget), so a chunk never
 crosses a flush: the ring is flushed between chunks, as a decode step flushes between tokens.
+(So a chunk is never longer than the ring's room, and the last one never merges into the one
+before: that would quantize a ring that is not full, which decode never does.)
 Nothing is selected or evicted: the tail is kept whole, like generated tokens.
+
+The layer (``TailPrefill.layer``) is one function for every layer, its weights and buffers
+passed as arguments, compiled with ``torch.compile(fullgraph=True)`` where the engine compiles
+(CUDA by default) with T dynamic, so one compiled graph serves every layer and every chunk
+length T >= 2 (T = 1 is specialized by the compiler: a second graph). Eager, the layer cost
+~1.25 ms of CPU a layer and chunk on the 8B shape (~120 kernel launches; the GPU idle, ~41 ms a
+128-token chunk on an H200), ``perf/experiments/ttft_profile.py``.
 """
 from __future__ import annotations
 
-from typing import Generator
+from typing import Generator, List, Tuple
 
 import torch
 
 from minikv_compile import ops
-from minikv_compile.ops.cache_layout import ring_length
+from minikv_compile.ops.cache_layout import LayerBuffers, ring_length
 
 from .cache import StaticKVCache
 
 
-def prefill_tail(adapter, cache: StaticKVCache, slot: int, ids: torch.Tensor, start: int
+class TailPrefill:
+    """The tail prefill of one engine's slots (``__call__``), its layer compiled if ``compile``.
+
+    compiles: graphs compiled for the layer so far (a test proves tails of new lengths add
+    none)."""
+
+    def __init__(self, adapter, cache: StaticKVCache, compile: bool):
+        self.adapter, self.cache = adapter, cache
+        # next_norm is never read here: without it the last layer is the same kind of call
+        self.weights = [adapter.layer_weights(i)._replace(next_norm=None)
+                        for i in range(adapter.num_layers)]
+        self.compiles = 0
+        self._compiled = compile
+        self._layer = (torch.compile(self.layer, fullgraph=True, backend=self._backend)
+                       if compile else self.layer)
+
+    def _backend(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx  # (inductor: on first use)
+
+        self.compiles += 1
+        return compile_fx(gm, example_inputs)
+
+    def __call__(self, slot: int, ids: torch.Tensor, start: int
                  ) -> Generator[None, None, torch.Tensor]:
-    """Prefill ``ids (T,)`` int64 (on the device) at logical positions ``start ..`` into slot
-    ``slot``, a generator that yields after every chunk but the last and returns the logits of
-    the last token, ``(1, V)`` fp32. The slot must have room for the tokens (the runtime checks
-    a snapshot's capacity before restoring it). One host sync per chunk (the counters)."""
-    n, dev = ids.shape[0], ids.device
-    R = ring_length(cache.layers[0].k_ring.shape[2], cache.bits, cache.group_size)
-    live = torch.zeros(slot + 1, dtype=torch.bool, device=dev)
-    live[slot] = True
-    done = 0
-    while True:
-        # where each layer's chunk starts after the flush cache_begin_step is about to do
-        counts = torch.stack([layer.lens[slot] for layer in cache.layers]).tolist()
+        """Prefill ``ids (T,)`` int64 (on the device) at logical positions ``start ..`` into
+        slot ``slot``, a generator that yields after every chunk but the last and returns the
+        logits of the last token, ``(1, V)`` fp32. The slot must have room for the tokens (the
+        runtime checks a snapshot's capacity before restoring it). One host sync per chunk
+        (the counters) and one host-to-device copy (each layer's first ring row)."""
+        adapter, cache = self.adapter, self.cache
+        n, dev = ids.shape[0], ids.device
+        R = ring_length(cache.layers[0].k_ring.shape[2], cache.bits, cache.group_size)
+        live = torch.zeros(slot + 1, dtype=torch.bool, device=dev)
+        live[slot] = True
+        # the slot's own rows of every layer's buffers (views: written in place)
+        views = [LayerBuffers(*(t[slot: slot + 1] if t.numel() else t for t in layer))
+                 for layer in cache.layers]
+        done = 0
+        while True:
+            starts = self._starts(slot, R)
+            T = min(n - done, min(R - n_ring for _, n_ring in starts))
+            ops.cache_begin_step(cache.layout, slot + 1, live)  # flushes, row 0 counted
+            h = adapter.embed(ids[None, done: done + T])                        # (1, T, hidden)
+            positions = torch.arange(start + done, start + done + T, device=dev)[None]
+            cos, sin = adapter.rope(h, positions)                               # (1, T, D)
+            firsts = torch.tensor([first for _, first in starts], dtype=torch.int64
+                                  ).to(dev, non_blocking=True).unbind(0)
+            if self._compiled and T > 1:  # one graph for every T >= 2
+                for t in (h, cos, sin):
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+            for i, (weights, kv, first) in enumerate(zip(self.weights, views, firsts)):
+                h, k, v = self._layer(weights, kv, first, h, cos, sin)
+                if cache.recall is not None:  # host row = the token's quantized position
+                    store = cache.recall.stores[i]
+                    n_quant, first = starts[i]
+                    rows = slice(n_quant + first, n_quant + first + T)
+                    store.k[slot, :, rows].copy_(k[0], non_blocking=True)
+                    store.v[slot, :, rows].copy_(v[0], non_blocking=True)
+            for layer in cache.layers:
+                layer.lens[slot, 1].add_(T - 1)
+            done += T
+            if done == n:
+                return adapter.logits(h[0, -1:])                                # (1, V)
+            yield
+
+    def _starts(self, slot: int, R: int) -> List[Tuple[int, int]]:
+        """Per layer, ``(quantized tokens, ring tokens)`` of the slot after the flush that
+        ``cache_begin_step`` is about to do (a full ring moves into the region)."""
+        counts = torch.stack([layer.lens[slot] for layer in self.cache.layers]).tolist()
         starts = []
-        for layer, (n_quant, n_ring) in zip(cache.layers, counts):
+        for layer, (n_quant, n_ring) in zip(self.cache.layers, counts):
             if n_ring == R:
                 if n_quant + R > layer.capacity:
                     raise RuntimeError(f"slot {slot}: its ring is full and its region has no "
                                        f"room ({n_quant} + {R} > {layer.capacity})")
                 n_quant, n_ring = n_quant + R, 0
             starts.append((n_quant, n_ring))
-        T = min(n - done, min(R - n_ring for _, n_ring in starts))
-        ops.cache_begin_step(cache.layout, slot + 1, live)  # flushes, row 0 counted
-        chunk = ids[None, done: done + T]                                   # (1, T)
-        h = adapter.embed(chunk)                                            # (1, T, hidden)
-        positions = torch.arange(start + done, start + done + T, device=dev)[None]
-        cos, sin = adapter.rope(h, positions)                               # (1, T, D)
-        for i, (layer, (n_quant, first)) in enumerate(zip(cache.layers, starts)):
-            q, k, v = adapter.qkv(i, h, cos, sin)  # q (1, H_q, T, D), k/v (1, H_kv, T, D)
-            layer.k_ring[slot, :, first: first + T].copy_(k[0])
-            layer.v_ring[slot, :, first: first + T].copy_(v[0])
-            if cache.recall is not None:  # host row = the token's quantized position
-                store = cache.recall.stores[i]
-                rows = slice(n_quant + first, n_quant + first + T)
-                store.k[slot, :, rows].copy_(k[0], non_blocking=True)
-                store.v[slot, :, rows].copy_(v[0], non_blocking=True)
-            # the slot's own rows of the layer's buffers (views: the op only reads them)
-            bufs = [t[slot: slot + 1] if t.numel() else t for t in layer]
-            o = ops.tail_attention(q.transpose(1, 2), *bufs, adapter.scale, cache.bits,
-                                   cache.group_size)                        # (1, T, H_q, D)
-            h = adapter.finish_layer(i, h, o.reshape(1, T, -1))
-        for layer in cache.layers:
-            layer.lens[slot, 1].add_(T - 1)
-        done += T
-        if done == n:
-            return adapter.logits(h[0, -1:])                                # (1, V)
-        yield
+        return starts
+
+    def layer(self, weights, kv: LayerBuffers, first: torch.Tensor, h: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """One layer of a chunk, the same code for every layer (no layer index in it).
+
+        weights: the layer's ``adapter.layer_weights``; kv: the slot's rows of its buffers
+        (``(1, ...)`` views; the ring written); first: ``()`` int64 on the device, the ring row
+        of the chunk's first token; h ``(1, T, hidden)``; cos, sin ``(1, T, D)``. Returns the
+        layer's ``h`` and the chunk's ``k, v (1, H_kv, T, D)`` (for the host copy with recall).
+        """
+        a, T = self.adapter, h.shape[1]
+        q, k, v = a.qkv(weights, h, cos, sin)  # q (1, H_q, T, D), k/v (1, H_kv, T, D)
+        # rows at a device-side offset: a Python int would be a constant of the compiled graph
+        rows = first + torch.arange(T, device=h.device)                         # (T,)
+        kv.k_ring.index_copy_(2, rows, k)
+        kv.v_ring.index_copy_(2, rows, v)
+        o = ops.tail_attention(q.transpose(1, 2), *kv, a.scale, self.cache.bits,
+                               self.cache.group_size)                           # (1, T, H_q, D)
+        return a.finish_layer(weights, h, o.reshape(1, T, -1)), k, v

@@ -276,12 +276,13 @@ class LlamaFamilyAdapter:
             q, k = _rotate_each_head(q), _rotate_each_head(k)
         return q, k, v
 
-    def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor,
-                     overwrite: bool = False) -> torch.Tensor:
-        """attn_out (B, S, H_q * D) -> the layer's output h (B, S, hidden). ``overwrite``:
+    def finish_layer(self, layer: Union[int, LayerWeights], h: torch.Tensor,
+                     attn_out: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        """attn_out (B, S, H_q * D) -> the layer's output h (B, S, hidden) (``layer``: its index
+        or its ``layer_weights``, what a compiled tail layer passes). ``overwrite``:
         chunks of a long h are written over it, which the caller then must not read (prefill:
         at 131k tokens of the 70B shape a second h is 2 GiB a rank)."""
-        w = self.layer_weights(layer)
+        w = layer if isinstance(layer, LayerWeights) else self.layer_weights(layer)
         return self._by_chunks(lambda x, a: self._finish(w, x, a, False)[0], h, h.shape[-1],
                                attn_out, overwrite=overwrite)
 

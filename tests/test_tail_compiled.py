@@ -1,0 +1,64 @@
+"""The compiled tail prefill (``graphs/tail.py``, ``TailPrefill``): its layer compiled with
+``torch.compile(fullgraph=True)`` gives the eager layer's logits and cache, and tails of new
+lengths do not recompile (one graph for every layer and every chunk of T >= 2 tokens). CPU,
+fp32, a tiny random Llama; one engine (one compile) for the file.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.graphs.runtime import engine_mode
+from minikv_compile.graphs.tail import TailPrefill
+from test_engine import prompt_of, tiny
+
+# ring 32; a 90-token doc leaves ring rows behind, so tails cross flushes in chunks of the room
+CFG = dict(residual_length=32, max_prompt_len=224, max_new_tokens=8, kept_floor=1)
+DOC = prompt_of(90, 1)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: intra-op threads only contend
+    yield minikv_compile(tiny(), MiniKVConfig(**CFG, compile=True))
+    torch.set_num_threads(n)
+
+
+def _run(tail: TailPrefill, rt, snapshot, ids: torch.Tensor):
+    """The slot's logits and buffers after ``tail`` prefills ``ids`` after ``snapshot``, and
+    the chunks it took."""
+    rt.cache.restore(0, snapshot)
+    gen, chunks = tail(0, ids, len(snapshot.tokens)), 1
+    with engine_mode():
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                logits = stop.value
+                break
+            chunks += 1
+    buffers = [t[0].clone() for layer in rt.cache.layers for t in layer if t.numel()]
+    return logits, buffers, chunks
+
+
+def test_compiled_tail_equals_eager_and_does_not_recompile(engine):
+    rt = engine.runtime
+    snapshot = engine.cache_prompt([DOC]).sequences[0]
+    eager = TailPrefill(rt.adapter, rt.cache, compile=False)
+    compiled = rt.tail
+    assert compiled.compiles == 0
+    # 45 tokens: chunks of the ring's room then of a whole ring; 20 and 61: other lengths
+    for i, n in enumerate([45, 20, 61]):
+        ids = torch.tensor(prompt_of(n, 10 + i))
+        want, want_bufs, chunks = _run(eager, rt, snapshot, ids)
+        got, got_bufs, _ = _run(compiled, rt, snapshot, ids)
+        assert chunks >= 2  # (the ring is flushed between them)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(got_bufs, want_bufs):
+            if g.is_floating_point():
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            else:  # counters and codes: exact
+                assert torch.equal(g, w)
+        assert compiled.compiles == 1, f"tail of {n} tokens: {compiled.compiles} compiles"
