@@ -60,7 +60,7 @@ def model_fingerprint(model, adapter, dtype: torch.dtype) -> Dict[str, object]:
             "dtype": str(dtype).replace("torch.", ""), "weights_sha256": digest.hexdigest()}
 
 
-def versions() -> Dict[str, object]:
+def current_versions() -> Dict[str, object]:
     """The format's version (checked on use) and the library versions that wrote it (kept for
     the record)."""
     from importlib import metadata
@@ -115,11 +115,11 @@ class PromptCache:
 
     def __init__(self, sequences: Sequence[SlotSnapshot], *, fingerprint: Dict[str, object],
                  config: Dict[str, object], device: torch.device,
-                 versions_: Optional[Dict[str, object]] = None):
+                 versions: Optional[Dict[str, object]] = None):
         self.sequences: List[SlotSnapshot] = list(sequences)
         self.fingerprint, self.config = dict(fingerprint), dict(config)
         self.device = torch.device(device)
-        self.versions = versions() if versions_ is None else dict(versions_)
+        self.versions = current_versions() if versions is None else dict(versions)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -240,7 +240,7 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
 
     meta = read_metadata(path)
     stub = PromptCache([], fingerprint=meta["fingerprint"], config=meta["config"],
-                       device=device, versions_=meta["versions"])
+                       device=device, versions=meta["versions"])
     check_compatible(stub, fingerprint=fingerprint, config=config, device=device, name="path")
     sequences = []
     with safe_open(os.fspath(path), framework="pt") as f:
@@ -264,4 +264,4 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
             sequences.append(SlotSnapshot.from_tensors(tokens, tensors, num_layers))
     return PromptCache(
         sequences, fingerprint=stub.fingerprint, config=stub.config, device=device,
-        versions_=stub.versions)
+        versions=stub.versions)

@@ -218,6 +218,9 @@ def test_refusals_name_what_differs_before_any_work(model, full, minikv, tmp_pat
                             device=torch.device("meta"))
     refused(r"past_key_values.device: expected this engine's cpu, got meta",
             past_key_values=elsewhere)
+    future = PromptCache(cache.sequences, fingerprint=cache.fingerprint, config=cache.config,
+                         device=cache.device, versions={**cache.versions, "format": 99})
+    refused(r"past_key_values.versions.format: expected 1, got 99", past_key_values=future)
     # the tail and the new tokens must fit the slot: the evicting engine's slot holds half
     # of its longest prompt and the new tokens (112 + 80), the cached doc 45 of its 90
     small = minikv.cache_prompt([DOC])
