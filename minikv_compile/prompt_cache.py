@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -168,26 +169,78 @@ class PromptCache:
     def save(self, path) -> None:
         """Write the cache to ``path``: one safetensors file, the tensors of sequence ``i`` as
         ``seq{i}.layer{l}.{buffer}`` (``SlotSnapshot.tensors``) and its token ids as
-        ``seq{i}.tokens`` (int64), with ``metadata()``. Atomic: written to a temporary file in
-        the same folder, then renamed over ``path``."""
-        from safetensors.torch import save_file
-
-        path = os.fspath(path)
-        tensors = {}
+        ``seq{i}.tokens`` (int64), with ``metadata()``. The device tensors are packed on the
+        device and cross the host link in one copy, then written in one write (256 copies and
+        writes of a 32-layer cache's tensors one by one cost more than the bytes). Atomic:
+        written to a temporary file in the same folder, then renamed over ``path``."""
+        device, host = {}, {}
         for i, seq in enumerate(self.sequences):
             for name, t in seq.tensors().items():
-                tensors[f"seq{i}.{name}"] = t.detach().to("cpu").contiguous()
-            tensors[f"seq{i}.tokens"] = torch.tensor(seq.tokens, dtype=torch.int64)
+                (host if t.device.type == "cpu" else device)[f"seq{i}.{name}"] = t
+            host[f"seq{i}.tokens"] = torch.tensor(seq.tokens, dtype=torch.int64)
+        path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(prefix=".promptcache-", suffix=".tmp", dir=folder)
-        os.close(fd)
         try:
-            save_file(tensors, tmp, metadata=self.metadata())
+            with os.fdopen(fd, "wb") as f:
+                _write_safetensors(f, device, host, self.metadata())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
+
+
+# safetensors' dtype names (https://github.com/huggingface/safetensors, the format's header)
+_DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+                torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor on its device."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _write_safetensors(f, device: Dict[str, torch.Tensor], host: Dict[str, torch.Tensor],
+                       metadata: Dict[str, str]) -> None:
+    """One safetensors file: an 8-byte little-endian header length, the JSON header (padded to
+    8 bytes), then the tensors' bytes back to back, the device tensors first (one packed copy
+    to the host), then the host tensors."""
+    header: Dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in list(device.items()) + list(host.items()):
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{name}: expected one of {sorted(map(str, _DTYPE_NAMES))}, got "
+                             f"{t.dtype}")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    if device:
+        f.write(torch.cat([_as_bytes(t) for t in device.values()]).cpu().numpy())
+    for t in host.values():
+        f.write(_as_bytes(t).numpy())
+
+
+def _read_header(f, path: str, size: int) -> dict:
+    """The JSON header of the safetensors file open as ``f`` (``ValueError`` if it has none)."""
+    head = f.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    if not 0 < n <= size - 8:
+        raise ValueError(f"path: expected a safetensors file, got {path!r} (no header)")
+    try:
+        header = json.loads(f.read(n))
+    except ValueError:
+        raise ValueError(f"path: expected a safetensors file, got {path!r} (its header is "
+                         f"not JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"path: expected a safetensors file, got {path!r}")
+    return header
 
 
 def check_compatible(cache, *, fingerprint: Dict[str, object], config: Dict[str, object],
@@ -213,17 +266,12 @@ def check_compatible(cache, *, fingerprint: Dict[str, object], config: Dict[str,
 
 def read_metadata(path) -> Dict[str, object]:
     """The metadata of a saved cache, parsed (``ValueError`` if ``path`` holds none)."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"path: expected a saved prompt cache file, got {path!r}, which is not "
                          f"a file")
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception as e:  # safetensors' own error type varies by version
-        raise ValueError(f"path: expected a safetensors file, got {path!r} ({e})") from None
+    with open(path, "rb") as f:
+        meta = _read_header(f, path, os.path.getsize(path)).get("__metadata__") or {}
     if meta.get("format") != FORMAT:
         raise ValueError(f"path.format: expected {FORMAT!r}, got {meta.get('format')!r} "
                          f"in {path!r}")
@@ -235,33 +283,48 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
          device: torch.device, num_layers: int) -> PromptCache:
     """The cache saved at ``path`` (``PromptCache.save``), its device tensors on ``device``
     and the host copy in host memory; every field checked (``check_compatible``) before any
-    tensor is read."""
-    from safetensors import safe_open
-
+    tensor is read. The file is read in one read, and its device tensors' bytes cross the
+    host link in one copy."""
     meta = read_metadata(path)
     stub = PromptCache([], fingerprint=meta["fingerprint"], config=meta["config"],
                        device=device, versions=meta["versions"])
     check_compatible(stub, fingerprint=fingerprint, config=config, device=device, name="path")
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = _read_header(f, path, size)
+        data = torch.empty(size - f.tell(), dtype=torch.uint8)
+        f.readinto(data.numpy())
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, e in entries.items():
+        lo, hi = e["data_offsets"]
+        if e.get("dtype") not in _DTYPES or not 0 <= lo <= hi <= data.numel():
+            raise ValueError(f"path: expected {name!r} within the file in a known dtype, got "
+                             f"{e}")
+    on_host = lambda name: name.endswith(("host_k", "host_v", "tokens"))  # noqa: E731
+    spans = [entries[k]["data_offsets"] for k in entries if not on_host(k)]
+    lo = min((a for a, _ in spans), default=0)
+    hi = max((b for _, b in spans), default=0)
+    moved = data[lo:hi].to(device)  # the device tensors' bytes (written together by save)
+
+    def tensor(name: str) -> torch.Tensor:
+        e = entries[name]
+        a, b = e["data_offsets"]
+        src = data[a:b] if on_host(name) else moved[a - lo: b - lo]
+        # a copy: its own storage, aligned for the dtype
+        return src.clone().view(_DTYPES[e["dtype"]]).reshape(e["shape"])
+
     sequences = []
-    with safe_open(os.fspath(path), framework="pt") as f:
-        for i, length in enumerate(meta["lengths"]):
-            head = f"seq{i}."
-            names = [k for k in f.keys() if k.startswith(head)]
-            tensors = {}
-            for key in names:
-                t = f.get_tensor(key)
-                short = key[len(head):]
-                if short.endswith(("host_k", "host_v")):  # recall's copy stays in host memory
-                    tensors[short] = t
-                elif short != "tokens":
-                    tensors[short] = t.to(device)
-            if head + "tokens" not in names:
-                raise ValueError(f"path: expected {head}tokens in the file, got none")
-            tokens = f.get_tensor(head + "tokens").tolist()
-            if len(tokens) != length:
-                raise ValueError(f"path.lengths[{i}]: expected {len(tokens)} (the file's "
-                                 f"tokens), got {length}")
-            sequences.append(SlotSnapshot.from_tensors(tokens, tensors, num_layers))
-    return PromptCache(
-        sequences, fingerprint=stub.fingerprint, config=stub.config, device=device,
-        versions=stub.versions)
+    for i, length in enumerate(meta["lengths"]):
+        head = f"seq{i}."
+        if head + "tokens" not in entries:
+            raise ValueError(f"path: expected {head}tokens in the file, got none")
+        tokens = tensor(head + "tokens").tolist()
+        if len(tokens) != length:
+            raise ValueError(f"path.lengths[{i}]: expected {len(tokens)} (the file's tokens), "
+                             f"got {length}")
+        tensors = {k[len(head):]: tensor(k) for k in entries
+                   if k.startswith(head) and k != head + "tokens"}
+        sequences.append(SlotSnapshot.from_tensors(tokens, tensors, num_layers))
+    return PromptCache(sequences, fingerprint=stub.fingerprint, config=stub.config,
+                       device=device, versions=stub.versions)
