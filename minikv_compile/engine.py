@@ -138,7 +138,9 @@ class MiniKVModel:
         past_key_values: a ``PromptCache`` (``cache_prompt``, an earlier call's output, or
             ``load_prompt_cache``) of one sequence per prompt; prompt ``i`` must start with its
             ``token_ids[i]``. Each sequence's compressed state is restored into a slot and only
-            the tokens after it are prefilled (``graphs/tail.py``); the cache is not changed.
+            the tokens after it are prefilled (``graphs/tail.py``): they join the cache as
+            generated tokens do (kept whole; with recall they attend to the quantized cache
+            without recalled rows); the cache is not changed.
         seed: sampling seed of the first sequence (sequence ``i`` draws with ``seed + i``); None
             draws from torch's global generator.
         eos_check_every: steps between host checks of "all sequences finished".
@@ -147,9 +149,9 @@ class MiniKVModel:
         ``return_dict_in_generate=False`` / ``True``, what HF returns: a ``(B, L + n)`` tensor of
         the input and the new tokens (padded with the pad id), or HF's
         ``GenerateDecoderOnlyOutput`` with that tensor as ``sequences`` and, as
-        ``past_key_values`` (unless ``use_cache=False``), the ``PromptCache`` of each prompt and
-        its new tokens but the last (which is chosen, not fed: HF's cache holds the same), for
-        the next turn.
+        ``past_key_values`` (unless ``use_cache=False``, or with tensor parallel: None), the
+        ``PromptCache`` of each prompt and its new tokens but the last (which is chosen, not
+        fed: HF's cache holds the same), for the next turn.
         """
         if inputs is not None and input_ids is not None:
             raise ValueError("input_ids: expected the prompt once (inputs or input_ids), got both")
@@ -167,6 +169,8 @@ class MiniKVModel:
             raise ValueError(f"stopping_criteria: expected a callable (HF's StoppingCriteriaList), "
                              f"got {type(stopping_criteria).__name__}")
         prefixes = self._check_prefixes(past_key_values, prompts)
+        # (a rank's shard of a cache is not a PromptCache: _check_no_tensor_parallel)
+        keep_cache = plan.keep_cache and self.adapter.tp.world == 1
         requests = [Request(p, plan.max_new_tokens, plan.eos, _seeded(plan.sampling, seed, i),
                             min_new_tokens=plan.min_new_tokens, prefix=prefixes[i])
                     for i, p in enumerate(prompts)]
@@ -182,7 +186,7 @@ class MiniKVModel:
                 generation.hf_sequences(ids, prompts, outs, plan.pad), None), len(prompts))
         with self._lock:
             out = self._run(requests, _stream_to(streamer, plan.pad) if hf_streamer else streamer,
-                            every, stop, snapshot=plan.keep_cache)
+                            every, stop, snapshot=keep_cache)
         if hf_streamer:
             streamer.end()
         if plan.output == "engine":
@@ -191,7 +195,7 @@ class MiniKVModel:
         if plan.output == "tensor":
             return sequences
         # transformers 5 names the field ``cache`` (``past_key_values`` reads it, with a warning)
-        cache = self._prompt_cache(out.snapshots) if plan.keep_cache else None
+        cache = self._prompt_cache(out.snapshots) if keep_cache else None
         return GenerateDecoderOnlyOutput(sequences=sequences, **{_CACHE_FIELD: cache})
 
     def cache_prompt(self, input_ids: Prompts, attention_mask=None) -> PromptCache:
