@@ -32,6 +32,7 @@ no host sync, capturable in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -188,6 +189,7 @@ class _TailPlan(NamedTuple):
     num_stages: int
 
 
+@functools.lru_cache(maxsize=256)  # asked at every launch (each layer of a tail chunk)
 def _tail_plan(dtype: torch.dtype, bits: int, group_size: int, head_dim: int, batch: int,
                rows: int, h_q: int, h_kv: int, capacity: int, sm_count: int) -> _TailPlan:
     """Tiles as a flash-attention forward's, sized so that ptxas (sm_90) spills nothing on the

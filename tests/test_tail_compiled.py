@@ -14,7 +14,7 @@ from minikv_compile.graphs.tail import TailPrefill
 from test_engine import prompt_of, tiny
 
 # ring 32; a 90-token doc leaves ring rows behind, so tails cross flushes in chunks of the room
-CFG = dict(residual_length=32, max_prompt_len=224, max_new_tokens=8, kept_floor=1)
+CFG = dict(max_batch_size=2, residual_length=32, max_prompt_len=224, max_new_tokens=8, kept_floor=1)
 DOC = prompt_of(90, 1)
 
 
@@ -26,11 +26,11 @@ def engine():
     torch.set_num_threads(n)
 
 
-def _run(tail: TailPrefill, rt, snapshot, ids: torch.Tensor):
-    """The slot's logits and buffers after ``tail`` prefills ``ids`` after ``snapshot``, and
-    the chunks it took."""
-    rt.cache.restore(0, snapshot)
-    gen, chunks = tail(0, ids, len(snapshot.tokens)), 1
+def _run(tail: TailPrefill, rt, snapshot, ids: torch.Tensor, slot: int):
+    """Slot ``slot``'s logits and buffers after ``tail`` prefills ``ids`` after ``snapshot``,
+    and the chunks it took."""
+    rt.cache.restore(slot, snapshot)
+    gen, chunks = tail(slot, ids, len(snapshot.tokens)), 1
     with engine_mode():
         while True:
             try:
@@ -39,7 +39,7 @@ def _run(tail: TailPrefill, rt, snapshot, ids: torch.Tensor):
                 logits = stop.value
                 break
             chunks += 1
-    buffers = [t[0].clone() for layer in rt.cache.layers for t in layer if t.numel()]
+    buffers = [t[slot].clone() for layer in rt.cache.layers for t in layer if t.numel()]
     return logits, buffers, chunks
 
 
@@ -49,11 +49,12 @@ def test_compiled_tail_equals_eager_and_does_not_recompile(engine):
     eager = TailPrefill(rt.adapter, rt.cache, compile=False)
     compiled = rt.tail
     assert compiled.compiles == 0
-    # 45 tokens: chunks of the ring's room then of a whole ring; 20 and 61: other lengths
-    for i, n in enumerate([45, 20, 61]):
+    # 45 tokens: chunks of the ring's room then of a whole ring; 20 and 61: other lengths, the
+    # last in the other slot (other views of the buffers)
+    for i, (n, slot) in enumerate([(45, 0), (20, 0), (61, 1)]):
         ids = torch.tensor(prompt_of(n, 10 + i))
-        want, want_bufs, chunks = _run(eager, rt, snapshot, ids)
-        got, got_bufs, _ = _run(compiled, rt, snapshot, ids)
+        want, want_bufs, chunks = _run(eager, rt, snapshot, ids, slot)
+        got, got_bufs, _ = _run(compiled, rt, snapshot, ids, slot)
         assert chunks >= 2  # (the ring is flushed between them)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for g, w in zip(got_bufs, want_bufs):
@@ -61,4 +62,5 @@ def test_compiled_tail_equals_eager_and_does_not_recompile(engine):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
             else:  # counters and codes: exact
                 assert torch.equal(g, w)
-        assert compiled.compiles == 1, f"tail of {n} tokens: {compiled.compiles} compiles"
+        assert compiled.compiles == 1, (f"tail of {n} tokens in slot {slot}: "
+                                        f"{compiled.compiles} compiles")
