@@ -92,9 +92,12 @@ def test_bits16_continuation_gives_hf_greedy_tokens(model, full, tmp_path):
     assert _same(_tensors(cache), before)
     assert full.generate([DOC + QUESTION], past_key_values=cache,
                          max_new_tokens=16).sequences[0] == want
-    # a prompt equal to the cached tokens: the first token from the stored logits
+    # a prompt equal to the cached tokens: the first token from the stored logits; one token
+    # after them: a chunk of one row
     assert full.generate([DOC], past_key_values=cache, max_new_tokens=16
                          ).sequences[0] == hf_greedy(model, DOC, 16)
+    assert full.generate([DOC + QUESTION[:1]], past_key_values=cache, max_new_tokens=16
+                         ).sequences[0] == hf_greedy(model, DOC + QUESTION[:1], 16)
     # saved and loaded: the same tensors, the same tokens
     path = tmp_path / "doc.safetensors"
     cache.save(path)
@@ -106,7 +109,8 @@ def test_bits16_continuation_gives_hf_greedy_tokens(model, full, tmp_path):
 
 
 def test_bits16_batch_of_two(model, full):
-    docs, tails = [DOC, prompt_of(60, 7)], [QUESTION, prompt_of(3, 8)]
+    # a tail crossing the ring's flushes beside an empty one (the stored logits)
+    docs, tails = [DOC, prompt_of(60, 7)], [QUESTION, []]
     cache = full.cache_prompt(docs)
     out = full.generate([d + t for d, t in zip(docs, tails)], past_key_values=cache,
                         max_new_tokens=10)
