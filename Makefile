@@ -24,8 +24,9 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m minikv_compile.demo
 
+# --durations=25: the slowest tests stand in CI's log, so that a slow one is seen when it lands.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
