@@ -139,7 +139,10 @@ def merge_pair(x_l: torch.Tensor, x_l1: torch.Tensor, t: float = 0.6, retain: fl
     order = torch.sort(omega, dim=-1, descending=True, stable=True).indices
     retained_index = order[..., :R].sort(dim=-1).values                        # (B, H, R)
     merged_index = order[..., R:].sort(dim=-1).values                          # (B, H, M)
-    gather = lambda x, idx: x.gather(-2, idx[..., None].expand(*idx.shape, D))
+
+    def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:   # tokens idx (B, H, n) of x
+        return x.gather(-2, idx[..., None].expand(*idx.shape, D))
+
     retained = torch.stack([gather(x_l, retained_index), gather(x_l1, retained_index)])
     direction = gather(e, merged_index).to(x_l.dtype)
     magnitude = mags.gather(-1, merged_index.expand(2, *merged_index.shape)).to(torch.float16)
