@@ -2,7 +2,7 @@
 
     python -m minikv_compile.serve --model smollm2 [--host 127.0.0.1] [--port 8000] \\
         [--device cpu|cuda] [--dtype float32|bfloat16|float16] [--max-queue 64] \\
-        [--compile-cache DIR] \\
+        [--compile-cache DIR] [--api-key KEY] [--ssl-keyfile PEM --ssl-certfile PEM] \\
         [--max-batch-size 8 --max-prompt-len 4096 --max-new-tokens 256 --bits 4 ...]
 
 ``--model`` is a local HF model directory (``AutoModelForCausalLM`` + ``AutoTokenizer``) or
@@ -17,6 +17,15 @@ The server listens at once and warms up in the background (every bucket compiled
 a prompt of ``max_prompt_len`` prefilled: ``Scheduler.warm_up``): ``/health`` answers 503 until
 the scheduler is ready, and so do the completion endpoints (with
 ``Retry-After``).
+
+The door (``security``, ``parse``, ``server``): bound to 127.0.0.1 by default; ``--api-key``
+(or ``$MINIKV_API_KEY``) on ``/v1/*``; ``--allowed-origins`` (CORS, none by default) and
+``Content-Type: application/json`` on POST; the ``Host`` header checked against the bound
+address and ``--allowed-hosts``; a body past ``--max-body-bytes`` answered 413 unread, a prompt
+with more characters than ``max_prompt_len`` tokens can hold refused before it is tokenized;
+``--request-read-timeout`` and ``--timeout-keep-alive`` close stalled and idle connections;
+special-token text in chat messages tokenized as text unless ``--parse-special-tokens``; a
+compile cache other users can write refused; no ``/docs`` nor ``/openapi.json``.
 
 Endpoints
 ---------
@@ -36,7 +45,10 @@ compression budgets, each at most the engine's). ``GET /v1/models``, ``GET /heal
 Errors
 ------
 OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, the message naming the field,
-what was expected and what was given. 400 ``invalid_request_error`` for every bad input,
+what was expected and what was given. 401 (``invalid_api_key``) without the key, 403 for an
+origin not allowed, 408 for a body not sent in time, 413 for a body too large, 415 for a POST
+that is not JSON (each of these and every 400 counted ``invalid`` in ``/metrics``).
+400 ``invalid_request_error`` for every bad input,
 an unknown ``model`` included (OpenAI answers 404 there; one status for all bad input is
 simpler for clients to handle), with ``code`` null; 429 ``rate_limit_error`` with
 ``Retry-After`` when the scheduler's queue is full; 503 ``server_error`` with ``Retry-After``

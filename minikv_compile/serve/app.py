@@ -1,13 +1,13 @@
 """The FastAPI app: the OpenAI routes, ``/health`` and ``/metrics`` over one scheduler."""
 from __future__ import annotations
 
-import logging
 import math
 import time
 import uuid
 from typing import Any, Callable, Dict, List, Tuple
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -15,17 +15,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import MiniKVConfig
 from ..scheduler import Handle, QueueFull, Scheduler
 from .errors import ApiError
-from .parse import Parsed, Served, chat_ids, json_body, model_eos_ids, parse, prompt_ids
+from .parse import (Parsed, Served, body_limit, chat_ids, json_body, model_eos_ids, parse,
+                    prompt_ids, tokenizer_facts)
 from .prometheus import render
+from .security import Guard, ServeOptions
 from .sse import Deltas, LoopSinks, failure, stream, usage, whole
 
-_log = logging.getLogger("minikv_compile.serve")
 
 
-def create_app(scheduler: Scheduler, tokenizer, model_name: str,
-               config: MiniKVConfig) -> FastAPI:
+def create_app(scheduler: Scheduler, tokenizer, model_name: str, config: MiniKVConfig,
+               options: ServeOptions = ServeOptions()) -> FastAPI:
     """The FastAPI app serving ``scheduler`` (whose engine was built with ``config``) as
-    ``model_name``.
+    ``model_name``, behind the door ``options`` describes (``security.Guard``; CORS for
+    ``options.allowed_origins``). Neither ``/docs`` nor ``/openapi.json`` is served.
 
     The caller owns the scheduler's lifecycle: ``warm_up()`` (``/health`` and the completion
     endpoints answer 503 until ``scheduler.ready``), ``start()``, and ``shutdown()`` after the
@@ -33,24 +35,32 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
     """
     engine = scheduler.engine
     vocab = engine.adapter.vocab_size
+    longest, special = tokenizer_facts(tokenizer)
     served = Served(name=model_name, vocab_size=vocab,
                     eos_ids=model_eos_ids(engine.model, tokenizer, vocab),
                     max_prompt_len=config.max_prompt_len, max_new_tokens=config.max_new_tokens,
-                    heavy_budget=config.heavy_budget, recent_budget=config.recent_budget)
+                    heavy_budget=config.heavy_budget, recent_budget=config.recent_budget,
+                    longest_token=longest, special_texts=special,
+                    parse_special_tokens=options.parse_special_tokens)
+    limit = options.max_body_bytes or body_limit(served)
     created = int(time.time())
-    invalid = [0]  # requests answered 400 (the scheduler never saw them)
+    counts = {"invalid": 0}  # requests answered 4xx (the scheduler never saw them)
     sinks = LoopSinks()
-    app = FastAPI(title="minikv_compile", docs_url=None, redoc_url=None)
+    app = FastAPI(title="minikv_compile", docs_url=None, redoc_url=None, openapi_url=None)
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guard, options=options, counts=counts)  # the last added runs first
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
-        if err.status == 400:
-            invalid[0] += 1
         return err.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):  # a bug: OpenAI's body, not text
-        _log.exception("unexpected error")
+        # Starlette raises the error again after this answer, and uvicorn logs its traceback:
+        # logging it here too printed it twice.
         return ApiError(500, f"internal error: {type(err).__name__}: {err}",
                         type="server_error").response()
 
@@ -106,13 +116,13 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await json_body(request)
+        body = await json_body(request, limit, options.read_timeout)
         return await respond(request, "completions", body,
                              lambda: prompt_ids(body, tokenizer, served))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await json_body(request)
+        body = await json_body(request, limit, options.read_timeout)
         return await respond(request, "chat", body, lambda: chat_ids(body, tokenizer, served))
 
     @app.get("/v1/models")
@@ -132,7 +142,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str,
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render(scheduler, config, invalid[0]),
+        return PlainTextResponse(render(scheduler, config, counts["invalid"]),
                                  media_type="text/plain; version=0.0.4")
 
     return app

@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -17,11 +18,13 @@ from ..inputs import check_int
 from ..ranks import follow
 from ..scheduler import Scheduler
 from .app import create_app
+from .security import ServeOptions, allowed_hosts
 from .cache import use_compile_cache
 from .parallel import RANK_TIMEOUT_S, leave_ranks
 from .server import run_server
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_log = logging.getLogger("minikv_compile.serve")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for a slot at most; past it, 429 (default: 64)")
+                   help="requests waiting for a slot at most, beyond those the free slots "
+                        "take; past it, 429 (default: 64)")
     sched = p.add_argument_group("Scheduler", "how prompts are admitted between decode steps")
     sched.add_argument("--prefill-ms", type=float, default=50.0, metavar="MS",
                        help="milliseconds of prefill (whole layers, at least one) between two "
@@ -58,6 +62,7 @@ def parser() -> argparse.ArgumentParser:
                         "(default: $TORCHINDUCTOR_CACHE_DIR "
                         "if set, else compile/ in the project's cache folder, $MINIKV_CACHE or "
                         "~/.cache/minikv_compile)")
+    _door_flags(p)
     group = p.add_argument_group("MiniKVConfig", "the engine's fields (see MiniKVConfig)")
     for f in dataclasses.fields(MiniKVConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -110,6 +115,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=1)
         if not args.prefill_ms > 0:
             raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
+        options, tls = _door_options(args)
         use_compile_cache(args.compile_cache)
         if config.tensor_parallel > 1:
             n = config.tensor_parallel
@@ -130,8 +136,79 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, NotImplementedError) as e:
         flags.error(str(e))
     name = args.served_model_name or args.model
-    app = create_app(scheduler, tokenizer, name, config)
-    status = run_server(app, scheduler, name, args.host, args.port)
+    app = create_app(scheduler, tokenizer, name, config, options)
+    status = run_server(app, scheduler, name, args.host, args.port,
+                        read_timeout=args.request_read_timeout,
+                        keep_alive=args.timeout_keep_alive, **tls)
     if config.tensor_parallel > 1:
         leave_ranks(status)
     return status
+
+
+def _door_flags(p: argparse.ArgumentParser) -> None:
+    door = p.add_argument_group("Security and limits", "what a request must carry and how "
+                                "much of it the server reads (see serve/security.py)")
+    door.add_argument("--api-key", default=os.environ.get("MINIKV_API_KEY"), metavar="KEY",
+                      help="every /v1/* request must carry 'Authorization: Bearer KEY' (else "
+                           "401); /health and /metrics stay open (default: $MINIKV_API_KEY, "
+                           "else no key)")
+    door.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                      help="browser origins (https://app.example:443) allowed to call the "
+                           "server, with CORS; '*' for any (default: none, a request with an "
+                           "Origin header is refused)")
+    door.add_argument("--allowed-hosts", nargs="+", default=(), metavar="HOST",
+                      help="Host header names accepted besides the bound address (and "
+                           "localhost when it is a loopback one); '*' turns the check off "
+                           "(default: none; bound to 0.0.0.0 or :: with none given, no check)")
+    door.add_argument("--max-body-bytes", type=int, default=None, metavar="INT",
+                      help="a larger request body is answered 413 before it is read whole "
+                           "(default: a prompt of max-prompt-len tokens at 12 bytes a "
+                           "character of the tokenizer's longest token, + 64 KiB)")
+    door.add_argument("--request-read-timeout", type=float, default=20.0, metavar="S",
+                      help="seconds a client has to send a request's header (from when it "
+                           "connected or its last answer), and then its body; past it, the "
+                           "connection is closed (default: 20)")
+    door.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                      help="an idle connection is closed this long after its last answer "
+                           "(default: 5)")
+    door.add_argument("--ssl-keyfile", default=None, metavar="PEM",
+                      help="serve HTTPS with this private key (with --ssl-certfile)")
+    door.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                      help="and this certificate chain")
+    door.add_argument("--parse-special-tokens", action=argparse.BooleanOptionalAction,
+                      default=False,
+                      help="chat message content with special-token text (<|im_start|>...) "
+                           "tokenized as control tokens, as HF's apply_chat_template does (a "
+                           "user message can then forge a turn). Default: off, such text is "
+                           "tokenized as text; content without it gets HF's ids either way")
+
+
+def _door_options(args) -> Tuple[ServeOptions, dict]:
+    """(the app's ``ServeOptions``, uvicorn's TLS arguments) of the flags, checked."""
+    for flag in ("request_read_timeout", "timeout_keep_alive"):
+        value = getattr(args, flag)
+        if not 0 < value <= 3600:
+            raise ValueError(f"--{flag.replace('_', '-')}: expected seconds in (0, 3600], got "
+                             f"{value}")
+    if args.max_body_bytes is not None:
+        check_int("--max-body-bytes", args.max_body_bytes, lo=1024)
+    if args.api_key is not None and not (args.api_key and args.api_key.isprintable()
+                                         and " " not in args.api_key):
+        raise ValueError("--api-key: expected a non-empty key without spaces or control "
+                         "characters, got one with them (or an empty one)")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError(f"--ssl-keyfile, --ssl-certfile: expected both or neither, got "
+                         f"{'--ssl-keyfile' if args.ssl_keyfile else '--ssl-certfile'} alone")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')}: expected a PEM file, got {path!r} "
+                             f"(no such file)")
+    options = ServeOptions(api_key=args.api_key, allowed_origins=tuple(args.allowed_origins),
+                           allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+                           max_body_bytes=args.max_body_bytes,
+                           read_timeout=args.request_read_timeout,
+                           parse_special_tokens=args.parse_special_tokens)
+    _log.info("chat message content: special tokens %s", "parsed (--parse-special-tokens)"
+              if options.parse_special_tokens else "tokenized as text")
+    return options, {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile}

@@ -1,12 +1,16 @@
-"""OpenAI request bodies: every field checked (a 400 naming it) and turned into a
-``ServeRequest``; the prompt tokenized (chat: through the model's template)."""
+"""OpenAI request bodies: read within a size and a time limit, every field checked (a 400
+naming it) and turned into a ``ServeRequest``; the prompt tokenized (chat: through the model's
+template), after a check of its length in characters that needs no tokenizer."""
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from minikv_compile.graphs.sampling import Sampling
 
@@ -40,6 +44,32 @@ class Served:
     max_new_tokens: int
     heavy_budget: float
     recent_budget: float
+    longest_token: int                 # characters of the tokenizer's longest token
+    special_texts: Tuple[str, ...]     # the text of its special tokens
+    parse_special_tokens: bool         # in chat message content (see ServeOptions)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this cannot fit ``max_prompt_len`` tokens: no token covers more
+        than ``longest_token`` characters (a tokenizer whose normalizer drops characters would
+        be refused a prompt that fits; those of causal LMs keep every one)."""
+        return self.max_prompt_len * self.longest_token
+
+
+def tokenizer_facts(tokenizer) -> Tuple[int, Tuple[str, ...]]:
+    """(characters of the longest token, the texts of the special tokens), read once."""
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {t.content for t in added.values() if getattr(t, "special", False)}
+    special.update(getattr(tokenizer, "all_special_tokens", ()))
+    return longest, tuple(sorted(t for t in special if t))
+
+
+def body_limit(served: Served) -> int:
+    """The default ``--max-body-bytes``: a prompt at capacity written the longest way JSON
+    allows (each character of the longest token as a 12-byte escaped surrogate pair), 64 KiB for
+    every other field and the chat messages' own keys."""
+    return served.max_prompt_chars * 12 + 65536
 
 
 def model_eos_ids(model, tokenizer, vocab_size: int) -> Tuple[int, ...]:
@@ -61,12 +91,41 @@ class Parsed:
     include_usage: bool
 
 
-async def json_body(request: Request) -> Dict[str, Any]:
-    raw = await request.body()
+async def json_body(request: Request, limit: int, timeout: float) -> Dict[str, Any]:
+    """The JSON object of the request's body: 413 past ``limit`` bytes (by its Content-Length
+    before anything is read, else as soon as the bytes read pass it), 408 when the whole body
+    has not come within ``timeout`` seconds; either closes the connection."""
+    close = {"Connection": "close"}
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413, f"body: expected at most {limit} bytes (--max-body-bytes), got a "
+                            f"Content-Length of {length[:40]}", headers=close)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    chunks, size = [], 0
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(pieces.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            break
+        except ClientDisconnect:  # no one to answer: not a server error (no traceback)
+            raise ApiError(400, f"body: expected the whole body, got a connection closed "
+                                f"after {size} bytes") from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"body: expected the whole body within {timeout:g} s "
+                                f"(--request-read-timeout), got {size} bytes", headers=close
+                           ) from None
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"body: expected at most {limit} bytes (--max-body-bytes), got "
+                                f"more", headers=close)
+        chunks.append(chunk)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"body: expected a JSON object, got invalid JSON ({e})") from None
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a huge int
+        what = "JSON nested too deeply" if isinstance(e, RecursionError) else "invalid JSON"
+        raise ApiError(400, f"body: expected a JSON object, got {what} ({e})") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"body: expected a JSON object, got a JSON {type(body).__name__}")
     return body
@@ -166,7 +225,7 @@ def _budgets(minikv: Any, served: Served) -> Optional[Tuple[float, float]]:
         value = minikv.get(name)
         param = f"minikv.{name}"
         budgets.append(cap if value is None else checked(
-            param, check_float, param, value, lo=0.0, hi=cap,
+            param, check_float, param, value, lo=0.0, hi=cap, fp32=True,
             hint=f"at most the engine's {name}"))
     return tuple(budgets)
 
@@ -176,6 +235,7 @@ def prompt_ids(body: Dict[str, Any], tokenizer, served: Served) -> List[int]:
     if prompt is None:
         raise bad("prompt", "a string or a list of token ids", prompt)
     if isinstance(prompt, str):
+        _short_enough("prompt", len(prompt), served)
         return _fits(_encode("prompt", tokenizer, prompt), "prompt", served)
     if not (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
         raise bad("prompt", "a string or a list of token ids (one prompt)", prompt)
@@ -200,15 +260,64 @@ def chat_ids(body: Dict[str, Any], tokenizer, served: Served) -> List[int]:
         if unknown:
             raise bad(f"{param}.{unknown[0]}", "only role, content and name", m[unknown[0]])
         turns.append({"role": m["role"], "content": _content(f"{param}.content", m.get("content"))})
+    _short_enough("messages", sum(len(t["content"]) for t in turns), served)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ApiError(400, "messages: expected a model with a chat template, got a tokenizer "
                             "without one; use /v1/completions", "messages")
+    text = _render(tokenizer, turns)
+    _short_enough("messages", len(text), served)
+    forged = not served.parse_special_tokens and any(
+        s in t["content"] for t in turns for s in served.special_texts)
+    if forged:
+        return _fits(_content_as_text(tokenizer, turns, text, served), "messages", served)
+    return _fits(_encode("messages", tokenizer, text, add_special_tokens=False), "messages",
+                 served)
+
+
+def _render(tokenizer, turns: List[Dict[str, str]]) -> str:
     try:
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the template's own refusal (e.g. roles that do not alternate)
         raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-    ids = _encode("messages", tokenizer, text, add_special_tokens=False)
-    return _fits(ids, "messages", served)
+
+
+# A placeholder for message i in the template's text: private-use characters no template
+# changes and no client text is asked to hold (content holding one is refused below).
+_MARK = "\ue000{}\ue001"
+_MARKS = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _content_as_text(tokenizer, turns: List[Dict[str, str]], text: str,
+                     served: Served) -> List[int]:
+    """The ids of the chat ``text`` with each message's content tokenized as text (special
+    tokens in it not parsed) and the template's own text as usual: the template is rendered
+    with a placeholder for each content, and the pieces between are tokenized apart. A template
+    that changes the content (trims it, say) leaves no place to put it back: refused then."""
+    marked = [{**t, "content": _MARK.format(i)} for i, t in enumerate(turns)]
+    pieces = _MARKS.split(_render(tokenizer, marked))
+    rebuilt = "".join(turns[int(p)]["content"] if i % 2 else p for i, p in enumerate(pieces))
+    if rebuilt != text or any("\ue000" in t["content"] for t in turns):
+        shown = next(s for s in served.special_texts if any(s in t["content"] for t in turns))
+        raise ApiError(400, f"messages: expected content without the tokenizer's special tokens "
+                            f"(this model's chat template changes content, so it cannot be "
+                            f"tokenized apart as text), got {shown!r}", "messages")
+    ids: List[int] = []
+    for i, piece in enumerate(pieces):
+        if i % 2:
+            ids += _encode(f"messages[{piece}].content", tokenizer, turns[int(piece)]["content"],
+                           add_special_tokens=False, split_special_tokens=True)
+        elif piece:
+            ids += _encode("messages", tokenizer, piece, add_special_tokens=False)
+    return ids
+
+
+def _short_enough(param: str, chars: int, served: Served) -> None:
+    """Refuse, before any tokenizing, a text too long to fit ``max_prompt_len`` tokens."""
+    if chars > served.max_prompt_chars:
+        raise ApiError(400, f"{param}: expected at most {served.max_prompt_chars} characters "
+                            f"(max_prompt_len {served.max_prompt_len} tokens x "
+                            f"{served.longest_token}, the tokenizer's longest token), got "
+                            f"{chars} characters", param)
 
 
 def _encode(param: str, tokenizer, text: str, **kwargs) -> List[int]:

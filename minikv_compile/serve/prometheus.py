@@ -22,7 +22,8 @@ def render(scheduler: Scheduler, config: MiniKVConfig, invalid: int) -> str:
                 **dict(m.requests), "invalid": invalid}
     metric("minikv_requests_total", "counter",
            "Requests by outcome (stop, length, cancelled, error; rejected: queue full; invalid: "
-           "answered 400).", [(f'{{outcome="{k}"}}', v) for k, v in sorted(outcomes.items())])
+           "answered 4xx: bad input, or refused at the door (key, host, origin, content type, "
+           "body size or time)).", [(f'{{outcome="{k}"}}', v) for k, v in sorted(outcomes.items())])
     metric("minikv_prompt_tokens_total", "counter", "Prompt tokens admitted.",
            [("", m.prompt_tokens)])
     metric("minikv_completion_tokens_total", "counter", "Tokens generated.",

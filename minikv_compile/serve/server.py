@@ -5,7 +5,7 @@ import logging
 import signal
 import threading
 import time
-from typing import List
+from typing import List, Optional
 
 from fastapi import FastAPI
 
@@ -14,16 +14,24 @@ from ..scheduler import Scheduler
 _log = logging.getLogger("minikv_compile.serve")
 
 
-def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: int) -> int:
+def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: int, *,
+               read_timeout: float = 20.0, keep_alive: float = 5.0,
+               ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None) -> int:
     """Serve ``app`` (built by ``create_app`` over ``scheduler``) on ``host:port`` until SIGTERM
     or SIGINT: listen at once, compile and capture every bucket in a background thread, then
     start the scheduler's loop; shut the scheduler down when the server stops. Returns 1 when
-    the warm-up failed (the server then stops without ever answering ready), else 0."""
+    the warm-up failed (the server then stops without ever answering ready), else 0.
+
+    read_timeout: a connection that has not sent a whole request header this many seconds after
+    it opened (or after its last answer) is closed (the body's own limit is the app's).
+    keep_alive: an idle connection is closed this many seconds after its last answer.
+    ssl_keyfile, ssl_certfile: serve HTTPS with this key and certificate (PEM files)."""
     import uvicorn
 
     engine = scheduler.engine
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=5, timeout_keep_alive=keep_alive,
+        http=_protocol(read_timeout), ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile))
     failed: List[BaseException] = []
 
     def warm_up() -> None:
@@ -52,3 +60,47 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
 
 def _exit_quietly(signum, frame) -> None:
     raise SystemExit(0)
+
+
+def _protocol(read_timeout: float):
+    """uvicorn's HTTP/1.1 protocol (h11) with a deadline on each request's header, from when the
+    connection opened or the request's first bytes came (between requests, the keep-alive
+    timeout closes an idle connection): uvicorn alone let a connection that sends nothing or
+    half a header hold its socket forever. (Over TLS, a client that never completes the handshake is
+    closed by asyncio after its 60 s handshake timeout.)"""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_header()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self.conn.their_state is h11.IDLE:
+                self._await_header()  # the first bytes of a request after an answer
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the header is in
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _await_header(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(read_timeout, self._expire)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expire(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
