@@ -22,6 +22,7 @@ length T >= 2 (T = 1 is specialized by the compiler: a second graph). Eager, the
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Generator, List, Tuple
 
 import torch
@@ -45,6 +46,7 @@ class TailPrefill:
                         for i in range(adapter.num_layers)]
         self.compiles = 0
         self._compiled = compile
+        self._kinds: set = set()  # chunk kinds run so far (T == 1 or not), see ``_limits``
         self._layer = (torch.compile(self.layer, fullgraph=True, backend=self._backend)
                        if compile else self.layer)
 
@@ -82,20 +84,31 @@ class TailPrefill:
             if self._compiled and T > 1:  # one graph for every T >= 2
                 for t in (h, cos, sin):
                     torch._dynamo.maybe_mark_dynamic(t, 1)
-            for i, (weights, kv, first) in enumerate(zip(self.weights, views, firsts)):
-                h, k, v = self._layer(weights, kv, first, h, cos, sin)
-                if cache.recall is not None:  # host row = the token's quantized position
-                    store = cache.recall.stores[i]
-                    n_quant, first = starts[i]
-                    rows = slice(n_quant + first, n_quant + first + T)
-                    store.k[slot, :, rows].copy_(k[0], non_blocking=True)
-                    store.v[slot, :, rows].copy_(v[0], non_blocking=True)
+            with self._limits(T):
+                for i, (weights, kv, first) in enumerate(zip(self.weights, views, firsts)):
+                    h, k, v = self._layer(weights, kv, first, h, cos, sin)
+                    if cache.recall is not None:  # host row = the token's quantized position
+                        store = cache.recall.stores[i]
+                        n_quant, first = starts[i]
+                        rows = slice(n_quant + first, n_quant + first + T)
+                        store.k[slot, :, rows].copy_(k[0], non_blocking=True)
+                        store.v[slot, :, rows].copy_(v[0], non_blocking=True)
             for layer in cache.layers:
                 layer.lens[slot, 1].add_(T - 1)
             done += T
             if done == n:
                 return adapter.logits(h[0, -1:])                                # (1, V)
             yield
+
+    def _limits(self, T: int):
+        """Dynamo's recompile limits raised for the first chunk of each kind (T = 1 or not) this
+        engine runs, which may compile: the compiled layer's variants are kept per function,
+        shared by every engine of the process (a few per engine, as ``CompiledPart``'s limits).
+        Not on every chunk: a config patch costs milliseconds (3.7 ms here)."""
+        if not self._compiled or (T == 1) in self._kinds:
+            return contextlib.nullcontext()
+        self._kinds.add(T == 1)
+        return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256)
 
     def _starts(self, slot: int, R: int) -> List[Tuple[int, int]]:
         """Per layer, ``(quantized tokens, ring tokens)`` of the slot after the flush that

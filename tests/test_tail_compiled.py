@@ -1,7 +1,7 @@
 """The compiled tail prefill (``graphs/tail.py``, ``TailPrefill``): its layer compiled with
 ``torch.compile(fullgraph=True)`` gives the eager layer's logits and cache, and tails of new
 lengths do not recompile (one graph for every layer and every chunk of T >= 2 tokens). CPU,
-fp32, a tiny random Llama; one engine (one compile) for the file.
+fp32, a tiny random Llama, one engine (one compile); the same on CUDA for the GPU run.
 """
 from __future__ import annotations
 
@@ -64,3 +64,22 @@ def test_compiled_tail_equals_eager_and_does_not_recompile(engine):
                 assert torch.equal(g, w)
         assert compiled.compiles == 1, (f"tail of {n} tokens in slot {slot}: "
                                         f"{compiled.compiles} compiles")
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_tail_equals_eager_and_does_not_recompile():
+    """On CUDA (inductor's kernels, the Triton tail kernel; fp32 and bits 16, so that the two
+    differ only in the order of fp32 sums): the same check."""
+    engine = minikv_compile(tiny(device="cuda"),
+                            MiniKVConfig(**CFG, bits=16, heavy_budget=1.0, recent_budget=1.0))
+    rt = engine.runtime
+    snapshot = engine.cache_prompt([DOC]).sequences[0]
+    eager = TailPrefill(rt.adapter, rt.cache, compile=False)
+    for i, (n, slot) in enumerate([(45, 0), (20, 0), (61, 1)]):
+        ids = torch.tensor(prompt_of(n, 10 + i), device="cuda")
+        want, want_bufs, _ = _run(eager, rt, snapshot, ids, slot)
+        got, got_bufs, _ = _run(rt.tail, rt, snapshot, ids, slot)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for g, w in zip(got_bufs, want_bufs):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)  # (lens: int, exact)
+        assert rt.tail.compiles == 1, f"tail of {n} tokens in slot {slot}"
