@@ -275,8 +275,14 @@ def read_metadata(path) -> Dict[str, object]:
     if meta.get("format") != FORMAT:
         raise ValueError(f"path.format: expected {FORMAT!r}, got {meta.get('format')!r} "
                          f"in {path!r}")
-    return {key: json.loads(meta[key]) for key in ("fingerprint", "config", "versions",
-                                                   "lengths")}
+    out = {}
+    for key in ("fingerprint", "config", "versions", "lengths"):
+        try:
+            out[key] = json.loads(meta[key])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"path.{key}: expected it in the file's metadata as JSON, got "
+                             f"{meta.get(key)!r} in {path!r}") from None
+    return out
 
 
 def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
