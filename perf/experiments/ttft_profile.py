@@ -24,7 +24,7 @@ a = p.parse_args()
 dev = torch.device("cuda")
 model = H.build_model("llama3.1-8b", dev, torch.bfloat16)
 cm = minikv_compile(model, MiniKVConfig(max_batch_size=1, max_new_tokens=4,
-                                        max_prompt_len=a.context + 2 * a.question))
+                                        max_prompt_len=a.context + 2 * a.question + 128))
 g = torch.Generator().manual_seed(0)
 doc = torch.randint(3, 1000, (a.context,), generator=g).tolist()
 q = torch.randint(3, 1000, (a.question,), generator=g).tolist()
