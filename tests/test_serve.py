@@ -506,8 +506,8 @@ def test_bad_input_is_a_400_naming_the_field(client, endpoint, body, param, says
 
 def still_answers(client, ref) -> None:
     """After a probe: a normal request gets what it gets alone through generate()."""
-    want, _, _ = ref.answer(ref.ids(PROMPTS[2]), 8)
-    body = {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0}
+    want, _, _ = ref.answer(ref.ids(PROMPTS[2]), 4)
+    body = {"prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
 
@@ -729,7 +729,7 @@ def _read_until_closed(sock: socket.socket, deadline: float) -> tuple:
             chunk = sock.recv(65536)
         except socket.timeout:
             return got, None
-        except (ConnectionResetError, ssl.SSLError):
+        except OSError:  # reset, a TLS error, or closed here at the fixture's end
             return got, time.monotonic()
         if not chunk:
             return got, time.monotonic()
