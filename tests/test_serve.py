@@ -690,6 +690,18 @@ def test_a_foreign_host_header_is_refused(server, client, ref):
     still_answers(client, ref)
 
 
+def test_the_host_names_of_a_bound_address():
+    from minikv_compile.serve.security import allowed_hosts
+    loopback = ("127.0.0.1", "localhost", "::1")
+    assert allowed_hosts("127.0.0.1", ()) == loopback
+    assert allowed_hosts("localhost", ["minikv.test"]) == loopback + ("minikv.test",)
+    assert allowed_hosts("::1", ()) == ("::1", "localhost", "127.0.0.1")
+    assert allowed_hosts("10.1.2.3", ["Api.Example"]) == ("10.1.2.3", "api.example")
+    assert allowed_hosts("0.0.0.0", ()) is None and allowed_hosts("::", ()) is None
+    assert allowed_hosts("0.0.0.0", ["api.example"]) == ("api.example",)
+    assert allowed_hosts("127.0.0.1", ["*"]) is None
+
+
 def test_a_cross_origin_text_plain_post_is_refused(client, ref):
     """A page the user visits can POST text/plain to the local server without a preflight:
     refused by its Origin and by its content type, before the scheduler sees it."""

@@ -55,7 +55,7 @@ def allowed_hosts(bound: str, extra: Iterable[str]) -> Optional[Tuple[str, ...]]
     if "*" in extra:
         return None
     try:
-        address = ipaddress.ip_address(bound)
+        address = ipaddress.ip_address("127.0.0.1" if bound.lower() == "localhost" else bound)
     except ValueError:  # a name: the name itself
         return (bound.lower(),) + extra
     if address.is_unspecified:
