@@ -45,7 +45,8 @@ run() {
   echo "=== $(date +%T) $name (limit ${limit} s, ${left} s left)" | tee -a $L
   local t0=$SECONDS
   timeout -k 10 $limit "$@" >> $L 2>&1
-  echo "=== $(date +%T) $name: exit $? after $((SECONDS - t0)) s" | tee -a $L
+  local rc=$?
+  echo "=== $(date +%T) $name: exit $rc after $((SECONDS - t0)) s" | tee -a $L
   pack
 }
 for part in $PARTS; do
