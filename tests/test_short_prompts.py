@@ -77,11 +77,9 @@ def full_tokens(model):
 @pytest.mark.parametrize("fields", [
     dict(),                                               # the library's default
     dict(preset="minikv"),                                # the paper's MiniKV
-    dict(budget_policy="pyramid"),
-    dict(bits=4, heavy_budget=0.05, recent_budget=0.05),  # 10% kept
+    dict(budget_policy="pyramid", bits=4, heavy_budget=0.05, recent_budget=0.05),  # 10% kept
     dict(bits=1, group_size=32),
     dict(heavy_budget=0.0, recent_budget=0.0, bits=16),   # budgets that keep nothing
-    dict(preset="specache"),
     dict(preset="accurate"),                              # group 64, Hadamard, recall
 ])
 def test_prompts_the_ring_holds_give_the_uncompressed_tokens(model, full_tokens, fields):
@@ -113,18 +111,27 @@ def test_the_ring_holds_the_whole_prompt_after_prefill(model):
         assert torch.equal(mine.v_ring[1, :, :R], theirs.v_cache[1, :, :R])
 
 
-@pytest.mark.parametrize("L", [R + 1, R + 15, R + 16, 200, 300])
-def test_a_longer_prompt_leaves_about_half_a_ring_of_its_tail(model, L):
+def test_a_longer_prompt_leaves_about_half_a_ring_of_its_tail(model):
     """Past the ring: the last t kept tokens stay in it, 64 <= t < 80 (half the ring, whole
-    groups before them in the region), nothing evicted below the floor."""
+    groups before them in the region), nothing evicted below the floor; the ring's rows are the
+    prompt's last t keys, the region's the first ones quantized."""
     config = MiniKVConfig(max_prompt_len=2 * R + 64, max_new_tokens=8)
-    cm = minikv_compile(model, config)
-    with torch.inference_mode():
-        prompt = torch.tensor(random_prompts(2, [L])[0])
-        prefill(cm.adapter, cm.runtime.cache, [config], [0], [prompt])
-    for layer in cm.runtime.cache.layers:
-        n_quant, n_ring = layer.lens[0].tolist()
-        assert n_quant + n_ring == L and n_quant % 16 == 0 and R // 2 <= n_ring < R // 2 + 16
+    full_cfg = MiniKVConfig(bits=16, heavy_budget=1.0, recent_budget=1.0, residual_length=16,
+                            group_size=16, max_prompt_len=2 * R + 64, max_new_tokens=8)
+    cm, full = minikv_compile(model, config), minikv_compile(model, full_cfg)
+    for L, prompt in zip([R + 1, R + 15, R + 16, 200, 300],
+                         random_prompts(2, [R + 1, R + 15, R + 16, 200, 300])):
+        with torch.inference_mode():
+            prefill(cm.adapter, cm.runtime.cache, [config], [0], [torch.tensor(prompt)])
+            prefill(full.adapter, full.runtime.cache, [full_cfg], [0], [torch.tensor(prompt)])
+        for mine, theirs in zip(cm.runtime.cache.layers, full.runtime.cache.layers):
+            n_quant, n_ring = mine.lens[0].tolist()
+            assert n_quant + n_ring == L and n_quant % 16 == 0, (L, n_quant, n_ring)
+            assert R // 2 <= n_ring < R // 2 + 16, (L, n_ring)
+            assert n_ring == budget.prefill_ring_tokens(config, L)
+            # the 16-bit cache (a 16-token ring) holds all but L mod 16 in its region
+            keys = torch.cat([theirs.k_cache[0, :, :L // 16 * 16], theirs.k_ring[0, :, :L % 16]], 1)
+            assert torch.equal(mine.k_ring[0, :, :n_ring], keys[:, n_quant:])
 
 
 # -- the floor -----------------------------------------------------------------------------------
