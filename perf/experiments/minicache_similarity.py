@@ -303,7 +303,7 @@ def main(argv=None) -> None:
     variants = []   # (name, units, retain, bits)
     for bits in (16, 4, 2):
         variants.append((f"{bits}b unmerged", [], 0.0, bits))
-    for start in (8, 15, 22, 26):
+    for start in (0, 8, 15, 22, 26):
         for kinds in (("k", "v"), ("v",)):
             for retain in (0.05, 0.2, 0.5):
                 units = [(l, h, k) for l in pairs_from(start, L) for h in range(H) for k in kinds]
