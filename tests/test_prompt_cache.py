@@ -11,7 +11,9 @@ log-probabilities), and their uses against each other.
 from __future__ import annotations
 
 import copy
+import io
 import json
+import os
 import tempfile
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from minikv_compile import MiniKVConfig, PromptCache, minikv_compile
+from minikv_compile import prompt_cache as pc
 from minikv_compile.perf.__main__ import main
 from test_engine import FULL, hf_greedy, prompt_of, tiny
 
@@ -196,6 +199,26 @@ def test_saved_file_holds_the_metadata_and_only_the_valid_rows(full, minikv, tmp
     assert report.tokens == 90 and f"{report.ratio:9.4f}" in str(report)
 
 
+def test_chunked_transfers_move_every_byte(monkeypatch):
+    """The staging path of save / load on CUDA (``_write_from_device``, ``_read_to_device``)
+    run on the CPU with a chunk smaller than the data (and not dividing it): every byte
+    arrives, in order; a file that ends early is refused."""
+    monkeypatch.setattr(pc, "STAGING_CHUNK", 1000)
+    data = torch.randint(0, 256, (10_007,), dtype=torch.uint8, generator=torch.Generator(
+        ).manual_seed(0))
+    f = io.BytesIO()
+    f.write(b"head")
+    pc._write_from_device(f, data)
+    assert f.getvalue() == b"head" + data.numpy().tobytes()
+    f.seek(4)
+    back = torch.zeros_like(data)
+    pc._read_to_device(f, back)
+    assert torch.equal(back, data) and f.read() == b""
+    f.seek(4 + 500)
+    with pytest.raises(ValueError, match="truncated"):
+        pc._read_to_device(f, torch.zeros_like(data))
+
+
 def test_refusals_name_what_differs_before_any_work(model, full, minikv, tmp_path):
     cache = full.cache_prompt([DOC])
     before = _tensors(cache)
@@ -271,7 +294,7 @@ def test_perf_prompt_cache_runs_tiny(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [2, 16])
-def test_gpu_tail_path_gives_the_decode_paths_log_probs(bits):
+def test_gpu_tail_path_gives_the_decode_paths_log_probs(bits, monkeypatch):
     """On CUDA (bf16, the compiled and captured decode step, the Triton tail kernel): reuse and
     save / load give identical tokens, and the tail path's log-probabilities are the decode
     path's within bf16's rounding (the tail's K/V come from one GEMM over the chunk, the decode
@@ -284,9 +307,13 @@ def test_gpu_tail_path_gives_the_decode_paths_log_probs(bits):
     answer = cm.generate([DOC + QUESTION], past_key_values=cache, max_new_tokens=12).sequences[0]
     assert cm.generate([DOC + QUESTION], past_key_values=cache,
                        max_new_tokens=12).sequences[0] == answer
+    # save / load through staging chunks much smaller than the file (the chunked pinned path)
+    monkeypatch.setattr(pc, "STAGING_CHUNK", 4096 + 8)
     with tempfile.TemporaryDirectory() as folder:
         cache.save(f"{folder}/c.safetensors")
+        assert os.path.getsize(f"{folder}/c.safetensors") > 4 * pc.STAGING_CHUNK
         loaded = cm.load_prompt_cache(f"{folder}/c.safetensors")
+    assert _same(_tensors(loaded), _tensors(cache))
     assert cm.generate([DOC + QUESTION], past_key_values=loaded,
                        max_new_tokens=12).sequences[0] == answer
     tail = cm.teacher_force([DOC + QUESTION], [answer], past_key_values=cache)[0]
