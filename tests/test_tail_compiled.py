@@ -68,18 +68,36 @@ def test_compiled_tail_equals_eager_and_does_not_recompile(engine):
 
 @pytest.mark.gpu
 def test_gpu_compiled_tail_equals_eager_and_does_not_recompile():
-    """On CUDA (inductor's kernels, the Triton tail kernel; fp32 and bits 16, so that the two
-    differ only in the order of fp32 sums): the same check."""
-    engine = minikv_compile(tiny(device="cuda"),
+    """On CUDA in bf16 (the engine's dtypes there; inductor's kernels, the Triton tail kernel
+    in both paths; bits 16 and nothing evicted): the compiled tail against the eager one.
+    What may differ: inductor fuses the norms, RoPE, residual adds and the MLP's activation
+    and keeps their intermediates in fp32, where eager rounds each op's output to bf16; so
+    h, K and V differ by a few bf16 ulps (2^-8 relative), and the logits (the lm_head in
+    bf16) by a few ulps of their scale. A wrong row, position or layer is O(1) off. Exact:
+    the counters, the greedy token (where eager's top two are further apart than the bound),
+    and the compile count."""
+    engine = minikv_compile(tiny(dtype=torch.bfloat16, device="cuda"),
                             MiniKVConfig(**CFG, bits=16, heavy_budget=1.0, recent_budget=1.0))
     rt = engine.runtime
+    assert rt.tail.compiles == 0
     snapshot = engine.cache_prompt([DOC]).sequences[0]
     eager = TailPrefill(rt.adapter, rt.cache, compile=False)
     for i, (n, slot) in enumerate([(45, 0), (20, 0), (61, 1)]):
         ids = torch.tensor(prompt_of(n, 10 + i), device="cuda")
-        want, want_bufs, _ = _run(eager, rt, snapshot, ids, slot)
+        want, want_bufs, chunks = _run(eager, rt, snapshot, ids, slot)
         got, got_bufs, _ = _run(rt.tail, rt, snapshot, ids, slot)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert chunks >= 2 and got.dtype == want.dtype == torch.float32
+        scale = want.abs().max().item()
+        bound = 0.05 * scale  # ~12 ulps of bf16 at the logits' largest value
+        diff = (got - want).abs()
+        assert diff.max() <= bound and diff.mean() <= 0.01 * scale, (n, diff.max(), scale)
+        top2 = want[0].topk(2).values
+        if top2[0] - top2[1] > 2 * bound:
+            assert got[0].argmax() == want[0].argmax(), f"tail of {n} tokens: greedy token"
         for g, w in zip(got_bufs, want_bufs):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)  # (lens: int, exact)
+            if g.is_floating_point():  # K/V rows (bf16): a few ulps at their scale
+                torch.testing.assert_close(g.float(), w.float(), rtol=0.03,
+                                           atol=0.03 * w.float().abs().max().item())
+            else:  # counters: exact
+                assert torch.equal(g, w)
         assert rt.tail.compiles == 1, f"tail of {n} tokens in slot {slot}"

@@ -23,8 +23,14 @@ p.add_argument("--eager", action="store_true", help="the tail's layers eager")
 a = p.parse_args()
 dev = torch.device("cuda")
 model = H.build_model("llama3.1-8b", dev, torch.bfloat16)
+EXTRAS = [0, 0, 0, 0, 37, 101]  # tokens added to the question per call (the last two: other
+longest = a.question + max(EXTRAS)  # tail lengths, which must not recompile)
+# A slot holds the cached context's kept half plus the whole tail and the new tokens, and its
+# capacity is the kept count of max_prompt_len (about half of it) plus max_new_tokens: so room
+# for the longest tail needs max_prompt_len >= context + 2 x tail (+ a margin for the rounding
+# to whole groups and any layer keeping more than half).
 cm = minikv_compile(model, MiniKVConfig(max_batch_size=1, max_new_tokens=4,
-                                        max_prompt_len=a.context + 2 * a.question + 128))
+                                        max_prompt_len=a.context + 2 * longest + 256))
 g = torch.Generator().manual_seed(0)
 doc = torch.randint(3, 1000, (a.context,), generator=g).tolist()
 q = torch.randint(3, 1000, (a.question,), generator=g).tolist()
@@ -68,7 +74,7 @@ if a.eager:
     rt.tail = TailPrefill(rt.adapter, rt.cache, compile=False)
 tail = rt.tail
 rt.tail = timed_gen("tail_chunk", tail)
-for i, extra in enumerate([0, 0, 0, 0, 37, 101]):  # the last two: other tail lengths
+for i, extra in enumerate(EXTRAS):
     if extra:
         q2 = torch.randint(3, 1000, (a.question + extra,), generator=g).tolist()
         torch.cuda.synchronize()
