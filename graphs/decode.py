@@ -18,7 +18,7 @@ preallocated buffer of ``SlotState``, so a replay needs no host synchronization.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -26,6 +26,7 @@ from minikv_compile import ops
 
 from .cache import StaticKVCache
 from .sampling import argmax_rows, choose_tokens
+from .step_plan import StepPlan
 
 MAX_EOS_IDS = 8  # eos ids per slot (Llama 3 has several); padded with -1
 MODES = ("greedy", "sample", "teacher")
@@ -134,12 +135,14 @@ class SlotState:
 
 class DecodeStep:
     """One decode step of the slots ``[0, B)`` of a bucket, ``step(slots, mode)`` with ``slots =
-    state.active[:B]``: three parts, each handed to ``compile_part`` (``torch.compile`` through
-    the graph runner; None: run as they are), and a Python loop over the layers between them::
+    state.active[:B]``, by the plan of ``(B, mode)`` (``plans``: the ``StepPlan`` of every key
+    the runtime prepared): three parts, each handed to ``compile_part`` (``torch.compile``
+    through the graph runner; None: run as they are), and a Python loop over the layers
+    between them::
 
         h, cos, sin, ring_index = begin(slots)
-        h, normed = layer(weights[l], cache.layers[l], ring_index[l], h, cos, sin, normed)
-                                                                        for l = 0 .. L - 1
+        h, normed = layer(weights[l], cache.layers[l], ring_index[l], h, cos, sin, normed,
+                          plan.path, plan.attention_launch[l])          for l = 0 .. L - 1
         choose(slots, h, mode)
 
     Every tensor and module of a layer reaches ``layer`` as an argument (no layer index inside),
@@ -151,14 +154,17 @@ class DecodeStep:
 
     Compiles are few: the batch reaches every part as dim 0 of its tensors, which each part
     names to ``compile_part`` (``batched``: marked dynamic for ``B >= 2`` when it compiles), so
-    one compiled part serves every bucket with the same ``DecodePlan`` (a size of 1 is always
-    specialized: batch 1 is its own); ``layer`` does not see the mode, and
-    ``begin`` sees neither the mode nor the plan. ``layer`` compiles once per plan, or once per
-    kind of layer where the plan hands the input norm on (``split_norm``: the first layer
-    takes none, the last hands none on); a pyramid budget's capacities, which differ from
-    layer to layer, become a symbolic size at the second layer (one compile more). Each part is
-    a method, so that each has a compile cache of its own (``torch.compile`` of a
-    ``functools.partial`` runs through one wrapper frame that every partial shares).
+    one compiled part serves every bucket with the same linear path (a size of 1 is always
+    specialized: batch 1 is its own): the plan reaches ``layer`` as its ``DecodePath`` (the
+    path's flags, whose values name the compiled variant, and the launches as CPU tensors,
+    inputs like the others), so that no choice is taken from a shape inside it. ``layer``
+    does not see the mode, and ``begin`` sees neither the mode nor the plan. ``layer``
+    compiles once per path, or once per kind of layer where the path hands the input norm on
+    (``split_norm``: the first layer takes none, the last hands none on); a pyramid budget's
+    capacities, which differ from layer to layer, become a symbolic size at the second layer
+    (one compile more). Each part is a method, so that each has a compile cache of its own
+    (``torch.compile`` of a ``functools.partial`` runs through one wrapper frame that every
+    partial shares).
     """
 
     # Each part's arguments whose dim 0 is the batch (``compile_part``'s ``batched``).
@@ -166,8 +172,9 @@ class DecodeStep:
                "choose": ("slots", "h")}
 
     def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
-                 compile_part: Optional[Callable[..., Callable]]):
-        self.adapter, self.cache, self.state = adapter, cache, state
+                 compile_part: Optional[Callable[..., Callable]],
+                 plans: Dict[Tuple[int, str], StepPlan]):
+        self.adapter, self.cache, self.state, self.plans = adapter, cache, state, plans
         self.layers = [(adapter.layer_weights(i), kv) for i, kv in enumerate(cache.layers)]
         parts = (self.begin, self.layer, self.choose)
         if compile_part is not None:
@@ -176,18 +183,30 @@ class DecodeStep:
         self._begin, self._layer, self._choose = parts
 
     def __call__(self, slots: torch.Tensor, mode: str) -> None:
+        plan = self.plan(slots.shape[0], mode)
         h, cos, sin, ring_index = self._begin(slots)
-        unsplit = self._unsplit(h)
+        unsplit = self._unsplit(plan)
         normed: Optional[tuple] = None  # the next input norm's share done by the launch before
-        for (weights, kv), ring in zip(self.layers, ring_index.unbind(0)):
-            h, normed = self._layer(unsplit(weights), kv, ring, h, cos, sin, normed)
+        for (weights, kv), ring, attend in zip(self.layers, ring_index.unbind(0),
+                                               plan.attention_launch):
+            h, normed = self._layer(unsplit(weights), kv, ring, h, cos, sin, normed, plan.path,
+                                    attend)
         self._choose(slots, h, mode)
 
-    def _unsplit(self, h: torch.Tensor) -> Callable:
+    def plan(self, bucket: int, mode: str) -> StepPlan:
+        """The plan of ``(bucket, mode)``, which the runtime built when it prepared it."""
+        plan = self.plans.get((bucket, mode))
+        if plan is None:
+            raise RuntimeError(f"step: expected a plan of bucket {bucket}, mode {mode!r} "
+                               f"(SlotRuntime.prepare builds it), got none")
+        return plan
+
+    @staticmethod
+    def _unsplit(plan: StepPlan) -> Callable:
         """How this step hands each layer its weights: as they are where the plan splits the
         norm, else without ``next_norm`` (never read there), so that the last layer is the same
-        kind of call as the others: one compiled variant per plan instead of two."""
-        if self.adapter.decode_plan(h.shape[0], h.dtype).split_norm:
+        kind of call as the others: one compiled variant per path instead of two."""
+        if plan.path.split_norm:
             return lambda weights: weights
         return lambda weights: weights._replace(next_norm=None)
 
@@ -207,22 +226,24 @@ class DecodeStep:
         return h, cos, sin, ops.cache_begin_step(self.cache.layout, batch, live)
 
     def layer(self, weights, kv, ring_index: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, normed: Optional[tuple]) -> tuple:
+              sin: torch.Tensor, normed: Optional[tuple], path, attend: torch.Tensor) -> tuple:
         """One layer of the step, the same code for every layer (no layer index in it).
 
         weights: the layer's ``adapter.layer_weights``; kv: its ``cache.layers`` buffers (the
         ring written for live slots only); ring_index ``(B,)`` int32: its row of ``begin``'s;
-        h ``(B, 1, hidden)``; normed: what the layer before handed on (None for the first).
+        h ``(B, 1, hidden)``; normed: what the layer before handed on (None for the first);
+        path: the plan's ``DecodePath``; attend: this layer's attention launch (the plan's).
         Returns the layer's ``h`` and what it hands on (``adapter.finish_layer_normed``).
         """
         a, batch = self.adapter, h.shape[0]
-        q, k, v = a.qkv(weights, h, cos, sin, normed)  # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
+        # q (B, H_q, 1, D), k/v (B, H_kv, 1, D)
+        q, k, v = a.qkv(weights, h, cos, sin, normed, path)
         # Views into the q/k/v projection's output, read in place by both ops (a copy would be
         # one more kernel per tensor and layer).
         ops.cache_write_ring(k[:, :, 0], v[:, :, 0], kv.k_ring, kv.v_ring, ring_index)
         o = ops.decode_attention(q[:, :, 0], *kv, a.scale, self.cache.bits,
-                                 self.cache.group_size)                # (B, H_q, D)
-        return a.finish_layer_normed(weights, h, o.reshape(batch, 1, -1))
+                                 self.cache.group_size, launch=attend)  # (B, H_q, D)
+        return a.finish_layer_normed(weights, h, o.reshape(batch, 1, -1), path)
 
     def choose(self, slots: torch.Tensor, h: torch.Tensor, mode: str) -> None:
         """The step's end: the logits of the last layer's ``h (B, 1, hidden)`` (norm, lm_head:
@@ -275,8 +296,9 @@ class RecallDecodeStep(DecodeStep):
                    layer=("ring_index", "update", "h", "cos", "sin", "normed"), rank=("update",))
 
     def __init__(self, adapter, cache: StaticKVCache, state: SlotState,
-                 compile_part: Optional[Callable[..., Callable]]):
-        super().__init__(adapter, cache, state, compile_part)
+                 compile_part: Optional[Callable[..., Callable]],
+                 plans: Dict[Tuple[int, str], StepPlan]):
+        super().__init__(adapter, cache, state, compile_part, plans)
         self.recall = cache.recall
         self.layers = [(w, kv, rec, store) for (w, kv), rec, store
                        in zip(self.layers, self.recall.layers, self.recall.stores)]
@@ -287,6 +309,7 @@ class RecallDecodeStep(DecodeStep):
 
     def __call__(self, slots: torch.Tensor, mode: str) -> None:
         batch = slots.shape[0]
+        plan = self.plan(batch, mode)
         h, cos, sin, ring_index, update = self._begin(slots)
         main, side = torch.cuda.current_stream() if self._side else None, self._side
         # per layer: an event on the side stream (None without one); the first layer's rows
@@ -299,13 +322,13 @@ class RecallDecodeStep(DecodeStep):
                 ops.recall_gather(store, rec.idx[:batch], rec.k, rec.v)
                 gathered.append(side.record_event() if side is not None else None)
         normed: Optional[tuple] = None
-        unsplit = self._unsplit(h)
-        for (weights, kv, rec, store), ring, done in zip(self.layers, ring_index.unbind(0),
-                                                         gathered):
+        unsplit = self._unsplit(plan)
+        for (weights, kv, rec, store), ring, done, attend in zip(
+                self.layers, ring_index.unbind(0), gathered, plan.attention_launch):
             if done is not None:
                 main.wait_event(done)
             h, normed = self._layer(unsplit(weights), kv, rec, self.recall.mass, ring, update, h,
-                                    cos, sin, normed)
+                                    cos, sin, normed, plan.path, attend)
             if side is not None:
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -340,20 +363,21 @@ class RecallDecodeStep(DecodeStep):
 
     def layer(self, weights, kv, rec, mass: torch.Tensor, ring_index: torch.Tensor,
               update: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              normed: Optional[tuple]) -> tuple:
+              normed: Optional[tuple], path, attend: torch.Tensor) -> tuple:
         """One layer of the two-row step (the same code for every layer). rec: the layer's
         ``RecallLayer``; mass: the ``(Bmax, L, H_kv, T)`` buffer (this layer writes its plane);
         update ``(B,)`` int32 from ``begin``; the rest as ``DecodeStep.layer``, with ``2B`` rows."""
         a, n_rows = self.adapter, h.shape[0]
         batch = n_rows // 2
-        q, k, v = a.qkv(weights, h, cos, sin, normed)  # q (2B, H_q, 1, D), k/v (2B, H_kv, 1, D)
+        # q (2B, H_q, 1, D), k/v (2B, H_kv, 1, D)
+        q, k, v = a.qkv(weights, h, cos, sin, normed, path)
         q2 = q[:, :, 0].unflatten(0, (batch, 2))                               # (B, 2, H_q, D)
         k2, v2 = k[:, :, 0].unflatten(0, (batch, 2)), v[:, :, 0].unflatten(0, (batch, 2))
         ops.cache_write_ring(k2, v2, kv.k_ring, kv.v_ring, ring_index)  # rows i and i + 1
         o = ops.decode_attention_recall(q2, *kv, rec.k, rec.v, rec.idx[:batch], rec.lse_ref,
                                         mass, rec.layer, update, a.scale, self.cache.bits,
-                                        self.cache.group_size)
-        return a.finish_layer_normed(weights, h, o.reshape(n_rows, 1, -1))
+                                        self.cache.group_size, launch=attend)
+        return a.finish_layer_normed(weights, h, o.reshape(n_rows, 1, -1), path)
 
     def rank(self, update: torch.Tensor, mass: torch.Tensor, idx: torch.Tensor) -> None:
         """Every layer's next recall: the top-k of each (slot, layer, KV head)'s mass, written

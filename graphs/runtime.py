@@ -24,6 +24,7 @@ from .decode import MAX_EOS_IDS, DecodeStep, RecallDecodeStep, SlotState
 from .graph_runner import GraphRunner
 from .prefill import prefill_pieces
 from .sampling import Sampling
+from .step_plan import StepPlan
 from .tail import TailPrefill
 
 @contextlib.contextmanager
@@ -110,7 +111,10 @@ class SlotRuntime:
         # Everything the compiled step's code depends on besides the source and the versions.
         identity = repr((step.__name__, adapter.config.to_json_string(), str(dtype), config,
                          adapter.tp.rank, adapter.tp.world))
-        self.runner = GraphRunner(functools.partial(step, adapter, self.cache, self.state),
+        # (bucket, mode) -> its StepPlan, built by ``prepare``; the step reads it
+        self.plans: dict = {}
+        self.runner = GraphRunner(functools.partial(step, adapter, self.cache, self.state,
+                                                    plans=self.plans),
                                   device=device, compile=compile, cuda_graphs=cuda_graphs,
                                   state_buffers=self.state.buffers(), active=self.state.active,
                                   identity=identity)
@@ -410,15 +414,26 @@ class SlotRuntime:
     def step(self) -> None:
         """Advance every live slot by one token (no host synchronization)."""
         key = self.step_key()
+        if key not in self.plans:
+            self.prepare(*key)
         with engine_mode():
             self.runner.run(key)
 
     def prepare(self, bucket: int, mode: str) -> Optional[float]:
-        """Compile and capture ``(bucket, mode)`` ahead of use; seconds spent, None if ready."""
+        """Build the ``StepPlan`` of ``(bucket, mode)`` (once), then compile and capture the
+        step ahead of use; seconds spent compiling and capturing, None if it was ready."""
         if bucket not in self.buckets:
             raise ValueError(f"bucket: expected one of {self.buckets}, got {bucket!r}")
+        self.plan(bucket, mode)
         with engine_mode():
             return self.runner.prepare((bucket, mode))
+
+    def plan(self, bucket: int, mode: str) -> StepPlan:
+        """The plan of ``(bucket, mode)``, built on the first ask (``prepare``)."""
+        key = (bucket, mode)
+        if key not in self.plans:
+            self.plans[key] = StepPlan.build(self.adapter, self.cache, bucket, mode)
+        return self.plans[key]
 
     def finished(self, slots: Sequence[int]) -> List[bool]:
         """Whether each of ``slots`` has finished (a host sync)."""

@@ -341,16 +341,16 @@ class MiniKVModel:
     def stats(self) -> Dict[str, object]:
         """Compiles and replays so far: proof that the decode step is compiled once per bucket
         and really replayed from CUDA graphs (``compiles``: the compiled graphs run, ``loaded``:
-        those of them an earlier process compiled and saved); and per bucket, the kernels its
-        step runs per layer (``models.llama.DecodePlan``; SpeCache's step runs two rows a slot)."""
-        r, a = self.runtime.runner, self.adapter
-        rows = 2 if self.config.recall_top_k else 1
+        those of them an earlier process compiled and saved); and per ``(bucket, mode)`` (every
+        bucket's greedy step, and the other modes prepared so far) every kernel its step runs,
+        with its launch (``graphs.step_plan.StepPlan.kernels``)."""
+        r, rt = self.runtime.runner, self.runtime
+        keys = sorted({(b, "greedy") for b in rt.buckets} | set(rt.plans))
         return {"compiles": r.compiles, "loaded": r.loads, "replays": r.replays,
                 "graphs": r.graphs,
                 "compile_seconds": dict(r.compile_seconds),
                 "capture_seconds": dict(r.capture_seconds),
-                "kernels": {b: a.decode_plan(rows * b, self.dtype).kernels()
-                            for b in self.runtime.buckets}}
+                "kernels": {key: rt.plan(*key).kernels() for key in keys}}
 
     # -- internals -----------------------------------------------------------------------------
 

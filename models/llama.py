@@ -8,7 +8,6 @@ own: the engine owns the cache and the attention.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Union
 
 import torch
@@ -20,12 +19,6 @@ from minikv_compile.ops.rotation import hadamard_matrix
 
 from .fusion import fusable, fuse_layer, unfuse_layer
 from .parallel import TensorParallel, model_heads, shard_model
-
-# Decode steps of up to this many rows run ``ops.fused_linear`` (``DecodePlan``): one tile of 16
-# or 32 (padded) rows, so 9-16 rows cost what 8 do (H100, 16 x 2k: 6.36 ms a step against 7.15 for
-# the GEMM plan; SpeCache's 2 rows of 8 slots: 9.06 against 9.41) and 24 x 8k in bucket 32 takes
-# 7.95 ms against 8.47 (``perf/NOTES.md``, "SpeCache" and "Serving on the H100").
-FUSED_MAX_ROWS = 32
 
 # What a several-row decode step hands from one launch to the next in place of an RMSNorm:
 # (norm weight * h, the sums of squares of h's rows in column blocks), see ``_norm_prologue``.
@@ -41,7 +34,7 @@ class LayerWeights(NamedTuple):
     v: the rotated v_proj (weight, bias) of the unfused path, or None (no rotation, or fused).
     o: o_proj's (weight, bias): the rotated copy, or the module's own.
     next_norm: the next layer's input-norm weight, whose share a split-norm step hands on
-        (``DecodePlan.split_norm``); None for the last layer.
+        (``DecodePath.split_norm``); None for the last layer.
     """
 
     block: nn.Module
@@ -52,37 +45,20 @@ class LayerWeights(NamedTuple):
     next_norm: Optional[torch.Tensor]
 
 
-@dataclass(frozen=True)
-class DecodePlan:
-    """The kernels a decode step of ``rows`` rows (one bucket) runs per layer, decided once.
+class DecodePath(NamedTuple):
+    """How a decode step's layer runs, as the step's plan decided it (``graphs/step_plan.py``,
+    ``StepPlan``): ``fused_linear``, each projection one ``ops.fused_linear`` launch with the
+    norm or SiLU-gate before it and the residual add or RoPE after it (else GEMMs with those
+    around them); ``split_norm``, each RMSNorm split over the launch before it and the
+    projection after it (``_norm_prologue``); and each projection's launch
+    (``ops.linear.launch_tensor``; None on the GEMM path)."""
 
-    ``fused_linear``: each projection is one ``ops.fused_linear`` launch with the RMSNorm or
-    SiLU-gate before it and the residual add or RoPE after it (CUDA, plain RMSNorms, SiLU MLP,
-    at most ``FUSED_MAX_ROWS`` rows; measured on the H200 against inductor's kernels around
-    cuBLAS, ``perf/NOTES.md``, "Fused linear layers"); otherwise GEMMs (cuBLAS on CUDA) with
-    the norms, RoPE and gates around them (fused by inductor when compiled). ``split_norm``: at several rows (not fp16) each
-    RMSNorm is split over the launch before it (which hands on ``weight * h`` and the row sums
-    of squares) and the projection after it (which scales by 1 / RMS): no launch for the norm.
-    """
-
-    rows: int
     fused_linear: bool
     split_norm: bool
-
-    def kernels(self) -> List[str]:
-        """One layer's launches in order, for reading and for ``MiniKVModel.stats``."""
-        if not self.fused_linear:
-            return ["input norm, q/k/v GEMM, RoPE", "minikv::cache_write_ring",
-                    "minikv::decode_attention", "o_proj GEMM, residual",
-                    "post-attention norm, gate/up GEMM, SiLU-gate", "down GEMM, residual"]
-        first = ("fused_linear q/k/v (RoPE; input norm handed on)" if self.split_norm
-                 else "fused_linear q/k/v (input norm, RoPE)")
-        last = ("fused_linear down (+ residual, next input norm's share)" if self.split_norm
-                else "fused_linear down (+ residual)")
-        norm = "post-attention norm's share" if self.split_norm else "post-attention norm"
-        return [first, "minikv::cache_write_ring", "minikv::decode_attention",
-                f"fused_linear o_proj (+ residual, {norm})", "fused_linear gate/up (SiLU-gate)",
-                last]
+    qkv: Optional[torch.Tensor] = None
+    o: Optional[torch.Tensor] = None
+    gate_up: Optional[torch.Tensor] = None
+    down: Optional[torch.Tensor] = None
 
 
 class LlamaFamilyAdapter:
@@ -130,24 +106,14 @@ class LlamaFamilyAdapter:
         self.num_kv_heads //= tp.world
         # Fused [q; k; v] and [gate; up] weights per layer (None: use the modules one by one).
         self.fused = [fuse_layer(block) for block in self.layers] if fuse_projections else None
-        # Decode steps: each projection is one ``ops.fused_linear`` launch with the norm before
-        # it and the residual add, RoPE or SiLU-gate after it (``_fused_rows``).
+        # Decode steps may run each projection as one ``ops.fused_linear`` launch with the norm
+        # before it and the residual add, RoPE or SiLU-gate after it (their plan decides).
         self.fused_decode = self.fused is not None and fusable(self.layers[0], config)
         # ``rotate_heads("hadamard")``: H (D, D) fp32, and per layer the folded v_proj (CPU path;
         # the fused path holds it in its [q; k; v]) and o_proj weights. None: no rotation.
         self.hadamard: Optional[torch.Tensor] = None
         self.rotated_v: Optional[List[tuple]] = None
         self.rotated_o: Optional[List[tuple]] = None
-
-    def decode_plan(self, rows: int, dtype: torch.dtype) -> DecodePlan:
-        """What a decode step of ``rows`` rows in ``dtype`` runs (``DecodePlan``)."""
-        fused = self.fused_decode and rows <= FUSED_MAX_ROWS
-        # fp16 keeps a separate norm: ``weight * h`` rounded before the division could overflow
-        # (a residual stream of 3e4 and a weight of 4 would). Several ranks keep it too: the
-        # launch before the norm has this rank's partial sum only, not h.
-        return DecodePlan(rows=rows, fused_linear=fused,
-                          split_norm=(fused and rows > 1 and dtype != torch.float16
-                                      and self.tp.world == 1))
 
     def rotate_heads(self, rotation: str) -> None:
         """Rotate every head's q, k and v by an orthonormal Hadamard matrix ``H`` (D x D).
@@ -228,12 +194,14 @@ class LlamaFamilyAdapter:
         return self.decoder.rotary_emb(h, positions)
 
     def qkv(self, layer: Union[int, LayerWeights], h: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor, normed: Optional[Normed] = None):
+            sin: torch.Tensor, normed: Optional[Normed] = None,
+            path: Optional[DecodePath] = None):
         """Pre-norm, projections, optional q/k norm, RoPE. Keys are returned after RoPE.
 
         ``layer``: its index, or its ``layer_weights`` (what a compiled decode step passes).
         ``normed``: what the layer before returned with ``h`` (``finish_layer_normed``), the
-        input norm split over the two launches; None runs the norm here.
+        input norm split over the two launches; None runs the norm here. ``path``: a decode
+        step's (``S = 1``) ``DecodePath``; None (prefill) runs the GEMM path.
         """
         w = layer if isinstance(layer, LayerWeights) else self.layer_weights(layer)
         block = w.block
@@ -241,14 +209,14 @@ class LlamaFamilyAdapter:
         B, S, _ = h.shape
         nq, nkv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
         roped = spun = False  # RoPE / the Hadamard rotation already applied
-        if self._fused_rows(h):
+        if path is not None and path.fused_linear:
             weight, bias = w.qkv
             # RoPE of q and k in the same launch, unless a q/k norm (Qwen3) comes before it.
             roped = not self.has_qk_norm
             rope = (dict(rope_cos=cos[:, 0], rope_sin=sin[:, 0], rope_rows=nq + nkv)
                     if roped else {})
             x, norm = _norm_prologue(block.input_layernorm, h[:, 0], normed)
-            qkv = ops.fused_linear(x, weight, bias, **norm, **rope)
+            qkv = ops.fused_linear(x, weight, bias, **norm, **rope, launch=path.qkv)
             if roped and self.hadamard is not None:  # q and k rotated in one launch
                 qkv, spun = ops.hadamard_heads(qkv, self.head_dim, nq + nkv), True
             q, k, v = qkv[:, None].split([nq, nkv, nkv], dim=-1)
@@ -300,17 +268,17 @@ class LlamaFamilyAdapter:
         return out
 
     def finish_layer_normed(self, layer: Union[int, LayerWeights], h: torch.Tensor,
-                            attn_out: torch.Tensor) -> tuple[torch.Tensor, Optional[Normed]]:
-        """A decode step's ``finish_layer`` (``layer``: its index or its ``layer_weights``),
-        returning with ``h`` what the next layer's ``qkv(..., normed=...)`` takes (None where
-        the step does not split the norm: one row, fp16, the last layer, or not the fused
-        path)."""
+                            attn_out: torch.Tensor, path: DecodePath
+                            ) -> tuple[torch.Tensor, Optional[Normed]]:
+        """A decode step's ``finish_layer`` (``layer``: its index or its ``layer_weights``) on
+        its ``path``, returning with ``h`` what the next layer's ``qkv(..., normed=...)`` takes
+        (None where the path does not split the norm, and after the last layer)."""
         w = layer if isinstance(layer, LayerWeights) else self.layer_weights(layer)
-        return self._finish(w, h, attn_out, True)
+        return self._finish(w, h, attn_out, True, path)
 
-    def _finish(self, w: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor, hand_on: bool
-                ) -> tuple[torch.Tensor, Optional[Normed]]:
-        """The layer's output, and with ``hand_on`` (where the plan splits the norm and a next
+    def _finish(self, w: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor, hand_on: bool,
+                path: Optional[DecodePath] = None) -> tuple[torch.Tensor, Optional[Normed]]:
+        """The layer's output, and with ``hand_on`` (where the path splits the norm and a next
         layer exists) the next layer's input norm share (``_norm_prologue``)."""
         block = w.block
         o = block.self_attn.o_proj
@@ -318,28 +286,30 @@ class LlamaFamilyAdapter:
         # o_proj and down_proj: this rank's partial sums over its heads / features, summed
         # over the ranks (``TensorParallel.all_reduce``; nothing with one rank)
         sum_ranks = self.tp.all_reduce
-        if self._fused_rows(h):
+        if path is not None and path.fused_linear:
             down = block.mlp.down_proj
             post = block.post_attention_layernorm
-            split = self.decode_plan(h.shape[0], h.dtype).split_norm  # (one rank only)
+            split = path.split_norm  # (one rank only)
             first = self.tp.rank == 0  # the residual in rank 0's epilogue alone: added once
             if split:  # the norm split over o_proj and gate/up
                 x, *xn = ops.fused_linear(attn_out[:, 0], o_w, o_b, residual=h[:, 0],
-                                          norm_out=post.weight)
+                                          norm_out=post.weight, launch=path.o)
                 a, norm = _norm_prologue(post, x, xn)
             else:
                 x = sum_ranks(ops.fused_linear(attn_out[:, 0], o_w, o_b,
-                                               residual=h[:, 0] if first else None))
+                                               residual=h[:, 0] if first else None,
+                                               launch=path.o))
                 a, norm = _norm_prologue(post, x)
-            act = ops.fused_linear(a, *w.gate_up, **norm, glu_out=True)  # silu(gate) * up
+            act = ops.fused_linear(a, *w.gate_up, **norm, glu_out=True,  # silu(gate) * up
+                                   launch=path.gate_up)
             # next_norm is read only where the norm is split: elsewhere the last layer's None
             # is never seen, and one compiled layer serves them all
             if hand_on and split and w.next_norm is not None:
                 out, *xn = ops.fused_linear(act, down.weight, down.bias, residual=x,
-                                            norm_out=w.next_norm)
+                                            norm_out=w.next_norm, launch=path.down)
                 return out[:, None], tuple(xn)
             out = sum_ranks(ops.fused_linear(act, down.weight, down.bias,
-                                             residual=x if first else None))
+                                             residual=x if first else None, launch=path.down))
             return out[:, None], None
         h = h + sum_ranks(o(attn_out) if self.rotated_o is None else F.linear(attn_out, o_w, o_b))
         x = block.post_attention_layernorm(h)
@@ -353,11 +323,6 @@ class LlamaFamilyAdapter:
         each computes its vocabulary slice and every rank gets all of them)."""
         local = self.model.lm_head(self.decoder.norm(h))                  # (B, V / N)
         return self.tp.gather_vocab(local, self.vocab_size).float()
-
-    def _fused_rows(self, h: torch.Tensor) -> bool:
-        """Whether this call runs the ``ops.fused_linear`` path: a decode step (one position)
-        whose plan says so."""
-        return h.shape[1] == 1 and self.decode_plan(h.shape[0], h.dtype).fused_linear
 
 
 def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = None
@@ -377,7 +342,7 @@ def _norm_prologue(norm: nn.Module, x: torch.Tensor, normed: Optional[Normed] = 
     """
     if x.shape[0] == 1:
         return x, dict(rms_weight=norm.weight, eps=norm.variance_epsilon)
-    if normed is not None:  # only from a launch that split it (``DecodePlan.split_norm``)
+    if normed is not None:  # only from a launch that split it (``DecodePath.split_norm``)
         x_scaled, sumsq = normed
         return x_scaled, dict(rms_sumsq=sumsq, eps=norm.variance_epsilon)
     return ops.rms_norm(x, norm.weight, norm.variance_epsilon), {}

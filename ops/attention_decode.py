@@ -52,7 +52,7 @@ instruction counts of the compiled loops, Nsight Compute accounts) is in ``perf/
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
@@ -766,6 +766,25 @@ class _Plan(NamedTuple):
     half2: bool
     prefetch: bool
 
+    def as_tensor(self) -> torch.Tensor:
+        """This launch as the ops' ``launch`` argument: ``(8,)`` int64 on the CPU, the fields in
+        order (``kernel`` as its index in :data:`KERNELS`, no ``maxnreg`` as 0). A tensor, not
+        ints: a compiled step passes it as an input, so one compiled graph serves every bucket
+        (ints would be baked into it: one compile per bucket)."""
+        return torch.tensor([KERNELS.index(self.kernel), self.num_splits, self.block_n,
+                             self.num_warps, self.num_stages, self.maxnreg or 0,
+                             int(self.half2), int(self.prefetch)], dtype=torch.int64)
+
+    @classmethod
+    def of_tensor(cls, launch: torch.Tensor) -> "_Plan":
+        """The launch ``as_tensor`` gave."""
+        kernel, splits, block_n, warps, stages, maxnreg, half2, prefetch = launch.tolist()
+        if not 0 <= kernel < len(KERNELS):
+            raise ValueError(f"launch: expected a kernel index in [0, {len(KERNELS)}), got "
+                             f"{kernel}")
+        return cls(KERNELS[kernel], splits, block_n, warps, stages, maxnreg or None,
+                   bool(half2), bool(prefetch))
+
 
 def _check_group(rows: int, gqa: int) -> None:
     """The query rows of a KV group, ``rows * gqa``, fit the dots' N axis (``MAX_GQA``)."""
@@ -828,13 +847,25 @@ def _plan(device: torch.device, dtype: torch.dtype, bits: int, group_size: int, 
     return _Plan(SPLIT, splits, block_n, warps, 2, maxnreg, half2=True, prefetch=False)
 
 
+def decode_attention_plan(device: torch.device, dtype: torch.dtype, bits: int, group_size: int,
+                          head_dim: int, batch: int, h_q: int, h_kv: int, capacity: int, *,
+                          rows: int = 1, recall: bool = False) -> _Plan:
+    """The launch :func:`decode_attention` (``recall``: :func:`decode_attention_recall` with
+    ``rows`` query rows) runs by default for these shapes on ``device`` (``_plan``), for a
+    caller that decides its launches ahead and passes them as ``launch``."""
+    return _plan(device, dtype, bits, group_size, head_dim, batch, h_q, h_kv, capacity,
+                 sm_count_of(device), rows=rows, recall=recall)
+
+
 def _decode_attention_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    scale: float, bits: int, group_size: int, plan: Optional[_Plan] = None,
+    scale: float, bits: int, group_size: int,
+    plan: Union[_Plan, torch.Tensor, None] = None,
 ) -> torch.Tensor:
     """The CUDA implementation of :func:`decode_attention` (inputs already validated; also
     callable on CPU tensors under TRITON_INTERPRET=1, the Triton kernel only). ``plan``: the
-    launch, ``_plan``'s by default (tests and the kernel benchmark pass others)."""
+    launch (a ``_Plan``, or the op's ``launch`` tensor), ``_plan``'s by default (tests and the
+    kernel benchmark pass others)."""
     out = q.new_empty(q.shape)                                              # (B, H_q, D)
     _launch(q.unsqueeze(1), (k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring,
                              lens), None, out, scale, bits, group_size, plan)
@@ -842,7 +873,7 @@ def _decode_attention_triton(
 
 
 def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
-            plan: Optional[_Plan]) -> None:
+            plan: Union[_Plan, torch.Tensor, None]) -> None:
     """The launches of both ops. q: (B, R, H_q, D), any strides; bufs: the layer's nine
     buffers; recall: None, or (recall_k, recall_v, recall_idx, lse_ref, mass, layer,
     update) as :func:`decode_attention_recall` takes them; out: (B * R, H_q, D), written."""
@@ -854,6 +885,13 @@ def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
     if plan is None:
         plan = _plan(q.device, q.dtype, bits, group_size, d, batch, h_q, h_kv, capacity,
                      sm_count_of(q.device), rows=rows, recall=recall is not None)
+    elif isinstance(plan, torch.Tensor):
+        plan = _Plan.of_tensor(plan)
+    if plan.kernel == FRAGMENTS and (recall is not None or rows != 1 or not _fragments_supported(
+            q.device, q.dtype, bits, group_size, d)):
+        raise ValueError(f"launch: kernel {FRAGMENTS!r} does not cover this call (recall, "
+                         f"rows {rows}, {q.device.type}, bits={bits}, group_size={group_size}, "
+                         f"head_dim {d}, {q.dtype}); expected {SPLIT!r}")
     block_n = plan.block_n
     if block_n < 16 or block_n & (block_n - 1) or (bits != 16 and block_n % group_size):
         raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of group_size="
@@ -978,7 +1016,7 @@ def _decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
-    scale: float, bits: int, group_size: int,
+    scale: float, bits: int, group_size: int, launch: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return decode_attention_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                                 k_ring, v_ring, lens, scale, bits, group_size)
@@ -986,7 +1024,7 @@ def _decode_attention_op(
 
 @_decode_attention_op.register_fake
 def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      scale, bits, group_size):
+      scale, bits, group_size, launch=None):
     return q.new_empty(q.shape)
 
 
@@ -996,6 +1034,13 @@ _decode_attention_op.register_kernel("cuda")(_decode_attention_triton)
 # ----------------------------------------------------------------------------------------------
 # Public wrapper
 # ----------------------------------------------------------------------------------------------
+
+
+def check_launch(launch: Optional[torch.Tensor]) -> None:
+    """A ``launch`` argument is None or ``_Plan.as_tensor``'s shape: (8,) int64 on the CPU."""
+    if launch is not None:
+        check_tensor("launch", launch, shape=(len(_Plan._fields),), dtypes=(torch.int64,),
+                     device=torch.device("cpu"))
 
 
 def _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
@@ -1030,7 +1075,7 @@ def decode_attention(
     k_cache: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     v_cache: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
-    scale: float, bits: int = 2, group_size: int = 16,
+    scale: float, bits: int = 2, group_size: int = 16, launch: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over one layer's compressed cache.
 
@@ -1061,6 +1106,9 @@ def decode_attention(
         bits: 1, 2 or 4 (quantized) or 16 (no quantization).
         group_size: G in {16, 32, 64, 128}; ``T_cap``, ``R`` and ``D`` are multiples of it
             (ignored when bits == 16).
+        launch: the launch decided ahead (a decode step's plan): ``decode_attention_plan(...)
+            .as_tensor()``, ``(8,)`` int64 on the CPU; None: ``_plan``'s for these shapes. The
+            CPU reference ignores it.
         All cache buffers and ``lens`` are contiguous and on q's device.
 
     Returns:
@@ -1071,6 +1119,7 @@ def decode_attention(
     """
     _check_inputs(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
                   bits, group_size)
+    check_launch(launch)
     return torch.ops.minikv.decode_attention(q, k_cache, k_scale, k_zero, v_cache, v_scale,
                                              v_zero, k_ring, v_ring, lens, float(scale), bits,
-                                             group_size)
+                                             group_size, launch)

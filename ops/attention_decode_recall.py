@@ -28,12 +28,13 @@ is the op: its checks, its CUDA entry, its fp32 reference and its registration.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ._checks import check_tensor
-from .attention_decode import _check_group, _check_inputs, _launch, _Plan, _region_ref
+from .attention_decode import (_check_group, _check_inputs, _launch, _Plan, _region_ref,
+                               check_launch)
 from .cache_layout import check_base, ring_length
 from .recall import mass_codes
 
@@ -41,7 +42,7 @@ from .recall import mass_codes
 def _decode_attention_recall_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
     recall_k, recall_v, recall_idx, lse_ref, mass, layer, update,
-    scale: float, bits: int, group_size: int, plan: Optional[_Plan] = None,
+    scale: float, bits: int, group_size: int, plan: Union[_Plan, torch.Tensor, None] = None,
 ) -> torch.Tensor:
     """The CUDA implementation of :func:`decode_attention_recall` (same conditions as
     :func:`.attention_decode._decode_attention_triton`)."""
@@ -125,7 +126,7 @@ def _decode_attention_recall_op(
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
     lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor, update: torch.Tensor,
-    scale: float, bits: int, group_size: int,
+    scale: float, bits: int, group_size: int, launch: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return decode_attention_recall_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
                                        k_ring, v_ring, lens, recall_k, recall_v, recall_idx,
@@ -134,7 +135,8 @@ def _decode_attention_recall_op(
 
 @_decode_attention_recall_op.register_fake
 def _(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-      recall_k, recall_v, recall_idx, lse_ref, mass, layer, update, scale, bits, group_size):
+      recall_k, recall_v, recall_idx, lse_ref, mass, layer, update, scale, bits, group_size,
+      launch=None):
     return q.new_empty(q.shape)
 
 
@@ -153,7 +155,7 @@ def decode_attention_recall(
     k_ring: torch.Tensor, v_ring: torch.Tensor, lens: torch.Tensor,
     recall_k: torch.Tensor, recall_v: torch.Tensor, recall_idx: torch.Tensor,
     lse_ref: torch.Tensor, mass: torch.Tensor, layer: torch.Tensor, update: torch.Tensor,
-    scale: float, bits: int = 2, group_size: int = 16,
+    scale: float, bits: int = 2, group_size: int = 16, launch: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention with recall (SpeCache): R query rows per sequence over one layer's
     compressed cache in which the recalled positions take their full-precision K/V; also the
@@ -221,7 +223,8 @@ def decode_attention_recall(
         update: ``(B,)`` int32, contiguous: per slot, -1 leaves its ``lse_ref`` and ``lens`` as
             they are (a slot the step does not advance); ``n >= 0`` updates ``lse_ref`` and
             gives back ``n`` ring tokens (0, or 1 when it pre-decodes; not checked).
-        scale, bits, group_size: as :func:`.attention_decode.decode_attention`.
+        scale, bits, group_size, launch: as :func:`.attention_decode.decode_attention`
+            (``launch``: the Triton kernel's, ``decode_attention_plan(..., recall=True)``).
         All on q's device.
 
     Returns:
@@ -263,7 +266,8 @@ def decode_attention_recall(
     check_tensor("layer", layer, shape=(1,), dtypes=(torch.int32,), device=q.device)
     check_tensor("update", update, shape=(batch,), dtypes=(torch.int32,), device=q.device,
                  contiguous=True)
+    check_launch(launch)
     return torch.ops.minikv.decode_attention_recall(
         q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
         recall_k, recall_v, recall_idx, lse_ref, mass, layer, update, float(scale), bits,
-        group_size)
+        group_size, launch)

@@ -60,6 +60,10 @@ from ._checks import FLOAT_DTYPES, check_choice, check_tensor
 # partial sums of squares ``rms_sumsq``, scales the product instead of the input.
 PROLOGUES = ("none", "rmsnorm", "prescaled")
 MAX_SUMS = 4096  # partial sums of squares per row that a "prescaled" launch takes
+# ``launch_config``'s keys, in the order of a ``launch`` tensor (``launch_tensor``). A tensor, not
+# ints: a compiled step passes it as an input, so one compiled graph serves every bucket of a
+# plan (ints would be baked into it: one compile per bucket).
+LAUNCH_KEYS = ("USE_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "K_PREFETCH")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,20 +419,36 @@ def launch_config(M: int, N: int, K: int, dtype: torch.dtype) -> dict:
                 NUM_STAGES=stages, num_warps=4, K_PREFETCH=prefetch)
 
 
+def launch_tensor(config: dict) -> torch.Tensor:
+    """A launch decided ahead of the call (``launch_config``'s dict) as ``fused_linear``'s
+    ``launch``: its values in ``LAUNCH_KEYS`` order, a CPU int64 tensor."""
+    return torch.tensor([int(config[k]) for k in LAUNCH_KEYS], dtype=torch.int64)
+
+
 def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          rms_weight: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                          rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
                          rope_rows: int, prologue: str, eps: float, glu_out: bool = False,
                          rms_sumsq: Optional[torch.Tensor] = None,
+                         launch: Optional[torch.Tensor] = None,
                          norm_out: Optional[torch.Tensor] = None, **override):
     """The launch behind both ops: returns ``y``, or ``(y, y_scaled, sumsq)`` with ``norm_out``.
-    ``override``: keys of ``launch_config`` replaced (tests run odd tiles through it)."""
+    ``launch``: the caller's launch (``launch_tensor``), else ``launch_config``'s for these
+    shapes; ``override``: keys of it replaced (tests run odd tiles through it)."""
     _check_prologue(prologue, rms_weight, rms_sumsq)
     M = x.shape[0]
     N, K = weight.shape
     y = x.new_empty(M, N // 2 if glu_out else N)
-    cfg = launch_config(M, N, K, x.dtype)
+    if launch is None:
+        cfg = launch_config(M, N, K, x.dtype)
+    else:
+        cfg = dict(zip(LAUNCH_KEYS, launch.tolist()))
+        cfg["USE_DOT"] = bool(cfg["USE_DOT"])
     cfg.update(override)
+    width = norm_out_blocks(M, N, K, x.dtype)[1]
+    if norm_out is not None and cfg["BLOCK_N"] != width:  # sumsq's shape promised that width
+        raise ValueError(f"launch: expected BLOCK_N {width} with norm_out (norm_out_blocks), "
+                         f"got {cfg['BLOCK_N']}")
     num_warps = cfg.pop("num_warps")
     pdl = gdc.supported(x.device)
     rope = rope_cos is not None
@@ -474,9 +494,10 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     return (y, y_scaled, sumsq) if norm_out is not None else y
 
 
-def _fused_linear_norm_out_triton(x, weight, bias, residual, norm_weight, **override):
+def _fused_linear_norm_out_triton(x, weight, bias, residual, norm_weight, launch=None,
+                                  **override):
     return _fused_linear_triton(x, weight, bias, None, residual, None, None, 0, "none", 0.0,
-                                norm_out=norm_weight, **override)
+                                launch=launch, norm_out=norm_weight, **override)
 
 
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -502,14 +523,15 @@ def _fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                      rope_cos: Optional[torch.Tensor], rope_sin: Optional[torch.Tensor],
                      rope_rows: int, prologue: str, eps: float,
                      glu_out: bool = False,
-                     rms_sumsq: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     rms_sumsq: Optional[torch.Tensor] = None,
+                     launch: Optional[torch.Tensor] = None) -> torch.Tensor:
     return fused_linear_ref(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows,
                             prologue, eps, glu_out, rms_sumsq)
 
 
 @_fused_linear_op.register_fake
 def _(x, weight, bias, rms_weight, residual, rope_cos, rope_sin, rope_rows, prologue, eps,
-      glu_out=False, rms_sumsq=None):
+      glu_out=False, rms_sumsq=None, launch=None):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu_out else weight.shape[0])
 
 
@@ -518,13 +540,14 @@ _fused_linear_op.register_kernel("cuda")(_fused_linear_triton)
 
 @torch.library.custom_op("minikv::fused_linear_norm_out", mutates_args=())
 def _fused_linear_norm_out_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                              residual: Optional[torch.Tensor], norm_weight: torch.Tensor
+                              residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                              launch: Optional[torch.Tensor] = None
                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return fused_linear_norm_out_ref(x, weight, bias, residual, norm_weight)
 
 
 @_fused_linear_norm_out_op.register_fake
-def _(x, weight, bias, residual, norm_weight):
+def _(x, weight, bias, residual, norm_weight, launch=None):
     (M, K), N = x.shape, weight.shape[0]
     P, _ = norm_out_blocks(M, N, K, x.dtype)
     return x.new_empty(M, N), x.new_empty(M, N), x.new_empty(M, P, dtype=torch.float32)
@@ -557,7 +580,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                  residual: Optional[torch.Tensor] = None,
                  rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
                  rope_rows: int = 0, glu_out: bool = False,
-                 norm_out: Optional[torch.Tensor] = None):
+                 norm_out: Optional[torch.Tensor] = None, launch: Optional[torch.Tensor] = None):
     """``[residual +] linear(prologue(x), weight, bias)``, or its first ``rope_rows`` columns
     rotated, or ``silu(gate) * up`` of its two halves, in one launch (module docstring).
 
@@ -588,6 +611,10 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             (no residual, no RoPE).
         norm_out: ``(N,)``, the weight of the RMSNorm that the output goes through next: also
             return what ``rms_sumsq`` needs (no prologue, RoPE or ``glu_out``).
+        launch: the launch decided ahead (a decode step's plan): ``launch_tensor`` of a
+            ``launch_config``-like dict, ``(7,)`` int64 on the CPU; None: ``launch_config`` of
+            this call's shapes. With ``norm_out`` its ``BLOCK_N`` must be ``norm_out_blocks``'s
+            width. The CPU reference ignores it.
 
     Returns:
         ``y (M, N)`` (``(M, N / 2)`` with ``glu_out``) in x's dtype, contiguous; with
@@ -602,6 +629,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     dev, dt = x.device, x.dtype
     check_tensor("weight", weight, ndim=2, dtypes=(dt,), device=dev)
+    if launch is not None:
+        check_tensor("launch", launch, shape=(len(LAUNCH_KEYS),), dtypes=(torch.int64,),
+                     device=torch.device("cpu"))
     N, K = weight.shape
     check_tensor("x", x, shape=(None, K))
     M = x.shape[0]
@@ -649,12 +679,13 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             raise ValueError(f"norm_out: expected at most {MAX_SUMS} column blocks of sums per "
                              f"row (what a prescaled launch takes), got {P} ({N} columns in "
                              f"blocks of {width})")
-        return torch.ops.minikv.fused_linear_norm_out(x, weight, bias, residual, norm_out)
+        return torch.ops.minikv.fused_linear_norm_out(x, weight, bias, residual, norm_out,
+                                                      launch)
     prologue = ("rmsnorm" if rms_weight is not None else
                 "prescaled" if rms_sumsq is not None else "none")
     return torch.ops.minikv.fused_linear(x, weight, bias, rms_weight, residual, rope_cos,
                                          rope_sin, int(rope_rows), prologue, float(eps),
-                                         bool(glu_out), rms_sumsq)
+                                         bool(glu_out), rms_sumsq, launch)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -8,6 +8,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
 
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs import budget
+from minikv_compile.graphs.step_plan import decode_path
 from reference_pipeline import ReferenceMiniKV
 
 # Tiny shapes: 2 layers, 4 q / 2 kv heads, head dim 64 (Llama-3.1-8B: 32 layers, 32/8, 128;
@@ -320,30 +321,33 @@ def test_fused_projections_and_chunked_prefill_change_no_result(kind):
     for rows in (slice(4, 5), slice(2, 8)):
         step = h[0, rows, None]                              # (rows, 1, hidden)
         c, s, a_out = cos[0, rows, None], sin[0, rows, None], attn[0, rows, None]
-        assert fused._fused_rows(step)
-        for a, b in zip(plain.qkv(1, step, c, s), fused.qkv(1, step, c, s)):
+        path = decode_path(fused, rows.stop - rows.start, torch.float32)
+        assert path.fused_linear
+        for a, b in zip(plain.qkv(1, step, c, s), fused.qkv(1, step, c, s, path=path)):
             assert torch.equal(a, b)
         want = plain.finish_layer(0, step, a_out)
-        out, normed = fused.finish_layer_normed(0, step, a_out)
-        assert torch.equal(fused.finish_layer(0, step, a_out), out)
+        out, normed = fused.finish_layer_normed(0, step, a_out, path)
+        last = fused.layer_weights(0)._replace(next_norm=None)  # nothing handed on: same h
+        assert torch.equal(fused.finish_layer_normed(last, step, a_out, path)[0], out)
         if rows.stop - rows.start == 1:
             assert torch.equal(out, want) and normed is None
             continue
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         assert not torch.equal(out, want)  # the split norm did run
-        for a, b in zip(plain.qkv(1, out, c, s), fused.qkv(1, out, c, s, normed)):
+        for a, b in zip(plain.qkv(1, out, c, s), fused.qkv(1, out, c, s, normed, path)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        assert fused.finish_layer_normed(1, step, a_out)[1] is None  # the last layer
-    assert not fused._fused_rows(h[0, :1, None].expand(33, 1, -1))  # above FUSED_MAX_ROWS = 32
-    plans = {rows: fused.decode_plan(rows, torch.bfloat16) for rows in (1, 16, 32, 33)}
+        assert fused.finish_layer_normed(1, step, a_out, path)[1] is None  # the last layer
+    plans = {rows: decode_path(fused, rows, torch.bfloat16) for rows in (1, 16, 32, 33)}
     assert [(p.fused_linear, p.split_norm) for p in plans.values()] == [
-        (True, False), (True, True), (True, True), (False, False)]
-    assert "fused_linear q/k/v (input norm, RoPE)" in plans[1].kernels()
-    assert not plain.decode_plan(1, torch.float32).fused_linear
+        (True, False), (True, True), (True, True), (False, False)]  # above FUSED_MAX_ROWS = 32
+    assert [plans[r].qkv[0].item() for r in (1, 16)] == [0, 1]  # USE_DOT: FMA at one row
+    assert not decode_path(plain, 1, torch.float32).fused_linear
     # fp16 keeps ops.rms_norm: norm.weight * h, rounded before the division, could overflow.
     half = get_adapter(tiny(kind, dtype=torch.float16), 64, fuse_projections=True)
     step, a_out = h[0, 2:8, None].half(), attn[0, 2:8, None].half()
-    assert half._fused_rows(step) and half.finish_layer_normed(0, step, a_out)[1] is None
+    path = decode_path(half, 6, torch.float16)
+    assert path.fused_linear and not path.split_norm
+    assert half.finish_layer_normed(0, step, a_out, path)[1] is None
     assert torch.equal(model(x).logits, before)  # the HF model is untouched by the fusion
 
 

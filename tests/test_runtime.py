@@ -134,7 +134,7 @@ def test_one_compiled_layer_serves_every_layer_of_each_plan():
             outputs.append(rt.outputs(list(range(n))))
             compiles.append(rt.runner.compiles)
             rt.release_all()
-    assert [adapter.decode_plan(b, torch.float32).split_norm for b in (1, 4, 32, 64)] == [
+    assert [rt.plans[b, "greedy"].path.split_norm for b in (1, 4, 32, 64)] == [
         False, True, True, False]
     assert outputs[:4] == outputs[4:]
     # the start, the layer and the choice at batch 1 (every layer one kind of call: the plan
@@ -164,7 +164,7 @@ def test_the_fused_plans_buckets_share_one_compile_in_bf16():
         run_until_done(rt, list(range(n)))
         compiles.append(rt.runner.compiles)
         rt.release_all()
-    plans = [adapter.decode_plan(b, torch.bfloat16) for b in (4, 32)]
+    plans = [rt.plans[b, "greedy"].path for b in (4, 32)]
     assert [(p.fused_linear, p.split_norm) for p in plans] == [(True, True)] * 2
     assert compiles[1] == compiles[0] > 0
 

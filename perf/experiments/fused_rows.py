@@ -5,7 +5,7 @@
 
 While 32k prompts are admitted the serving benchmark's streams run at buckets 16-32 with 8-16k
 token contexts, and the long phase's ITL median is those steps (``perf/NOTES.md``, "Serving on
-the H100"). Steps of up to ``models.llama.FUSED_MAX_ROWS`` rows run each projection as one
+the H100"). Steps of up to ``graphs.step_plan.FUSED_MAX_ROWS`` rows run each projection as one
 ``fused_linear`` launch; above it, cuBLAS GEMMs with inductor's kernels around them. This builds
 the Llama-3.1-8B shape (random bf16), admits ``--live`` slots of ``--context`` tokens into an
 engine of ``--slots`` slots and times the replayed step of their bucket by CUDA events, with
@@ -39,11 +39,11 @@ def main() -> None:
 
     from minikv_compile import MiniKVConfig, minikv_compile
     from minikv_compile.graphs.runtime import Request, engine_mode
-    from minikv_compile.models import llama
+    from minikv_compile.graphs import step_plan
     from minikv_compile.perf import harness as H
 
     if a.fused_max_rows is not None:
-        llama.FUSED_MAX_ROWS = a.fused_max_rows
+        step_plan.FUSED_MAX_ROWS = a.fused_max_rows
     dev = torch.device("cuda")
     model = H.build_model(a.model, dev, torch.bfloat16)
     recall = (dict(heavy_budget=1.0, recent_budget=1.0, recall_top_k=a.recall) if a.recall
@@ -57,7 +57,7 @@ def main() -> None:
             rt.admit(slot, Request(prompt.tolist(), 1024))
         key = rt.step_key()
         bucket = key[0]
-        rt.runner.prepare(key)
+        rt.prepare(*key)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(a.steps)]
         for _ in range(10):
@@ -78,8 +78,9 @@ def main() -> None:
     times = sorted(e0.elapsed_time(e1) for e0, e1 in events)
     stats = engine.stats
     result = {"model": a.model, "live": a.live, "context": a.context, "slots": a.slots,
-              "bucket": bucket, "recall_top_k": a.recall, "fused_max_rows": llama.FUSED_MAX_ROWS,
-              "plan": stats["kernels"][bucket], "gpu": torch.cuda.get_device_name(),
+              "bucket": bucket, "recall_top_k": a.recall,
+              "fused_max_rows": step_plan.FUSED_MAX_ROWS,
+              "plan": stats["kernels"][key], "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__,
               "step_ms": {"p50": round(statistics.median(times), 3),
                           "p10": round(times[len(times) // 10], 3),

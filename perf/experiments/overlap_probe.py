@@ -55,7 +55,7 @@ def main() -> None:
             rt.admit(slot, Request(torch.randint(0, vocab, (a.context,), generator=g).tolist(),
                                    1024))
         key = rt.step_key()
-        rt.runner.prepare(key)
+        rt.prepare(*key)
         free = 2 * a.live - 1
         long_ids = torch.randint(0, vocab, (a.long_prompt,), generator=g).to(dev)
 
