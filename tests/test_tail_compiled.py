@@ -73,7 +73,8 @@ def test_gpu_compiled_tail_equals_eager_and_does_not_recompile():
     What may differ: inductor fuses the norms, RoPE, residual adds and the MLP's activation
     and keeps their intermediates in fp32, where eager rounds each op's output to bf16; so
     h, K and V differ by a few bf16 ulps (2^-8 relative), and the logits (the lm_head in
-    bf16) by a few ulps of their scale. A wrong row, position or layer is O(1) off. Exact:
+    bf16) by a few ulps of their scale (the same check in bf16 on the CPU: max 0.017 and mean
+    0.004 of the scale, K/V rows 0.014). A wrong row, position or layer is O(1) off. Exact:
     the counters, the greedy token (where eager's top two are further apart than the bound),
     and the compile count."""
     engine = minikv_compile(tiny(dtype=torch.bfloat16, device="cuda"),
@@ -90,7 +91,7 @@ def test_gpu_compiled_tail_equals_eager_and_does_not_recompile():
         scale = want.abs().max().item()
         bound = 0.05 * scale  # ~12 ulps of bf16 at the logits' largest value
         diff = (got - want).abs()
-        assert diff.max() <= bound and diff.mean() <= 0.01 * scale, (n, diff.max(), scale)
+        assert diff.max() <= bound and diff.mean() <= 0.02 * scale, (n, diff.max(), scale)
         top2 = want[0].topk(2).values
         if top2[0] - top2[1] > 2 * bound:
             assert got[0].argmax() == want[0].argmax(), f"tail of {n} tokens: greedy token"
