@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call at 06ba43c (a clean copy of the commit, carried as .carry_head): issue 46's prompt
+# cache after the pinned, chunked save/load (load was 0.23 of the disk + link bound at 67edc84),
+# the bf16 GPU test of the compiled tail and ttft_profile.py's room for its longer questions. The
+# GPU tests of the compiled tail and the prompt cache, then `perf prompt-cache` on the
+# Llama-3.1-8B shape (save/load efficiency, TTFT cached/fresh in the same run), then
+# perf/experiments/ttft_profile.py (phases, CPU vs CUDA time, launches, compiles at other tail
+# lengths). Budget < 6 min: install ~0.5, tests <= 1.7, prompt-cache <= 2.3, profile <= 1.4.
+set -uo pipefail
+cd .carry_head
+export MINIKV_GIT_SHA=06ba43c PYTHONUNBUFFERED=1
+bash perf/gpu_check.sh "$OUT" > /dev/null
+ROOT=$(pwd); export PYTHONPATH=/tmp/mk; cd /tmp/run
+timeout 100 python -m pytest -q -m gpu -p no:cacheprovider --durations=6 --rootdir "$ROOT" \
+  $ROOT/tests/test_tail_compiled.py $ROOT/tests/test_prompt_cache.py 2>&1 \
+  | tee "$OUT/gpu_tests.log" | tail -12
+mkdir -p "$OUT/pc"
+timeout 140 python -m minikv_compile.perf prompt-cache --out "$OUT/pc" > "$OUT/pc/prompt-cache.log" 2>&1
+echo "prompt-cache exit code $?"; tail -3 "$OUT/pc/prompt-cache.log"
+sed -n '/^## A cached/,/^## Compile/p' "$OUT/pc/prompt-cache.md" | head -20
+grep -E "^- (target|chat prefill)" "$OUT/pc/prompt-cache.md"
+timeout 85 python $ROOT/perf/experiments/ttft_profile.py > "$OUT/ttft_profile.log" 2>&1
+echo "ttft_profile exit code $?"
+grep -E "^(call |question |one call)" "$OUT/ttft_profile.log"
+grep -m1 -A14 "Self CPU %" "$OUT/ttft_profile.log" | cut -c1-150
+cat "$OUT/gpu.txt"
