@@ -444,11 +444,11 @@ def _fused_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     else:
         cfg = dict(zip(LAUNCH_KEYS, launch.tolist()))
         cfg["USE_DOT"] = bool(cfg["USE_DOT"])
+        width = norm_out_blocks(M, N, K, x.dtype)[1]
+        if norm_out is not None and cfg["BLOCK_N"] != width:  # the op's sumsq has that width
+            raise ValueError(f"launch: expected BLOCK_N {width} with norm_out "
+                             f"(norm_out_blocks), got {cfg['BLOCK_N']}")
     cfg.update(override)
-    width = norm_out_blocks(M, N, K, x.dtype)[1]
-    if norm_out is not None and cfg["BLOCK_N"] != width:  # sumsq's shape promised that width
-        raise ValueError(f"launch: expected BLOCK_N {width} with norm_out (norm_out_blocks), "
-                         f"got {cfg['BLOCK_N']}")
     num_warps = cfg.pop("num_warps")
     pdl = gdc.supported(x.device)
     rope = rope_cos is not None
