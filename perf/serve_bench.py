@@ -158,6 +158,8 @@ def add_parsers(sub) -> None:
                    help="minikv waiting requests before 429 (default 1024)")
     g.add_argument("--prefill-ms", type=positive_float, default=None,
                    help="minikv ms of prefill between two decode steps (default 50)")
+    g.add_argument("--data-parallel", type=positive_int, default=1,
+                   help="minikv replicas, one GPU each, behind one front (default 1)")
     g.add_argument("--startup-timeout", type=positive_float, default=None,
                    help="seconds a worker may take to answer /health (default 420)")
     serve_worker.add_parser(sub)
@@ -222,7 +224,8 @@ class Worker:
                      "--device", args.device, "--max-batch-size", str(args.max_batch_size),
                      "--max-prompt-len", str(args.max_prompt_len),
                      "--max-new-tokens", str(args.max_new_tokens),
-                     "--max-queue", str(args.max_queue), "--prefill-ms", str(args.prefill_ms)]
+                     "--max-queue", str(args.max_queue), "--prefill-ms", str(args.prefill_ms),
+                     "--data-parallel", str(args.data_parallel)]
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float) -> float:

@@ -360,6 +360,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="minikv: waiting requests at most before 429 (HF's queue is unbounded)")
     p.add_argument("--prefill-ms", type=positive_float, default=50.0,
                    help="minikv: ms of prefill between two decode steps while others stream")
+    p.add_argument("--data-parallel", type=positive_int, default=1,
+                   help="minikv: this many workers, one GPU each, behind one front "
+                        "(minikv_compile.serve.replicas)")
     return p
 
 
@@ -374,6 +377,20 @@ def main(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     transformers.utils.logging.set_verbosity_warning()
+    if args.data_parallel > 1:  # this process is the front alone, each replica a worker
+        from minikv_compile.serve.replicas import plan_replicas, serve_front
+        if args.backend != "minikv":
+            print("serve-worker: --data-parallel: expected --backend minikv", file=sys.stderr)
+            return 2
+        on_gpu = args.device != "cpu" and torch.cuda.is_available()
+        argv = sys.argv[sys.argv.index("serve-worker") + 1:]
+        try:
+            replicas = plan_replicas(argv, args.data_parallel, 1, "cuda" if on_gpu else "cpu",
+                                     module=("minikv_compile.perf", "serve-worker"))
+        except ValueError as e:
+            print(f"serve-worker: {e}", file=sys.stderr)
+            return 2
+        return serve_front(replicas, args.host, args.port)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("serve-worker: --device cuda: no CUDA device is available here", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -21,6 +22,7 @@ from .app import create_app
 from .security import ServeOptions, allowed_hosts
 from .cache import use_compile_cache
 from .parallel import RANK_TIMEOUT_S, leave_ranks
+from .replicas import plan_replicas, serve_front
 from .server import run_server
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                    help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N replicas of the engine, each a server process on its own GPUs "
+                        "(--tensor-parallel of them), behind this one (default: 1)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot at most, beyond those the free slots "
                         "take; past it, 429 (default: 64)")
@@ -56,6 +61,20 @@ def parser() -> argparse.ArgumentParser:
                             "together (default: 2048)")
     sched.add_argument("--prefill-batch-requests", type=int, default=8, metavar="INT",
                        help="and at most this many prompts a pass (default: 8)")
+    reuse = p.add_argument_group("Prefix cache", "compressed contexts kept after a request "
+                                 "(its prompt; a chat's prompt and answer) and reused by the "
+                                 "requests whose prompts start with them")
+    reuse.add_argument("--prefix-cache-gpu-bytes", type=int, default=0, metavar="INT",
+                       help="device bytes of kept contexts, beside the slots' cache (start-up "
+                            "checks the longest prompt fits with them full); least recently "
+                            "used out first; 0: no reuse (default: 0)")
+    reuse.add_argument("--prefix-cache-host-bytes", type=int, default=0, metavar="INT",
+                       help="host memory for contexts evicted from the device, moved back on "
+                            "a hit (default: 0, none)")
+    reuse.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                       help="contexts also saved there as PromptCache files and loaded on a "
+                            "miss, so that a restarted server reuses them (not bounded: the "
+                            "folder is yours to clean; default: none)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="where torch.compile and Triton keep their compiled artifacts and the "
                         "engine its compiled decode step, so that a restart compiles nothing "
@@ -113,9 +132,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):
             if getattr(args, flag) is not None:  # before the model loads, not after
                 check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=1)
+        for flag in ("prefix_cache_gpu_bytes", "prefix_cache_host_bytes"):
+            check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=0)
         if not args.prefill_ms > 0:
             raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
         options, tls = _door_options(args)
+        if args.data_parallel != 1:  # this process is the front alone (serve/replicas.py)
+            check_int("--data-parallel", args.data_parallel, lo=1)
+            replicas = plan_replicas(sys.argv[1:] if argv is None else argv, args.data_parallel,
+                                     config.tensor_parallel, device)
+            return serve_front(replicas, args.host, args.port)
         use_compile_cache(args.compile_cache)
         if config.tensor_parallel > 1:
             n = config.tensor_parallel
@@ -132,7 +158,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue,
                               prefill_ms=args.prefill_ms, prefill_layers=args.prefill_layers,
                               prefill_batch_tokens=args.prefill_batch_tokens,
-                              prefill_batch_requests=args.prefill_batch_requests)
+                              prefill_batch_requests=args.prefill_batch_requests,
+                              prefix_cache_gpu_bytes=args.prefix_cache_gpu_bytes,
+                              prefix_cache_host_bytes=args.prefix_cache_host_bytes,
+                              prefix_cache_dir=args.prefix_cache_dir)
     except (ValueError, NotImplementedError) as e:
         flags.error(str(e))
     name = args.served_model_name or args.model

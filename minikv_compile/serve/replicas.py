@@ -1,0 +1,476 @@
+"""--data-parallel N: N engine replicas, each a server process on its own GPUs, behind one front.
+
+::
+
+    clients --HTTP--> front (this process: no model, no GPU)
+                        |  each request to the live, ready replica with the fewest requests in
+                        |  flight (the front counts them), over HTTP on loopback, streamed back
+                        v
+              replica i: python -m minikv_compile.serve <the same flags> --port P_i
+                         (CUDA_VISIBLE_DEVICES: its M GPUs; under torchrun when M =
+                         --tensor-parallel > 1)
+
+A replica is an ordinary server: its own scheduler, slots, queue and compiled steps. The front
+routes by load: fewest in flight is most free slots, then the shortest queue, when the replicas
+are alike (ties go round the replicas). ``/health`` is 200 once every replica is ready (503
+while any is starting), and stays 200 while at least one serves after others died, saying which
+(``"degraded"``); ``/metrics`` gives every replica's samples with a ``replica`` label, their sum
+without it, and the front's own (replica up, in flight, routed, failed). A replica that dies
+fails only the requests it held: a stream gets an error event naming it, then ``[DONE]``; a
+whole answer a 502. The front serves on the others and never restarts it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import ApiError
+
+_log = logging.getLogger("minikv_compile.serve.replicas")
+
+# How often the front polls each replica's process and, until it is ready, its /health.
+POLL_S = 0.5
+# A replica's /metrics must answer within this for the front's /metrics (else its last scrape).
+SCRAPE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Replica:
+    """One replica process and what the front knows of it."""
+
+    index: int
+    argv: List[str]
+    env: Dict[str, str]
+    port: int
+    proc: Optional[subprocess.Popen] = None
+    state: str = "starting"                 # starting | ready | dead
+    exit_status: Optional[int] = None
+    in_flight: int = 0
+    routed: int = 0                         # requests sent to it
+    failed: int = 0                         # of them, cut by its death
+    last_metrics: Optional[str] = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def describe(self) -> Dict[str, object]:
+        return {"replica": self.index, "state": self.state, "port": self.port,
+                "pid": self.proc.pid if self.proc else None, "exit_status": self.exit_status,
+                "in_flight": self.in_flight, "routed": self.routed, "failed": self.failed,
+                "gpus": self.env.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _die_with_parent() -> None:  # (the child, before exec) a front killed outright takes these along
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Replicas:
+    """The replica processes: started together, watched by a thread (a process that ended is
+    ``dead``; one whose ``/health`` answers 200 is ``ready``), chosen by load, stopped together."""
+
+    def __init__(self, replicas: Sequence[Replica]):
+        self.replicas = list(replicas)
+        self._turn = itertools.count()
+        self._stopping = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Start every replica (its output is this process's, as under torchrun), then the
+        thread that watches them."""
+        for r in self.replicas:
+            r.proc = subprocess.Popen(r.argv, env=r.env, preexec_fn=_die_with_parent)
+            _log.info("replica %d: pid %d, port %d, GPUs %s", r.index, r.proc.pid, r.port,
+                      r.env.get("CUDA_VISIBLE_DEVICES", "-"))
+        self._watcher = threading.Thread(target=self._watch, name="minikv-replicas", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stopping.is_set():
+                for r in self.replicas:
+                    self.check(r)
+                    if r.state == "starting":
+                        try:
+                            if client.get(r.url + "/health").status_code == 200:
+                                r.state = "ready"
+                                _log.info("replica %d: ready", r.index)
+                        except httpx.TransportError:
+                            pass
+                self._stopping.wait(POLL_S)
+
+    def check(self, r: Replica) -> bool:
+        """Whether ``r`` is still running; marks it dead (with its exit status) if not."""
+        if r.state != "dead" and r.proc is not None and r.proc.poll() is not None:
+            r.state, r.exit_status = "dead", r.proc.returncode
+            if not self._stopping.is_set():
+                _log.error("replica %d (pid %d) exited with status %s: the front serves on "
+                           "the others", r.index, r.proc.pid, r.exit_status)
+        return r.state != "dead"
+
+    def pick(self) -> Replica:
+        """The ready replica with the fewest requests in flight (ties in turn); ``ApiError``
+        503 when none is ready."""
+        ready = [r for r in self.replicas if r.state == "ready" and self.check(r)]
+        if not ready:
+            raise ApiError(503, f"no replica is ready ({self.summary()})", type="server_error",
+                           headers={"Retry-After": "5"})
+        least = min(r.in_flight for r in ready)
+        ready = [r for r in ready if r.in_flight == least]
+        return ready[next(self._turn) % len(ready)]
+
+    def summary(self) -> str:
+        return ", ".join(f"replica {r.index} {r.state}" + (
+            f" (exit status {r.exit_status})" if r.state == "dead" else "") for r in self.replicas)
+
+    def status(self) -> Tuple[int, str]:
+        """(HTTP status, word) of ``/health``."""
+        states = [r.state for r in self.replicas]
+        if "starting" in states:
+            return 503, "starting"
+        if all(s == "dead" for s in states):
+            return 503, "failed"
+        return 200, "degraded" if "dead" in states else "ok"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM every replica, wait up to ``timeout`` seconds for them all, then kill."""
+        self._stopping.set()
+        live = [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+        for r in live:
+            r.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for r in live:
+            try:
+                r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                r.proc.kill()
+                r.proc.wait()
+
+
+# Headers not passed on to a replica (hop by hop, the connection's own, and an encoding the
+# front would have to undo), and not passed back from it.
+_NOT_SENT = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                       "te", "trailer", "upgrade", "proxy-authorization", "accept-encoding"})
+_NOT_RETURNED = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding",
+                           "date", "server"})
+
+
+def _forwarded(headers, dropped: frozenset) -> Dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in dropped}
+
+
+def _labelled(sample: str, label: str) -> str:
+    """``name{a="b"} 1`` -> ``name{label,a="b"} 1``; ``name 1`` -> ``name{label} 1``."""
+    key, _, value = sample.rpartition(" ")
+    if "{" in key:
+        head, _, tail = key.partition("{")
+        return f"{head}{{{label},{tail} {value}"
+    return f"{key}{{{label}}} {value}"
+
+
+def merge_metrics(scrapes: Sequence[Tuple[int, str]]) -> List[str]:
+    """Prometheus text of several replicas ((index, text) each) -> per metric family: its HELP
+    and TYPE, the sum of each sample over the replicas (no ``replica`` label), then every
+    replica's samples with ``replica="i"``."""
+    families: "OrderedDict[str, dict]" = OrderedDict()
+    for index, text in scrapes:
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                name = line.split(" ", 3)[2]
+                family = families.setdefault(name, {"meta": [], "sums": OrderedDict(),
+                                                    "each": []})
+                if line not in family["meta"]:
+                    family["meta"].append(line)
+            elif line and not line.startswith("#") and family is not None:
+                key, _, value = line.rpartition(" ")
+                family["sums"][key] = family["sums"].get(key, 0.0) + float(value)
+                family["each"].append(_labelled(line, f'replica="{index}"'))
+    lines: List[str] = []
+    for family in families.values():
+        lines += family["meta"]
+        lines += [f"{key} {int(value) if value.is_integer() else repr(value)}"
+                  for key, value in family["sums"].items()]
+        lines += family["each"]
+    return lines
+
+
+def _front_metrics(replicas: Replicas) -> List[str]:
+    lines: List[str] = []
+
+    def metric(name: str, kind: str, help_: str, value) -> None:
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+        lines.extend(f'{name}{{replica="{r.index}"}} {value(r)}' for r in replicas.replicas)
+
+    metric("minikv_replica_up", "gauge",
+           "1 while the replica serves (ready), 0 while it starts or after it died.",
+           lambda r: int(r.state == "ready"))
+    metric("minikv_replica_dead", "gauge", "1 once the replica's process has ended.",
+           lambda r: int(r.state == "dead"))
+    metric("minikv_replica_in_flight", "gauge",
+           "Requests the front sent to the replica that have not finished.",
+           lambda r: r.in_flight)
+    metric("minikv_replica_routed_total", "counter", "Requests the front sent to the replica.",
+           lambda r: r.routed)
+    metric("minikv_replica_failed_total", "counter",
+           "Of them, requests cut because the replica died.", lambda r: r.failed)
+    return lines
+
+
+def create_front(replicas: Replicas):
+    """The front's FastAPI app over ``replicas`` (started by the caller)."""
+    import httpx
+
+    # One pool for all replicas; no read timeout: a long prompt's first token may take seconds.
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                               limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=256))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="minikv_compile data-parallel front", docs_url=None, redoc_url=None,
+                  lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        return ApiError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)
+                        ).response()
+
+    async def lost(r: Replica, e: Exception) -> ApiError:
+        """The error of a request whose replica stopped answering: it died (say so), or the
+        connection broke (say that)."""
+        r.failed += 1
+        await asyncio.sleep(0.05)  # (a killed process ends a moment after its sockets close)
+        replicas.check(r)
+        what = (f"replica {r.index} (pid {r.proc.pid}) died (exit status {r.exit_status})"
+                if r.state == "dead" else f"the connection to replica {r.index} broke")
+        return ApiError(502, f"{what} while serving this request ({type(e).__name__}); the "
+                             f"other replicas serve on: retry", type="server_error",
+                        headers={"Retry-After": "1"})
+
+    async def proxy(request: Request, path: str):
+        body = await request.body()
+        try:
+            stream = bool(json.loads(body).get("stream"))
+        except (ValueError, AttributeError):
+            stream = False  # the replica answers the 400
+        r = replicas.pick()
+        r.in_flight += 1
+        r.routed += 1
+        reply: Optional[httpx.Response] = None
+        try:  # the client's headers go along (a replica checks its API key and origin)
+            upstream = client.build_request("POST", r.url + path, content=body,
+                                            headers=_forwarded(request.headers, _NOT_SENT))
+            reply = await client.send(upstream, stream=True)
+            mine = {**_forwarded(reply.headers, _NOT_RETURNED),
+                    "x-minikv-replica": str(r.index)}
+            if not stream or reply.status_code != 200:
+                content = await reply.aread()
+                await reply.aclose()
+                r.in_flight -= 1
+                return Response(content, status_code=reply.status_code, headers=mine)
+        except httpx.TransportError as e:
+            if reply is not None:
+                await reply.aclose()
+            r.in_flight -= 1
+            raise await lost(r, e) from None
+        except BaseException:
+            r.in_flight -= 1
+            raise
+
+        async def relay():
+            try:
+                async for chunk in reply.aiter_raw():
+                    yield chunk
+            except httpx.TransportError as e:  # the replica died mid-stream
+                error = (await lost(r, e)).body()
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                r.in_flight -= 1
+                await reply.aclose()
+
+        return StreamingResponse(relay(), status_code=200, headers=mine)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await proxy(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        r = replicas.pick()
+        try:
+            reply = await client.get(r.url + "/v1/models",
+                                     headers=_forwarded(request.headers, _NOT_SENT))
+        except httpx.TransportError as e:
+            raise await lost(r, e) from None
+        return Response(reply.content, status_code=reply.status_code,
+                        headers=_forwarded(reply.headers, _NOT_RETURNED))
+
+    @app.get("/info")
+    async def info():
+        """A replica's ``/info`` where its server has one (the benchmark's worker), with every
+        replica's state beside it under ``replicas``."""
+        r = replicas.pick()
+        try:
+            reply = await client.get(r.url + "/info", timeout=SCRAPE_TIMEOUT_S)
+        except httpx.TransportError as e:
+            raise await lost(r, e) from None
+        if reply.status_code != 200:
+            return Response(reply.content, status_code=reply.status_code,
+                            media_type=reply.headers.get("content-type"))
+        return {**reply.json(), "replicas": [x.describe() for x in replicas.replicas]}
+
+    @app.get("/health")
+    async def health():
+        status, word = replicas.status()
+        return JSONResponse({"status": word, "replicas": [r.describe()
+                                                          for r in replicas.replicas]},
+                            status_code=status,
+                            headers={"Retry-After": "5"} if status != 200 else None)
+
+    @app.get("/metrics")
+    async def metrics():
+        async def scrape(r: Replica) -> Optional[str]:
+            if r.state == "dead":
+                return r.last_metrics  # its last figures: counters do not go back
+            try:
+                reply = await client.get(r.url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
+                if reply.status_code == 200:
+                    r.last_metrics = reply.text
+            except httpx.TransportError:
+                pass
+            return r.last_metrics
+
+        texts = await asyncio.gather(*(scrape(r) for r in replicas.replicas))
+        lines = merge_metrics([(r.index, t) for r, t in zip(replicas.replicas, texts)
+                               if t is not None])
+        return PlainTextResponse("\n".join(lines + _front_metrics(replicas)) + "\n",
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def replica_commands(argv: Sequence[str], data_parallel: int, tensor_parallel: int,
+                     device: str, ports: Sequence[int],
+                     visible: Optional[Sequence[str]] = None,
+                     module: Sequence[str] = ("minikv_compile.serve",)
+                     ) -> List[Tuple[List[str], Dict]]:
+    """Each replica's (argv, environment): ``python -m MODULE`` (this server, or the benchmark's
+    worker) with these flags, one replica, a loopback port of its own and, on CUDA, GPUs
+    ``[i M, (i + 1) M)`` of ``visible`` (default: the GPUs this process sees). ``ValueError``
+    when there are fewer GPUs than ``data_parallel x tensor_parallel``."""
+    if device == "cuda":
+        if visible is None:
+            listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if listed is not None:
+                visible = [d for d in listed.split(",") if d.strip()]
+            else:
+                import torch
+                visible = [str(i) for i in range(torch.cuda.device_count())]
+        need = data_parallel * tensor_parallel
+        if len(visible) < need:
+            raise ValueError(f"--data-parallel {data_parallel} x --tensor-parallel "
+                             f"{tensor_parallel}: expected {need} GPUs, got {len(visible)}")
+    out = []
+    for i, port in enumerate(ports):
+        env = dict(os.environ)
+        if device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                visible[i * tensor_parallel:(i + 1) * tensor_parallel])
+        launch = [sys.executable, "-m"]
+        if tensor_parallel > 1:
+            launch += ["torch.distributed.run", "--standalone", "--nproc-per-node",
+                       str(tensor_parallel), "-m"]
+        # the last of a repeated flag wins (argparse): one replica, its own loopback port
+        out.append((launch + [*module, *argv, "--data-parallel", "1",
+                              "--host", "127.0.0.1", "--port", str(port)], env))
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan_replicas(argv: Sequence[str], data_parallel: int, tensor_parallel: int,
+                  device: str, module: Sequence[str] = ("minikv_compile.serve",)) -> Replicas:
+    """The replicas of this server (``argv``: its flags), not started yet; ``ValueError`` when
+    the GPUs are too few."""
+    tls = [flag for flag in ("--ssl-keyfile", "--ssl-certfile")
+           if any(a == flag or a.startswith(flag + "=") for a in argv)]
+    if tls:  # the replicas would serve HTTPS on loopback, the front plain HTTP
+        raise ValueError(f"--data-parallel {data_parallel}: expected no {', '.join(tls)} (the "
+                         f"front serves plain HTTP: put a TLS proxy before it), got {tls[0]}")
+    commands = replica_commands(argv, data_parallel, tensor_parallel, device,
+                                [_free_port() for _ in range(data_parallel)], module=module)
+    return Replicas([Replica(i, a, env, int(a[-1])) for i, (a, env) in enumerate(commands)])
+
+
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def serve_front(replicas: Replicas, host: str, port: int) -> int:
+    """Start ``replicas``, serve the front on ``host:port`` until SIGTERM or SIGINT, then stop
+    them. Returns 1 when every replica died (the front then stops by itself), else 0."""
+    import uvicorn
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+    server = uvicorn.Server(uvicorn.Config(create_front(replicas), host=host, port=port,
+                                           timeout_graceful_shutdown=5))
+    replicas.start()
+
+    def every_replica_dead() -> None:  # nothing left to serve: the front stops too
+        while not server.should_exit:
+            if replicas.status()[1] == "failed":
+                _log.error("every replica died (%s): the front stops", replicas.summary())
+                server.should_exit = True
+            time.sleep(POLL_S)
+
+    threading.Thread(target=every_replica_dead, daemon=True).start()
+    # uvicorn re-raises SIGTERM after its graceful shutdown: exit through ``finally``
+    signal.signal(signal.SIGTERM, _exit_quietly)
+    try:
+        server.run()
+    finally:
+        replicas.stop()
+    return 1 if replicas.status()[1] == "failed" else 0
+
+
+__all__ = ["Replica", "Replicas", "create_front", "merge_metrics", "plan_replicas",
+           "replica_commands", "serve_front"]
