@@ -26,6 +26,15 @@ a run that is killed keeps what it measured; ``accuracy.png`` is drawn from what
     python -m minikv_compile.perf.accuracy --extend ...    # go on from --out's JSON: the units
                                                            # it holds are kept, the rest run
 
+``--mode context-first`` (or ``both``, paired on the same samples and engine): each prompt's
+document is compressed by ``cache_prompt`` before any question exists, then the prompt runs
+through that cache, its tail prefilled and kept whole, as a cached context is used. The split:
+needle, the chat prefix and the haystack, then the question and the assistant's header;
+perplexity and code, the prompt but its last ``tasks.CONTEXT_TAIL`` (32) tokens, the window that
+SnapKV's ranking reads in question-last mode, so the scored continuation comes after a tail that
+selection never saw. KV bytes: the compressed document plus the tail and the generated tokens.
+Methods a prompt cache cannot serve (tensor parallel) are listed as not run in that mode.
+
 Samples are fixed: every prompt comes from a string-seeded ``random.Random`` over fixed texts,
 and each task's token ids are fingerprinted in the JSON (code samples depend on the Python
 version's standard library; paths, line numbers and file hashes are recorded). Uncertainty: 95%

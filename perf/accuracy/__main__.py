@@ -13,7 +13,7 @@ import torch
 
 from .methods import MAIN_METHODS, METHODS, QUICK_METHODS, SELECTIONS, sweep_methods
 from .reporting import plot
-from .running import NotComparable, Run, _dtype, load_subject, run_agreement
+from .running import MODES, NotComparable, Run, _dtype, load_subject, run_agreement
 from .tasks import PLANS, TASKS, build_samples
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results" / "accuracy"
@@ -37,6 +37,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--sweep-selections", default="h2o,snapkv_block",
                    help=f"selection recipes swept over budgets (--sweep), from {sorted(SELECTIONS)}")
     p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--mode", choices=(*MODES, "both"), default="question-last",
+                   help="question-last: the whole prompt compressed at once; context-first: its "
+                        "document cached (cache_prompt) before the question, the question prefilled "
+                        "through the cache; both: each unit in both, paired")
+    p.add_argument("--needle-lengths", default=None,
+                   help="comma-separated needle prompt lengths in tokens (default: the part's)")
+    p.add_argument("--ppl-prefix", type=int, default=None,
+                   help="perplexity prompt tokens (default: the part's)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode step eagerly")
     p.add_argument("--budget-seconds", type=float, default=None,
@@ -78,6 +86,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     overrides = {k: v for k, v in (("needle_per_cell", args.needle_per_cell), ("ppl_docs", args.ppl_docs),
                                    ("code_samples", args.code_samples), ("hf_check", args.hf_check))
                  if v is not None}
+    if args.needle_lengths:
+        try:
+            overrides["needle_lengths"] = tuple(int(x) for x in args.needle_lengths.split(",") if x)
+        except ValueError:
+            raise SystemExit(f"--needle-lengths: expected comma-separated integers, got "
+                             f"{args.needle_lengths!r}")
+    if args.ppl_prefix is not None:
+        overrides["ppl_prefix"] = args.ppl_prefix
     plan = replace(plan, **overrides)
     if args.sweep:
         try:
@@ -125,7 +141,8 @@ def _run_part(args, argv, part, plan, methods, tasks, device, dtype, compile_, g
         previous = json.loads(path.read_text())
     try:
         run = Run(part, subject, plan, methods, samples, Path(args.out), device, dtype, compile_,
-                  graphs, args.budget_seconds, argv, previous)
+                  graphs, args.budget_seconds, argv, previous,
+                  modes=MODES if args.mode == "both" else (args.mode,))
     except NotComparable as e:
         raise SystemExit(str(e))
     run.run()

@@ -6,7 +6,9 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from minikv_compile import MiniKVConfig
+from minikv_compile.config import PRESETS
 from minikv_compile.graphs import budget
+from minikv_compile.prompt_cache import cache_config
 
 
 # -- methods --------------------------------------------------------------------------------------
@@ -130,6 +132,13 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             heavy_budget=0.425, recent_budget=0.425, group_size=64, rotation="hadamard",
             recall_top_k=64, **SELECTIONS["snapkv_block_sink"]),
 )}
+# The library as it stands (issue 47 chooses the default from them): its default config and its
+# presets, every field but the capacity read from MiniKVConfig now, so they follow the library.
+LIBRARY_METHODS = (
+    Method("default", "Library default (MiniKVConfig())", tuple(sorted(cache_config(MiniKVConfig()).items()))),
+    *(Method(f"preset_{name}", f'preset("{name}")',
+             tuple(sorted(cache_config(MiniKVConfig.preset(name)).items()))) for name in PRESETS))
+METHODS.update({m.name: m for m in LIBRARY_METHODS})
 # Most important first: a run cut short by --budget-seconds still has the paper's comparison.
 MAIN_METHODS = ("full", "minikv", "kivi2", "snapkv2", "h2o16", "minikv_pyramid", "snapkv_block",
                 "snapkv_h2o_block", "h2o_mean", "snapkv_h2o", "snapkv_block_sink", "snapkv_block16",

@@ -77,19 +77,15 @@ def render_markdown(data: dict) -> str:
         "(perplexity: full / method); avg rel = mean over tasks; P = on the Pareto front of "
         "(KV, avg rel).",
         "",
-        "| method | KV % | needle EM % | needle rel | PPL | PPL ×full | code ES | code rel | avg rel | P |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     labels = {m["name"]: m["label"] for m in data["methods"]}
-    for name, e in data["summary"].items():
-        t = e["tasks"]
-        n, p, c = t.get("needle", {}), t.get("ppl", {}), t.get("code", {})
-        lines.append(
-            f"| {labels.get(name, name)} | {_pct(e.get('kv_fraction'))} | "
-            f"{_pct(n.get('score'))}{_ci(n.get('ci'))} | {_num(n.get('rel'))}{_ci(n.get('rel_ci'), 1, 2)} | "
-            f"{_num(p.get('score'))} | {_num(p.get('ratio'), 3)}{_ci(p.get('ratio_ci'), 1, 3)} | "
-            f"{_pct(c.get('score'))}{_ci(c.get('ci'))} | {_num(c.get('rel'))}{_ci(c.get('rel_ci'), 1, 2)} | "
-            f"{_num(e.get('rel'), 3)} | {'*' if e.get('pareto') else ''} |")
+    modes = data.get("modes") or ["question-last"]
+    if modes != ["question-last"]:
+        lines += _modes_section(data, labels)
+    if "question-last" in modes:
+        if modes != ["question-last"]:
+            lines += ["", "### Question last (the rest of this page is this mode's)", ""]
+        lines += _main_table(data["summary"], labels)
     versus = {name: e["tasks"] for name, e in data["summary"].items()
               if any("vs_baseline" in t for t in e["tasks"].values())}
     if versus:
@@ -139,6 +135,81 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _main_table(summary: Dict[str, dict], labels: Dict[str, str]) -> List[str]:
+    lines = ["| method | KV % | needle EM % | needle rel | PPL | PPL ×full | code ES | code rel | avg rel | P |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
+    for name, e in summary.items():
+        t = e["tasks"]
+        n, p, c = t.get("needle", {}), t.get("ppl", {}), t.get("code", {})
+        lines.append(
+            f"| {labels.get(name, name)} | {_pct(e.get('kv_fraction'))} | "
+            f"{_pct(n.get('score'))}{_ci(n.get('ci'))} | {_num(n.get('rel'))}{_ci(n.get('rel_ci'), 1, 2)} | "
+            f"{_num(p.get('score'))} | {_num(p.get('ratio'), 3)}{_ci(p.get('ratio_ci'), 1, 3)} | "
+            f"{_pct(c.get('score'))}{_ci(c.get('ci'))} | {_num(c.get('rel'))}{_ci(c.get('rel_ci'), 1, 2)} | "
+            f"{_num(e.get('rel'), 3)} | {'*' if e.get('pareto') else ''} |")
+    return lines
+
+
+_MODE_TITLES = {"question-last": "question last", "context-first": "context first"}
+
+
+def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
+    """Both modes side by side (needle %, perplexity ×full, KV %), the paired contrast
+    context-first - question-last, each mode's own full table, and the methods not run."""
+    by_mode = data.get("summary_by_mode", {})
+    contrast = data.get("mode_contrast", {})
+    modes = [m for m in ("question-last", "context-first") if m in (data.get("modes") or [])]
+    lines = [
+        "## Question last and context first",
+        "",
+        "Question last: the whole prompt is prefilled and compressed at once, so selection sees the "
+        "question. Context first: the document (needle: chat prefix + haystack; perplexity and code: "
+        "the prompt but its last 32 tokens) is compressed by `cache_prompt` before any question "
+        "exists, then the prompt runs through that cache, only the tail prefilled and kept whole. "
+        "Same samples in both modes; Δ and ratio are paired (context first against question last, "
+        "bootstrap 95%); ×full is against the full cache in the same mode. KV %: the compressed "
+        "document plus the tail and generated tokens, by the formula.",
+        "",
+        "| method | " + " | ".join(f"KV % {_MODE_TITLES[m]}" for m in modes) + " | "
+        + " | ".join(f"needle % {_MODE_TITLES[m]}" for m in modes) + " | Δ needle (points) | "
+        + " | ".join(f"PPL ×full {_MODE_TITLES[m]}" for m in modes) + " | PPL CF/QL |",
+        "|---|" + "---:|" * (3 * len(modes) + 2),
+    ]
+    unsupported = {}
+    for u in data.get("unsupported", []):
+        unsupported.setdefault(u["method"], set()).add(u["mode"])
+    for m in data["methods"]:
+        name = m["name"]
+        entries = [by_mode.get(mode, {}).get(name) for mode in modes]
+        if all(e is None for e in entries) and name not in unsupported:
+            continue
+
+        def cell(mode, e, fmt):
+            if e is None:
+                return "not supported" if mode in unsupported.get(name, ()) else "–"
+            return fmt(e)
+
+        kv = [cell(md, e, lambda e: _pct(e.get("kv_fraction"))) for md, e in zip(modes, entries)]
+        needle = [cell(md, e, lambda e: _pct(e["tasks"].get("needle", {}).get("score"))
+                       + _ci(e["tasks"].get("needle", {}).get("ci"))) for md, e in zip(modes, entries)]
+        ppl = [cell(md, e, lambda e: _num(e["tasks"].get("ppl", {}).get("ratio"), 3)
+                    + _ci(e["tasks"].get("ppl", {}).get("ratio_ci"), 1, 3)) for md, e in zip(modes, entries)]
+        c = contrast.get(name, {})
+        dn = c.get("needle")
+        dn = "–" if dn is None else f"{100 * dn['diff']:+.1f}{_ci(dn['ci'])}"
+        dp = c.get("ppl")
+        dp = "–" if dp is None else f"{dp['ratio']:.3f}{_ci(dp['ci'], 1, 3)}"
+        lines.append(f"| {labels.get(name, name)} | " + " | ".join(kv) + " | " + " | ".join(needle)
+                     + f" | {dn} | " + " | ".join(ppl) + f" | {dp} |")
+    if "context-first" in by_mode:
+        lines += ["", "### Context first", ""] + _main_table(by_mode["context-first"], labels)
+    if data.get("unsupported"):
+        lines += ["", "Not run (the method cannot run in that mode):", ""]
+        lines += [f"- {u['method']} {u['task']}/{u['group']} {u['mode']}: {u['reason']}"
+                  for u in data["unsupported"]]
+    return lines
+
+
 def _num(x, digits=2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
@@ -149,6 +220,8 @@ def _num(x, digits=2) -> str:
 def plot(out_dir: Path) -> Optional[Path]:
     """Score against KV bytes, one panel per task plus the mean relative score, from every
     ``main.json`` / ``sweep.json`` in ``out_dir``; the Pareto front of each panel dashed.
+    Context-first results (``summary_by_mode``) are drawn hollow in their method's marker and
+    colour, joined to the same method's question-last point by a thin line.
     Returns None (with a message) when matplotlib is not importable."""
     try:
         import matplotlib
@@ -181,7 +254,11 @@ def plot(out_dir: Path) -> Optional[Path]:
         for part, data in parts.items():
             labels = {m["name"]: m["label"] for m in data["methods"]}
             curves: Dict[str, List[Tuple[float, float]]] = {}
-            for name, e in data["summary"].items():
+            by_mode = {"question-last": data["summary"],
+                       **{k: v for k, v in (data.get("summary_by_mode") or {}).items()
+                          if k != "question-last"}}
+            for mode, name, e in [(md, n, e) for md, summary in by_mode.items()
+                                  for n, e in summary.items()]:
                 if task == "avg":
                     x, y = e.get("kv_fraction"), e.get("rel")
                 elif task in e["tasks"]:
@@ -191,7 +268,25 @@ def plot(out_dir: Path) -> Optional[Path]:
                 if x is None or y is None:
                     continue
                 x *= 100
-                points[f"{part}:{name}"] = (x, y)
+                points[f"{part}:{name}" if mode == "question-last" else f"{part}:{mode}:{name}"] = (x, y)
+                if mode != "question-last":
+                    i = style.setdefault(name, len(style))
+                    colour = plt.cm.tab20(i % 20)
+                    ax.scatter([x], [y], s=70, zorder=4, marker=markers[i % len(markers)],
+                               facecolors="none", edgecolors=[colour], linewidths=1.6)
+                    handles.setdefault(labels.get(name, name),
+                                       ax.scatter([], [], s=60, marker=markers[i % len(markers)],
+                                                  color=colour, edgecolors="k", linewidths=0.5))
+                    twin = points.get(f"{part}:{name}")
+                    if twin is not None:
+                        ax.plot([twin[0], x], [twin[1], y], color=colour, lw=0.8, alpha=0.6)
+                    if "context first (hollow)" not in handles:
+                        handles["question last (filled)"] = ax.scatter(
+                            [], [], s=60, marker="o", color="0.6", edgecolors="k", linewidths=0.5)
+                        handles["context first (hollow)"] = ax.scatter(
+                            [], [], s=60, marker="o", facecolors="none", edgecolors="0.3",
+                            linewidths=1.6)
+                    continue
                 if name.count("-") == 2:  # a sweep configuration: selection-bits-kept
                     selection, bits, _ = name.split("-")
                     curves.setdefault(f"{selection}, {bits}", []).append((x, y))

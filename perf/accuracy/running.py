@@ -15,10 +15,10 @@ import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.perf.report import atomic_write, jsonable
-from .methods import (AGREEMENT_METHODS, METHODS, Method, PAPER_MINIKV, fp16_bytes, kv_bytes,
-                      matched_budget)
+from minikv_compile.prompt_cache import cache_config
+from .methods import AGREEMENT_METHODS, METHODS, Method, fp16_bytes, kv_bytes, matched_budget
 from .reporting import SCHEMA, _brief, plot, render_markdown, to_json
-from .stats import summarize
+from .stats import mode_contrast, summarize
 from .tasks import (ByteCodec, Corpora, HFCodec, PLANS, Plan, TASKS, build_samples,
                     completion_line, edit_similarity, fingerprint, first_number, real_corpora,
                     stdlib_corpora)
@@ -77,27 +77,52 @@ def load_subject(name: str, device: torch.device, dtype: torch.dtype) -> Subject
 
 # -- running the tasks ----------------------------------------------------------------------------
 
+# How a prompt meets the cache. "question-last": the whole prompt is prefilled and compressed at
+# once (selection sees the question). "context-first": its document (``prompt[:doc_len]``) is
+# compressed by ``cache_prompt`` before the question exists, then the prompt runs through that
+# cache, prefilling only the tail (question and chat frame), which is kept whole.
+MODES = ("question-last", "context-first")
+QUESTION_LAST, CONTEXT_FIRST = MODES
+
+
+def unit_mode(unit: dict) -> str:
+    """A unit's mode (units written before the modes existed are question-last)."""
+    return unit.get("mode", QUESTION_LAST)
+
 
 def _batches(items: List[dict], size: int) -> Iterable[List[dict]]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
 
 
-def run_task(cm, task: str, samples: List[dict], plan: Plan, codec) -> List[dict]:
-    """Per-sample results of one task through one engine, ``plan.batch`` prompts at a time."""
+def run_task(cm, task: str, samples: List[dict], plan: Plan, codec, mode: str = QUESTION_LAST
+             ) -> List[dict]:
+    """Per-sample results of one task through one engine, ``plan.batch`` prompts at a time, in
+    ``mode`` (``MODES``). Context-first rows carry ``cache_bytes`` / ``cache_host_bytes``: the
+    prompt cache of the document (device / host), as ``cache_prompt`` made it."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     rows = []
     for chunk in _batches(samples, plan.batch):
         prompts = [s["prompt"] for s in chunk]
+        cache, extra = None, [{} for _ in chunk]
+        if mode == CONTEXT_FIRST:
+            cache = cm.cache_prompt([s["prompt"][:s["doc_len"]] for s in chunk])
+            extra = [dict(cache_bytes=seq.nbytes, cache_host_bytes=seq.host_nbytes)
+                     for seq in cache.sequences]
         if task == "ppl":
-            for s, lp in zip(chunk, cm.teacher_force(prompts, [s["target"] for s in chunk])):
+            logprobs = cm.teacher_force(prompts, [s["target"] for s in chunk], past_key_values=cache)
+            for s, lp, more in zip(chunk, logprobs, extra):
                 nll = -float(lp.double().sum())
                 rows.append(dict(id=s["id"], nll=nll, tokens=len(s["target"]),
-                                 ppl=math.exp(nll / len(s["target"])), logprobs_head=lp[:4].tolist()))
+                                 ppl=math.exp(nll / len(s["target"])), logprobs_head=lp[:4].tolist(),
+                                 **more))
             continue
         new = plan.needle_new_tokens if task == "needle" else plan.code_new_tokens
-        out = cm.generate(prompts, max_new_tokens=new, eos_token_id=codec.eos_id)
-        for s, seq in zip(chunk, out.sequences):
-            rows.append(score_generation(task, s, seq, codec))
+        out = cm.generate(prompts, max_new_tokens=new, eos_token_id=codec.eos_id,
+                          past_key_values=cache)
+        for s, seq, more in zip(chunk, out.sequences, extra):
+            rows.append({**score_generation(task, s, seq, codec), **more})
     return rows
 
 
@@ -197,21 +222,32 @@ def _method_rows(methods: Sequence[Method]) -> List[dict]:
 
 
 class Run:
-    """One part's run: engines per configuration, results, incremental JSON + markdown."""
+    """One part's run: engines per configuration, results, incremental JSON + markdown.
+
+    ``modes``: the ``MODES`` each unit of work runs in, one after the other on the same engine
+    and samples (paired); each unit records its mode."""
 
     def __init__(self, part: str, subject: Subject, plan: Plan, methods: Sequence[Method],
                  samples: Dict[str, List[dict]], out_dir: Path, device: torch.device,
                  dtype: torch.dtype, compile: bool, cuda_graphs: bool, budget_s: Optional[float],
-                 argv: Sequence[str], previous: Optional[dict] = None):
+                 argv: Sequence[str], previous: Optional[dict] = None,
+                 modes: Sequence[str] = (QUESTION_LAST,)):
+        if not modes or any(m not in MODES for m in modes):
+            raise ValueError(f"modes: expected one or more of {MODES}, got {list(modes)}")
         from minikv_compile.perf.harness import Budget
         from minikv_compile.perf.measure import environment
 
         self.part, self.subject, self.plan, self.methods = part, subject, plan, list(methods)
         self.samples, self.out_dir, self.device, self.dtype = samples, Path(out_dir), device, dtype
         self.compile, self.cuda_graphs = compile, cuda_graphs
+        self.modes = [m for m in MODES if m in modes]
         self.budget = Budget(budget_s)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.max_prompt = max(s["prompt_len"] for task in samples.values() for s in task)
+        # context first, the tail joins the cache as generated tokens do: room for it on top
+        self.max_new = plan.max_new_tokens + (max(
+            s["prompt_len"] - s["doc_len"] for task in samples.values() for s in task)
+            if CONTEXT_FIRST in self.modes else 0)
         self._engine: Optional[Tuple[MiniKVConfig, object]] = None
         self.data: Dict[str, object] = {
             "schema": SCHEMA, "part": part, "argv": list(argv), "environment": environment(device),
@@ -219,13 +255,15 @@ class Run:
                       "num_layers": subject.num_layers, "kv_width": subject.kv_width},
             "engine": {"compile": compile, "cuda_graphs": cuda_graphs, "max_batch_size": plan.batch,
                        "cpu_threads": torch.get_num_threads(),
-                       "max_prompt_len": self.max_prompt, "max_new_tokens": plan.max_new_tokens},
+                       "max_prompt_len": self.max_prompt, "max_new_tokens": self.max_new},
             "plan": asdict(plan), "budget_seconds": budget_s,
             "samples": {task: [{k: v for k, v in s.items() if k not in ("prompt", "target")}
                                for s in ss] for task, ss in samples.items()},
             "fingerprints": {task: fingerprint(ss) for task, ss in samples.items()},
             "methods": _method_rows(self.methods),
+            "modes": list(self.modes),
             "units": [], "summary": {}, "hf_check": None, "notes": [], "skipped": [],
+            "unsupported": [],
             "finished": False, "elapsed_s": 0.0,
         }
         self._carried_s = 0.0
@@ -279,24 +317,41 @@ class Run:
         self.data["units"] = list(previous["units"])
         self.data["hf_check"] = previous.get("hf_check")
         self.data["notes"] = list(previous.get("notes", []))
+        self.data["unsupported"] = list(previous.get("unsupported", []))
+        self.modes = [m for m in MODES if m in set(self.modes) | set(previous.get("modes", [QUESTION_LAST]))]
+        self.data["modes"] = list(self.modes)
         self.data["extended"] = (previous.get("extended") or []) + [
             {"argv": previous.get("argv"), "timestamp": prev_env.get("timestamp"),
              "elapsed_s_so_far": previous.get("elapsed_s", 0.0)}]
         self._carried_s = previous.get("elapsed_s", 0.0)
         for u in self.data["units"]:
-            self.budget.note(f"{u['task']}/{u['group']}", u["seconds"])
-        self.data["summary"] = summarize(self.data["units"], [m.name for m in self.methods])
+            self.budget.note(_kind(u["task"], u["group"], unit_mode(u)), u["seconds"])
+        self.summarize()
 
-    def _measured(self, method: Method, task: str, group: str) -> bool:
+    def _measured(self, method: Method, task: str, group: str, mode: str = QUESTION_LAST) -> bool:
         return any(u["method"] == method.name and u["task"] == task and u["group"] == group
-                   for u in self.data["units"])
+                   and unit_mode(u) == mode for u in self.data["units"]) or any(
+            u["method"] == method.name and u["mode"] == mode for u in self.data["unsupported"])
+
+    def summarize(self) -> None:
+        """``summary``: the question-last units' (the main table, as before the modes);
+        ``summary_by_mode``: each mode's own, every ratio against the full cache in that mode;
+        ``mode_contrast``: context-first against question-last, per method and task, paired."""
+        names = [m.name for m in self.methods]
+        units = self.data["units"]
+        by_mode = {mode: summarize([u for u in units if unit_mode(u) == mode], names)
+                   for mode in self.modes}
+        self.data["summary"] = by_mode.get(QUESTION_LAST) or summarize(
+            [u for u in units if unit_mode(u) == QUESTION_LAST], names)
+        self.data["summary_by_mode"] = by_mode
+        self.data["mode_contrast"] = mode_contrast(units, names, unit_mode)
 
     # -- engines --
 
     def config_for(self, method: Method, task: str, prompt_len: int) -> MiniKVConfig:
         fields = method.fields
         capacity = dict(max_batch_size=self.plan.batch, max_prompt_len=self.max_prompt,
-                        max_new_tokens=self.plan.max_new_tokens, compile=self.compile,
+                        max_new_tokens=self.max_new, compile=self.compile,
                         cuda_graphs=self.cuda_graphs)
         config = MiniKVConfig(**fields, **capacity)
         if method.match_bytes_of:
@@ -336,48 +391,71 @@ class Run:
             for s in samples:
                 groups.setdefault(s["group"], []).append(s)
             for group, items in groups.items():
-                kind = f"{task}/{group}"
-                if self._measured(method, task, group):
-                    continue  # carried from the run this one extends
-                why = self.budget.check(kind)
-                if why:
-                    self.data["skipped"].append({"method": method.name, "task": task, "group": group,
-                                                 "reason": why})
-                    self.write()
-                    continue
-                self.run_unit(method, task, group, items)
+                for mode in self.modes:  # one after the other: same engine, same samples
+                    if self._measured(method, task, group, mode):
+                        continue  # carried from the run this one extends
+                    why = self.budget.check(_kind(task, group, mode))
+                    if why:
+                        self.data["skipped"].append({"method": method.name, "task": task,
+                                                     "group": group, "reason": why,
+                                                     **({} if mode == QUESTION_LAST else {"mode": mode})})
+                        self.write()
+                        continue
+                    self.run_unit(method, task, group, items, mode)
 
-    def run_unit(self, method: Method, task: str, group: str, items: List[dict]) -> None:
+    def run_unit(self, method: Method, task: str, group: str, items: List[dict],
+                 mode: str = QUESTION_LAST) -> None:
+        """One method on one task's group of samples in one mode. KV bytes by the formula: in
+        context-first mode the document is the compressed prompt and the tail joins the
+        generated tokens (kept whole, as the engine keeps it)."""
         start = time.perf_counter()
         L = round(sum(s["prompt_len"] for s in items) / len(items))
         new = self.new_tokens(task)
-        config = self.config_for(method, task, L)
+        L_doc, tail = L, 0
+        if mode == CONTEXT_FIRST:
+            L_doc = round(sum(s["doc_len"] for s in items) / len(items))
+            tail = L - L_doc
+        config = self.config_for(method, task, L_doc)
         cm, build_s = self.engine(config)
-        rows = run_task(cm, task, items, self.plan, self.subject.codec)
+        try:
+            rows = run_task(cm, task, items, self.plan, self.subject.codec, mode)
+        except NotImplementedError as e:  # e.g. prompt caches under tensor parallel
+            self.data["unsupported"].append({"method": method.name, "mode": mode, "task": task,
+                                             "group": group, "reason": str(e)})
+            self.write()
+            print(f"[{self.budget.elapsed:7.1f}s] {method.name:>22} {task:>6} {group:>5}: "
+                  f"not run {mode}: {e}", flush=True)
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        self.budget.note(f"{task}/{group}", seconds)
-        report = cm.kv_memory(prompt_len=L, new_tokens=new)
+        self.budget.note(_kind(task, group, mode), seconds)
+        args = (self.subject.num_layers, self.subject.kv_width)
+        # the engine's report covers the compressed prompt and ``new`` tokens; the tail's bytes
+        # are those of as many more generated tokens (the formula's, checked at the same lengths)
+        report = cm.kv_memory(prompt_len=L_doc, new_tokens=new)
         B = config.max_batch_size
-        formula = kv_bytes(config, self.subject.num_layers, self.subject.kv_width, L, new,
-                           self.subject.head_dim)
+        formula = kv_bytes(config, *args, L_doc, tail + new, self.subject.head_dim)
         kv = {"prompt_len": L, "new_tokens": new, "formula_bytes": formula,
-              "fp16_bytes": fp16_bytes(self.subject.num_layers, self.subject.kv_width, L, new),
+              "fp16_bytes": fp16_bytes(*args, L, new),
               "engine_formula_bytes": report.formula_bytes // B, "ring_bytes": report.ring_bytes // B,
               "allocated_bytes": report.total_bytes // B}
-        if abs(kv["engine_formula_bytes"] - formula) > 1:
-            self.note(f"{method.name}/{task}: harness KV formula {formula} != engine's "
+        check = kv_bytes(config, *args, L_doc, new, self.subject.head_dim)
+        if abs(kv["engine_formula_bytes"] - check) > 1:
+            self.note(f"{method.name}/{task}: harness KV formula {check} != engine's "
                       f"{kv['engine_formula_bytes']} bytes")
+        if mode == CONTEXT_FIRST:
+            kv.update(doc_len=L_doc, tail_tokens=tail,
+                      cache_bytes=sum(r["cache_bytes"] for r in rows) / len(rows),
+                      cache_host_bytes=sum(r["cache_host_bytes"] for r in rows) / len(rows))
         self.data["units"].append({
-            "method": method.name, "task": task, "group": group, "seconds": seconds,
-            "engine_build_seconds": build_s,
-            "config": {k: getattr(config, k) for k in PAPER_MINIKV},
+            "method": method.name, "task": task, "group": group, "mode": mode, "seconds": seconds,
+            "engine_build_seconds": build_s, "config": cache_config(config),
             "kv": kv, "rows": rows})
-        self.data["summary"] = summarize(self.data["units"], [m.name for m in self.methods])
+        self.summarize()
         self.write()
         score = sum(r.get("score", r.get("ppl", 0.0)) for r in rows) / len(rows)
-        print(f"[{self.budget.elapsed:7.1f}s] {method.name:>22} {task:>6} {group:>5}: "
+        print(f"[{self.budget.elapsed:7.1f}s] {method.name:>22} {task:>6} {group:>5} {mode:>13}: "
               f"n={len(rows):3d} mean {'ppl' if task == 'ppl' else 'score'} {score:8.3f}  "
               f"kv {100 * formula / kv['fp16_bytes']:5.1f}%  ({seconds:.1f}s)", flush=True)
 
@@ -385,14 +463,16 @@ class Run:
         try:
             units = {(task, s["group"]) for task, ss in self.samples.items() for s in ss}
             todo = [m for m in self.methods  # all of them unless the run extends another
-                    if not all(self._measured(m, task, group) for task, group in units)]
-            if (self.plan.hf_check and self.data["hf_check"] is None
+                    if not all(self._measured(m, task, group, mode) for task, group in units
+                               for mode in self.modes)]
+            if (self.plan.hf_check and self.data["hf_check"] is None and QUESTION_LAST in self.modes
                     and "full" in [m.name for m in self.methods]
                     and "full" not in [m.name for m in todo]):
                 self.run_hf_check()  # the run it extends ended between the full cache and it
             for done, method in enumerate(todo, 1):
                 self.run_method(method)
-                if method.name == "full" and self.plan.hf_check and self.data["hf_check"] is None:
+                if (method.name == "full" and self.plan.hf_check and self.data["hf_check"] is None
+                        and QUESTION_LAST in self.modes):
                     self.run_hf_check()  # right away: a run cut short still has it
                 spent = self.budget.elapsed
                 print(f"[{spent:7.1f}s] {done}/{len(todo)} methods done, about "
@@ -409,7 +489,7 @@ class Run:
     def run_hf_check(self) -> None:
         full_rows: Dict[str, List[dict]] = {}
         for u in self.data["units"]:
-            if u["method"] == "full":
+            if u["method"] == "full" and unit_mode(u) == QUESTION_LAST:
                 full_rows.setdefault(u["task"], []).extend(u["rows"])
         n = self.plan.hf_check
         picked = {task: _spread(rows, n) for task, rows in full_rows.items()}
@@ -434,6 +514,11 @@ class Run:
         self.data["elapsed_s"] = self._carried_s + self.budget.elapsed
         atomic_write(self.out_dir / f"{self.part}.json", to_json(self.data))
         atomic_write(self.out_dir / f"{self.part}.md", render_markdown(self.data))
+
+
+def _kind(task: str, group: str, mode: str) -> str:
+    """The budget's kind of unit (question-last units keep the name they had before modes)."""
+    return f"{task}/{group}" if mode == QUESTION_LAST else f"{task}/{group}/{mode}"
 
 
 def _spread(rows: List[dict], n: int) -> List[dict]:

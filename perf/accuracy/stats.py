@@ -134,6 +134,24 @@ def summarize(units: List[dict], methods: Sequence[str], baseline: str = "minikv
     return out
 
 
+def mode_contrast(units: List[dict], methods: Sequence[str], mode_of, first: str = "context-first",
+                  last: str = "question-last") -> Dict[str, dict]:
+    """Per method and task, ``first`` mode against ``last`` on the same samples (paired, as
+    ``_versus``: needle and code the mean score difference first - last, perplexity the ratio
+    first / last); ``mode_of(unit)`` reads a unit's mode. Methods with no pair are left out."""
+    rows: Dict[Tuple[str, str, str], Dict[str, dict]] = {}
+    for u in units:
+        rows.setdefault((u["method"], u["task"], mode_of(u)), {}).update({r["id"]: r for r in u["rows"]})
+    out: Dict[str, dict] = {}
+    for method in methods:
+        for task in TASKS:
+            a, b = rows.get((method, task, first), {}), rows.get((method, task, last), {})
+            pairs = [(a[i], b[i]) for i in a if i in b]
+            if pairs:
+                out.setdefault(method, {})[task] = _versus(task, pairs)
+    return out
+
+
 def _versus(task: str, pairs: List[Tuple[dict, dict]]) -> Dict[str, object]:
     """Paired difference of one method to another on the same samples: needle and code as
     mean score difference, perplexity as a ratio; each with its bootstrap 95% interval."""

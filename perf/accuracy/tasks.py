@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 TASKS = ("needle", "ppl", "code")
+# Context-first mode: tokens of a perplexity or code prompt that come after its cached document
+# (the prompt's end, which question-last selection reads, arrives after compression as a needle
+# question does; 32 = the SnapKV observation window).
+CONTEXT_TAIL = 32
 
 
 # -- plans: how many samples of what size ---------------------------------------------------------
@@ -188,8 +192,10 @@ def needle_samples(codec, corpora: Corpora, plan: Plan, seed: int = 0) -> List[d
     """Needle-retrieval prompts: haystack of whole lines, the fact at a line boundary near the
     depth, the question after the haystack, all inside one chat user turn.
 
-    Each sample: ``prompt`` (token ids, at most ``length``), ``answer`` (the 5-digit code) and
-    where it came from (text family, char offset, the depth actually reached in tokens).
+    Each sample: ``prompt`` (token ids, at most ``length``), ``answer`` (the 5-digit code),
+    ``doc_len`` (the chat prefix and the haystack: ``prompt[:doc_len]`` is the document, the
+    rest the question and the assistant's header) and where it came from (text family, char
+    offset, the depth actually reached in tokens).
     """
     out = []
     for length in plan.needle_lengths:
@@ -215,14 +221,15 @@ def needle_samples(codec, corpora: Corpora, plan: Plan, seed: int = 0) -> List[d
                 prompt = head + hay + tail
                 out.append(dict(id=f"needle/{length}/{round(100 * depth)}/{i}", group=str(length),
                                 length=length, depth=depth, depth_tokens=bounds[at] / max(1, total),
-                                prompt_len=len(prompt), source=family, offset=start, key=key,
-                                answer=value, prompt=prompt))
+                                prompt_len=len(prompt), doc_len=len(head) + len(hay), source=family,
+                                offset=start, key=key, answer=value, prompt=prompt))
     return out
 
 
 def ppl_samples(codec, corpora: Corpora, plan: Plan, seed: int = 0) -> List[dict]:
     """Perplexity documents: ``prefix + continuation`` tokens of real prose from a line start,
-    tokenized as one piece, split into ``prompt`` and ``target``."""
+    tokenized as one piece, split into ``prompt`` and ``target``; ``doc_len``: the prompt but
+    its last ``CONTEXT_TAIL`` tokens."""
     out = []
     need = plan.ppl_prefix + plan.ppl_continuation
     for i in range(plan.ppl_docs):
@@ -231,7 +238,8 @@ def ppl_samples(codec, corpora: Corpora, plan: Plan, seed: int = 0) -> List[dict
         start = _line_start(text, rng.randrange(0, max(1, len(text) - need * 8)))
         ids = _token_window(codec, text, start, need)
         out.append(dict(id=f"ppl/{i}", group="ppl", source=family, offset=start,
-                        prompt_len=plan.ppl_prefix, prompt=ids[:plan.ppl_prefix],
+                        prompt_len=plan.ppl_prefix, doc_len=plan.ppl_prefix - CONTEXT_TAIL,
+                        prompt=ids[:plan.ppl_prefix],
                         target=ids[plan.ppl_prefix:]))
     return out
 
@@ -245,7 +253,8 @@ def _completable(line: str) -> bool:
 
 def code_samples(codec, corpora: Corpora, plan: Plan, seed: int = 0) -> List[dict]:
     """Code completion: the last ``code_context`` tokens before a line of a stdlib file; the
-    target is that line, stripped. One sample per file, files in a seeded order."""
+    target is that line, stripped; ``doc_len``: the context but its last ``CONTEXT_TAIL``
+    tokens. One sample per file, files in a seeded order."""
     rng = random.Random(f"{seed}/code")
     files = [(p, s) for p, s in corpora.code if len(s) > plan.code_context * 5]
     out = []
@@ -267,7 +276,8 @@ def code_samples(codec, corpora: Corpora, plan: Plan, seed: int = 0) -> List[dic
             continue
         out.append(dict(id=f"code/{path}:{j + 1}", group="code", path=path, line=j + 1,
                         file_sha1=hashlib.sha1(src.encode()).hexdigest()[:12],
-                        prompt_len=plan.code_context, prompt=ids[-plan.code_context:],
+                        prompt_len=plan.code_context, doc_len=plan.code_context - CONTEXT_TAIL,
+                        prompt=ids[-plan.code_context:],
                         answer=lines[j].strip()))
     if len(out) < plan.code_samples:
         raise ValueError(f"code: expected {plan.code_samples} samples, the sources gave {len(out)}")
