@@ -14,6 +14,7 @@ counters (``loop_metrics``) and the prefill clock (``prefill_clock``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import itertools
 import queue
@@ -22,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import torch
+
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
 
@@ -29,6 +32,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine import MiniKVModel
 from .loop_metrics import LATENCY_BUCKETS, Metrics
 from .prefill_clock import PrefillClock
+from .prefix_pool import DiskContexts, PrefixPool
 from .ranks import HEARTBEAT_S, ReplicatedRuntime
 
 __all__ = ["Delta", "Handle", "IncrementalDetokenizer", "LATENCY_BUCKETS", "Metrics",
@@ -50,7 +54,11 @@ class ServeRequest:
     prompt_ids: the tokenized prompt (chat template already applied). max_tokens: new tokens at
     most. stop: strings that end the completion when they appear in its text (not included).
     eos_ids: token ids that end it (not included in the text). budgets: (heavy, recent) of this
-    request's selection, within the engine's; None for the engine's own.
+    request's selection, within the engine's; None for the engine's own. prefix_cache: whether
+    the request may be admitted from a resident context and leaves its own (the scheduler's
+    pool); cache_salt: contexts are shared only among requests of the same salt; keep: the
+    context it leaves, ``"prompt"`` (its prompt, taken at admission) or ``"conversation"``
+    (its prompt and answer, taken when it ends: a chat's next turn starts with them).
     """
 
     prompt_ids: Sequence[int]
@@ -59,6 +67,13 @@ class ServeRequest:
     stop: Tuple[str, ...] = ()
     eos_ids: Tuple[int, ...] = ()
     budgets: Optional[Tuple[float, float]] = None
+    prefix_cache: bool = True
+    cache_salt: Optional[str] = None
+    keep: str = "prompt"
+
+    def __post_init__(self):
+        if self.keep not in ("prompt", "conversation"):
+            raise ValueError(f"keep: expected 'prompt' or 'conversation', got {self.keep!r}")
 
 
 @dataclass
@@ -84,6 +99,7 @@ class Handle:
         self.first_token_at: Optional[float] = None
         self.prompt_tokens = len(request.prompt_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens admitted from a resident context
         self.finish_reason: Optional[str] = None
         self.cancelled = threading.Event()
         self.slotted = False  # taken from the queue into a slot (the scheduler's)
@@ -156,11 +172,19 @@ class Scheduler:
         ~2,100 per prompt, ~53 ms, for its attention, selection and cache writes;
         ``perf/experiments/prefill_batch.py``); at 8 prompts the shared part is 6% of the pass,
         so more would gain little and delay the pass's first tokens by ~53 ms each.
+    prefix_cache_gpu_bytes: device bytes of the contexts kept for reuse (``PrefixPool``; 0:
+        no reuse), beside the slots' static cache, never in it; held during ``warm_up``'s
+        longest prefill, so that start-up proves they fit beside it.
+    prefix_cache_host_bytes: host memory for contexts evicted from the device (0: none).
+    prefix_cache_dir: contexts are also saved there (``PromptCache`` files) and loaded on a
+        miss, so that a restarted server reuses them.
     """
 
     def __init__(self, engine: MiniKVModel, tokenizer, *, max_queue: int = 64,
                  prefill_ms: Optional[float] = 50.0, prefill_layers: Optional[int] = None,
-                 prefill_batch_tokens: int = 2048, prefill_batch_requests: int = 8):
+                 prefill_batch_tokens: int = 2048, prefill_batch_requests: int = 8,
+                 prefix_cache_gpu_bytes: int = 0, prefix_cache_host_bytes: int = 0,
+                 prefix_cache_dir: Optional[str] = None):
         self.engine, self.tok, self.max_queue = engine, tokenizer, max_queue
         # tensor parallel: rank 0 serves, each call that runs the model goes to every rank
         self.rt = ReplicatedRuntime(engine) if engine.adapter.tp.world > 1 else engine.runtime
@@ -182,6 +206,10 @@ class Scheduler:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.prefill_batch_tokens = prefill_batch_tokens
         self.prefill_batch_requests = prefill_batch_requests
+        self.pool, self.disk = self._prefix_pool(prefix_cache_gpu_bytes, prefix_cache_host_bytes,
+                                                 prefix_cache_dir)
+        self.prefix_queries = 0  # prompt tokens looked up in the pool
+        self.prefix_hits = 0     # prompt tokens admitted from it
         # The prefill under way: its slots, its requests' handles, the runtime's generator.
         self._admitting: Optional[Tuple[List[int], List[Handle], Iterator[None]]] = None
         # Requests of a failed batched pass, to be prefilled again one by one.
@@ -200,6 +228,28 @@ class Scheduler:
         self.ready = False
         self.failure: Optional[str] = None  # why the loop stopped serving, if it failed
 
+    def _prefix_pool(self, gpu_bytes: int, host_bytes: int, folder: Optional[str]
+                     ) -> Tuple[PrefixPool, Optional[DiskContexts]]:
+        engine = self.engine
+        if (gpu_bytes or folder) and engine.adapter.tp.world > 1:
+            raise ValueError(f"prefix_cache_gpu_bytes: expected 0 with tensor_parallel="
+                             f"{engine.adapter.tp.world} (each rank holds a shard of a context), "
+                             f"got {gpu_bytes}")
+        if folder is not None and not gpu_bytes:
+            raise ValueError(f"prefix_cache_dir: expected none while prefix_cache_gpu_bytes is 0 "
+                             f"(reuse off), got {folder!r}")
+        disk = None
+        if folder is not None:
+            def write(snap, path):
+                engine._prompt_cache([snap]).save(path)
+
+            def read(path):
+                return engine.load_prompt_cache(path).sequences[0]
+            disk = DiskContexts(folder, write, read)
+        pool = PrefixPool(gpu_bytes, host_bytes, device=engine.device,
+                          loader=None if disk is None else disk.load)
+        return pool, disk
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def warm_up(self) -> None:
@@ -217,9 +267,12 @@ class Scheduler:
                 self.rt.prepare(bucket, mode)
         slot = self.rt.free_slots()[0]
         longest = Request([0] * self.engine.config.max_prompt_len, 1)
+        # the prefix pool's bytes, full, beside the longest prefill
+        pool = torch.empty(self.pool.gpu_bytes, dtype=torch.uint8, device=self.engine.device)
         for _ in self.rt.admit_batch_in_pieces([slot], [longest], self.engine.adapter.num_layers):
             pass
         self.rt.release(slot)
+        del pool
         gc.collect()
         gc.freeze()
         self.ready = True
@@ -376,6 +429,9 @@ class Scheduler:
                     continue
                 self.metrics.prompt_tokens += handle.prompt_tokens
                 r = handle.request
+                if (self._reuses(r) and r.keep == "prompt"
+                        and handle.cached_tokens < handle.prompt_tokens):
+                    self._keep(slot, handle)  # before its first step: the prompt alone
                 kv = self.engine.kv_memory(prompt_len=len(r.prompt_ids),
                                            new_tokens=r.max_tokens, batch=1).total_bytes
                 self._running[slot] = _Running(handle, self.tok, kv)
@@ -449,11 +505,8 @@ class Scheduler:
             if handle.cancelled.is_set():
                 self._end(handle, "cancelled", None)
                 continue
-            r = handle.request
             try:
-                request = Request(list(r.prompt_ids), r.max_tokens, tuple(r.eos_ids), r.sampling,
-                                  budgets=r.budgets)
-                self.rt.check_request(request)
+                request = self._request(handle)
             except Exception as e:  # bad input the server's checks missed: this request alone
                 self._end(handle, "error", f"{type(e).__name__}: {e}")
                 continue
@@ -467,6 +520,44 @@ class Scheduler:
         slots = free[: len(handles)]
         self._admitting = (slots, handles, self.rt.admit_batch_in_pieces(slots, requests, 1))
         return True
+
+    def _scope(self, r: ServeRequest) -> Tuple[Optional[str], Tuple[float, float]]:
+        """Who may share a request's contexts: its salt, and its compression (budgets)."""
+        cfg = self.engine.config
+        return r.cache_salt, tuple(r.budgets or (cfg.heavy_budget, cfg.recent_budget))
+
+    def _reuses(self, r: ServeRequest) -> bool:
+        return self.pool.enabled and r.prefix_cache
+
+    def _request(self, handle: Handle) -> Request:
+        """The runtime's request of ``handle``, checked (``SlotRuntime.check_request``): from
+        the longest resident context its prompt starts with, if any fits the slot with its tail
+        and ``max_tokens`` (the tail is kept whole), else a whole prefill."""
+        r = handle.request
+        fresh = Request(list(r.prompt_ids), r.max_tokens, tuple(r.eos_ids), r.sampling,
+                        budgets=r.budgets)
+        if self._reuses(r):
+            self.prefix_queries += len(r.prompt_ids)
+            prefix = self.pool.lookup(self._scope(r), r.prompt_ids)
+            if prefix is not None:
+                request = dataclasses.replace(fresh, budgets=None, prefix=prefix)
+                try:
+                    self.rt.check_request(request)
+                except ValueError:  # it leaves no room for the tail: a whole prefill
+                    pass
+                else:
+                    handle.cached_tokens = len(prefix.tokens)
+                    self.prefix_hits += handle.cached_tokens
+                    return request
+        self.rt.check_request(fresh)
+        return fresh
+
+    def _keep(self, slot: int, handle: Handle) -> None:
+        """Keep ``slot``'s context (its request's ``keep``) in the pool, and on disk."""
+        scope = self._scope(handle.request)
+        snap = self.rt.snapshot(slot)
+        if self.pool.add(scope, snap) and self.disk is not None:
+            self.disk.save(scope, snap)
 
     def _step(self) -> None:
         """Launch a decode step of the running requests, then read the step before it while
@@ -536,6 +627,9 @@ class Scheduler:
     def _finish(self, slot: int, reason: str) -> None:
         """End the request of ``slot`` with the text it still holds back, freeing the slot."""
         run = self._running.pop(slot)
+        r = run.handle.request
+        if reason in ("stop", "length") and self._reuses(r) and r.keep == "conversation":
+            self._keep(slot, run.handle)
         self.rt.release(slot)
         self._end(run.handle, reason, None, run.text[run.sent:])
 

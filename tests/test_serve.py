@@ -263,7 +263,8 @@ def test_completions_equal_generate(client, server, ref, stream):
         assert out["choices"][0]["text"] == want
         assert out["choices"][0]["finish_reason"] == reason
         p = len(ref.ids(prompt))
-        assert out["usage"] == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        assert out["usage"] == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+                                "prompt_tokens_details": {"cached_tokens": 0}}  # (reuse off)
         return
     # token ids as the prompt, and the usage chunk of stream_options
     body.update(prompt=ref.ids(prompt), stream=True, stream_options={"include_usage": True})

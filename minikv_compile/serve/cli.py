@@ -61,6 +61,20 @@ def parser() -> argparse.ArgumentParser:
                             "together (default: 2048)")
     sched.add_argument("--prefill-batch-requests", type=int, default=8, metavar="INT",
                        help="and at most this many prompts a pass (default: 8)")
+    reuse = p.add_argument_group("Prefix cache", "compressed contexts kept after a request "
+                                 "(its prompt; a chat's prompt and answer) and reused by the "
+                                 "requests whose prompts start with them")
+    reuse.add_argument("--prefix-cache-gpu-bytes", type=int, default=0, metavar="INT",
+                       help="device bytes of kept contexts, beside the slots' cache (start-up "
+                            "checks the longest prompt fits with them full); least recently "
+                            "used out first; 0: no reuse (default: 0)")
+    reuse.add_argument("--prefix-cache-host-bytes", type=int, default=0, metavar="INT",
+                       help="host memory for contexts evicted from the device, moved back on "
+                            "a hit (default: 0, none)")
+    reuse.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                       help="contexts also saved there as PromptCache files and loaded on a "
+                            "miss, so that a restarted server reuses them (not bounded: the "
+                            "folder is yours to clean; default: none)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="where torch.compile and Triton keep their compiled artifacts and the "
                         "engine its compiled decode step, so that a restart compiles nothing "
@@ -118,6 +132,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):
             if getattr(args, flag) is not None:  # before the model loads, not after
                 check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=1)
+        for flag in ("prefix_cache_gpu_bytes", "prefix_cache_host_bytes"):
+            check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=0)
         if not args.prefill_ms > 0:
             raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
         options, tls = _door_options(args)
@@ -142,7 +158,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue,
                               prefill_ms=args.prefill_ms, prefill_layers=args.prefill_layers,
                               prefill_batch_tokens=args.prefill_batch_tokens,
-                              prefill_batch_requests=args.prefill_batch_requests)
+                              prefill_batch_requests=args.prefill_batch_requests,
+                              prefix_cache_gpu_bytes=args.prefix_cache_gpu_bytes,
+                              prefix_cache_host_bytes=args.prefix_cache_host_bytes,
+                              prefix_cache_dir=args.prefix_cache_dir)
     except (ValueError, NotImplementedError) as e:
         flags.error(str(e))
     name = args.served_model_name or args.model

@@ -163,7 +163,7 @@ def parse(body: Dict[str, Any], served: Served, kind: str,
     sampling = _sampling(body, served.vocab_size)
     stop = _stops(body.get("stop"))
     eos = served.eos_ids
-    budgets = _budgets(body.get("minikv"), served)
+    budgets, reuse, salt = _minikv(body.get("minikv"), served)
 
     stream = body.get("stream")
     stream = False if stream is None else checked("stream", check_bool, "stream", stream)
@@ -178,7 +178,8 @@ def parse(body: Dict[str, Any], served: Served, kind: str,
         include_usage = value is not None and checked(
             "stream_options.include_usage", check_bool, "stream_options.include_usage", value)
     request = ServeRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, sampling=sampling,
-                           stop=stop, eos_ids=eos, budgets=budgets)
+                           stop=stop, eos_ids=eos, budgets=budgets, prefix_cache=reuse,
+                           cache_salt=salt, keep="conversation" if kind == "chat" else "prompt")
     return Parsed(request, stream, include_usage)
 
 
@@ -214,12 +215,28 @@ def _stops(stop: Any) -> Tuple[str, ...]:
     return tuple(stops)
 
 
-def _budgets(minikv: Any, served: Served) -> Optional[Tuple[float, float]]:
-    """The ``minikv`` extension: this request's budgets, each within the engine's."""
+_MAX_SALT = 256  # characters of a cache salt
+
+
+def _minikv(minikv: Any, served: Served
+            ) -> Tuple[Optional[Tuple[float, float]], bool, Optional[str]]:
+    """The ``minikv`` extension: (this request's budgets, each within the engine's, or None
+    for the engine's; whether it may reuse and leave contexts, ``prefix_cache``; its
+    ``cache_salt``: contexts are shared only among requests of the same salt)."""
     if minikv is None:
-        return None
-    if not isinstance(minikv, dict) or set(minikv) - {"heavy_budget", "recent_budget"}:
-        raise bad("minikv", 'an object {"heavy_budget": h, "recent_budget": r}', minikv)
+        return None, True, None
+    fields = {"heavy_budget", "recent_budget", "prefix_cache", "cache_salt"}
+    if not isinstance(minikv, dict) or set(minikv) - fields:
+        raise bad("minikv", 'an object {"heavy_budget": h, "recent_budget": r, '
+                            '"prefix_cache": true|false, "cache_salt": "..."}', minikv)
+    reuse = minikv.get("prefix_cache")
+    reuse = True if reuse is None else checked("minikv.prefix_cache", check_bool,
+                                               "minikv.prefix_cache", reuse)
+    salt = minikv.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= _MAX_SALT):
+        raise bad("minikv.cache_salt", f"a string of 1..{_MAX_SALT} characters", salt)
+    if minikv.get("heavy_budget") is None and minikv.get("recent_budget") is None:
+        return None, reuse, salt
     budgets = []
     for name, cap in (("heavy_budget", served.heavy_budget),
                       ("recent_budget", served.recent_budget)):
@@ -228,7 +245,7 @@ def _budgets(minikv: Any, served: Served) -> Optional[Tuple[float, float]]:
         budgets.append(cap if value is None else checked(
             param, check_float, param, value, lo=0.0, hi=cap, fp32=True,
             hint=f"at most the engine's {name}"))
-    return tuple(budgets)
+    return tuple(budgets), reuse, salt
 
 
 def prompt_ids(body: Dict[str, Any], tokenizer, served: Served) -> List[int]:

@@ -40,6 +40,25 @@ def render(scheduler: Scheduler, config: MiniKVConfig, invalid: int) -> str:
     metric("minikv_kv_bytes_in_use", "gauge",
            "KV cache bytes of the running requests (prompt + max_tokens each).",
            [("", scheduler.kv_bytes_in_use())])
+    pool = scheduler.pool
+    metric("minikv_prefix_cache_queries_total", "counter",
+           "Prompt tokens looked up in the prefix cache (requests that may reuse a context).",
+           [("", scheduler.prefix_queries)])
+    metric("minikv_prefix_cache_hits_total", "counter",
+           "Prompt tokens admitted from a resident context instead of prefilled.",
+           [("", scheduler.prefix_hits)])
+    metric("minikv_prefix_cache_bytes", "gauge",
+           "Bytes of the contexts kept for reuse, by tier (device: within "
+           "--prefix-cache-gpu-bytes; host: within --prefix-cache-host-bytes).",
+           [('{tier="device"}', pool.nbytes), ('{tier="host"}', pool.host_nbytes)])
+    metric("minikv_prefix_cache_entries", "gauge", "Contexts kept for reuse.",
+           [("", len(pool))])
+    metric("minikv_prefix_cache_evictions_total", "counter",
+           "Contexts dropped from the pool to make room (least recently used first).",
+           [("", pool.evictions)])
+    metric("minikv_prefix_cache_disk_loads_total", "counter",
+           "Contexts read from --prefix-cache-dir on a miss.",
+           [("", 0 if scheduler.disk is None else scheduler.disk.loads)])
     metric("minikv_ready", "gauge", "1 once every bucket is compiled and captured.",
            [("", int(scheduler.ready))])
     runner = scheduler.engine.runtime.runner  # what proves the graphs are replayed, not rebuilt

@@ -81,9 +81,10 @@ class Deltas:
             self.handle.cancel()
 
 
-def usage(handle: Handle) -> Dict[str, int]:
+def usage(handle: Handle) -> Dict[str, Any]:
     return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": handle.completion_tokens,
-            "total_tokens": handle.prompt_tokens + handle.completion_tokens}
+            "total_tokens": handle.prompt_tokens + handle.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": handle.cached_tokens}}
 
 
 def failure(delta: Delta) -> ApiError:
