@@ -61,8 +61,10 @@ class TailPrefill:
         """Prefill ``ids (T,)`` int64 (on the device) at logical positions ``start ..`` into
         slot ``slot``, a generator that yields after every chunk but the last and returns the
         logits of the last token, ``(1, V)`` fp32. The slot must have room for the tokens (the
-        runtime checks a snapshot's capacity before restoring it). One host sync per chunk
-        (the counters) and one host-to-device copy (each layer's first ring row)."""
+        runtime checks a snapshot's capacity before restoring it). One host sync per call (the
+        counters, read at the start; each chunk's are then known on the host, so the CPU
+        launches chunk ``j + 1`` while the GPU runs chunk ``j``) and one host-to-device copy
+        per chunk (each layer's first ring row)."""
         adapter, cache = self.adapter, self.cache
         n, dev = ids.shape[0], ids.device
         R = ring_length(cache.layers[0].k_ring.shape[2], cache.bits, cache.group_size)
@@ -71,9 +73,12 @@ class TailPrefill:
         # the slot's own rows of every layer's buffers (views: written in place)
         views = [LayerBuffers(*(t[slot: slot + 1] if t.numel() else t for t in layer))
                  for layer in cache.layers]
+        ring_counts = [layer.lens[slot, 1] for layer in cache.layers]   # () views, added to
+        # per layer (quantized tokens, ring tokens) of the slot: read once, then kept here
+        counts = torch.stack([layer.lens[slot] for layer in cache.layers]).tolist()
         done = 0
         while True:
-            starts = self._starts(slot, R)
+            starts = self._starts(slot, R, counts)
             T = min(n - done, min(R - n_ring for _, n_ring in starts))
             ops.cache_begin_step(cache.layout, slot + 1, live)  # flushes, row 0 counted
             h = adapter.embed(ids[None, done: done + T])                        # (1, T, hidden)
@@ -93,8 +98,9 @@ class TailPrefill:
                         rows = slice(n_quant + first, n_quant + first + T)
                         store.k[slot, :, rows].copy_(k[0], non_blocking=True)
                         store.v[slot, :, rows].copy_(v[0], non_blocking=True)
-            for layer in cache.layers:
-                layer.lens[slot, 1].add_(T - 1)
+            torch._foreach_add_(ring_counts, T - 1)  # the chunk's other T - 1 tokens
+            # the device's counters now: what cache_begin_step flushed to, plus the chunk
+            counts = [(n_quant, n_ring + T) for n_quant, n_ring in starts]
             done += T
             if done == n:
                 return adapter.logits(h[0, -1:])                                # (1, V)
@@ -110,10 +116,10 @@ class TailPrefill:
         self._kinds.add(T == 1)
         return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256)
 
-    def _starts(self, slot: int, R: int) -> List[Tuple[int, int]]:
+    def _starts(self, slot: int, R: int, counts: List[List[int]]) -> List[Tuple[int, int]]:
         """Per layer, ``(quantized tokens, ring tokens)`` of the slot after the flush that
-        ``cache_begin_step`` is about to do (a full ring moves into the region)."""
-        counts = torch.stack([layer.lens[slot] for layer in self.cache.layers]).tolist()
+        ``cache_begin_step`` is about to do (a full ring moves into the region), from the
+        slot's ``counts`` before it."""
         starts = []
         for layer, (n_quant, n_ring) in zip(self.cache.layers, counts):
             if n_ring == R:
