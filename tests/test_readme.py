@@ -26,9 +26,11 @@ def smollm2_available():
 
 
 def readme_example() -> str:
+    """The first Python block and the prompt cache's block that continues it."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README.md: expected a ```python block"
-    return blocks[0]
+    assert len(blocks) >= 2 and "cache_prompt" in blocks[1], \
+        "README.md: expected the example's ```python block, then the prompt cache's"
+    return blocks[0] + blocks[1]
 
 
 def test_readme_example_runs_as_written(tmp_path):
@@ -43,6 +45,12 @@ def test_readme_example_runs_as_written(tmp_path):
     # the answer is the assistant's turn alone: generation stopped at <|im_end|>
     assert not re.search(r"\b(user|assistant)\b", answer) and "<|im" not in answer
     assert "KV cache for batch 1" in report and "uncompressed" in report
+    # the prompt cache's block: two questions about the cached notes, then the token count of
+    # the notes' cache read back from its file
+    room = next(line for line in report.splitlines() if line.startswith("Which room"))
+    who = next(line for line in report.splitlines() if line.startswith("Who brings"))
+    assert "4B" in room and "Maria" in who, (room, who)
+    assert int(report.strip().splitlines()[-1]) > 60
 
 
 def test_hf_text_streamer_streams_the_answer():
