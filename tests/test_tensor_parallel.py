@@ -1,9 +1,13 @@
-"""Tensor parallel on the CPU: two processes over gloo, each holding half of a tiny random model.
+"""Tensor parallel on the CPU: processes over gloo, each holding its share of a tiny random model.
 
-Each test's ranks run in fresh processes (``torch.multiprocessing``, a file store, gloo, a
-process-group timeout), bounded in time as a whole; a rank that raises fails the test with its
-traceback. The reference is the single-process engine on the same model (and HF's own greedy
-tokens for the uncompressed cache): fp32, greedy, so the tokens must be equal, not close.
+The ranks run in fresh processes (``torch.multiprocessing``, a file store, gloo, a process-group
+timeout), bounded in time as a whole. Two ranks run every scenario in one launch (a process
+costs seconds to start on a small machine: a launch per scenario cost more than some scenarios);
+four ranks run two cases on a wider model (one KV head each, a ragged vocabulary, biases rank 0
+alone adds). A rank that raises fails the tests of the scenario it was in, and of those after
+it, with its traceback. The reference is the single-process engine on the same model (and HF's
+own greedy tokens for the uncompressed cache), computed while the two ranks run: fp32, greedy,
+so the tokens must be equal, not close.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import gc
 import json
 import os
 import time
+import traceback
 
 import pytest
 import torch
@@ -23,6 +28,7 @@ import torch.multiprocessing as mp
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs.runtime import Request, SlotRuntime
 from minikv_compile.graphs.sampling import Sampling
+from minikv_compile.graphs.step_plan import decode_path
 from minikv_compile.models import TensorParallel, get_adapter, load_shard, shard_model
 from minikv_compile.ranks import ReplicatedRuntime, follow
 from minikv_compile import scheduler as scheduler_module
@@ -31,14 +37,22 @@ from test_engine import FULL, hf_greedy, prompt_of, tiny
 from test_scheduler import CharTokenizer
 
 RANKS = 2
-DEADLINE_S = 300          # every rank of one test, start-up included
-GROUP_TIMEOUT_S = 60      # a collective waiting for a rank that is gone gives up after this
-FAILURE_TIMEOUT_S = 5     # the same in the test of failures
+WIDE = 4                  # the four-rank launch
+DEADLINE_S = 900          # every rank of one launch, from its start (on a loaded machine)
+# A collective waiting for a rank that is gone gives up after this: above the lag of one rank's
+# cold compile behind another's on a loaded 2-core machine (past 60 s there, the group broke).
+GROUP_TIMEOUT_S = 300
+FAILURE_TIMEOUT_S = 5     # the same in the scenario of failures (the last of its launch)
 NCCL_DEADLINE_S = 420     # the GPU test: three engines compiled on a cold machine (200 s was short)
 
 CAP = dict(residual_length=32, max_prompt_len=128, max_new_tokens=70, max_batch_size=4)
-# name -> (tiny() arguments, MiniKVConfig fields). The tiny model: 4 query / 2 KV heads (one KV
-# head per rank), intermediate 192, vocabulary 101 (ragged over 2 ranks: 51 + 50).
+# The tiny model: 4 query / 2 KV heads (one KV head per rank over 2 ranks), intermediate 192,
+# vocabulary 101 (ragged over 2 ranks: 51 + 50). Four ranks take the wide one, 8 query / 4 KV
+# heads (one GQA group of 2 per rank; 48 features, 26 x 3 + 23 vocabulary rows a rank); it is a
+# model of its own, not the two ranks' too: fp32 sums in another order part greedy tokens at a
+# near-tie now and then (two of its six cases over two ranks, after 30 and 69 tokens).
+WIDE_HEADS = dict(num_attention_heads=8, num_key_value_heads=4)
+# name -> (tiny() arguments, MiniKVConfig fields).
 CASES = {
     "full": ({}, dict(CAP, **FULL)),
     "minikv": ({}, dict(CAP)),                                  # 2 bit, SnapKV eviction
@@ -48,6 +62,8 @@ CASES = {
     "qwen3": (dict(kind="qwen3"), dict(CAP, budget_policy="pyramid")),  # q/k norms
     "specache": ({}, dict(CAP, heavy_budget=1.0, recent_budget=1.0, recall_top_k=16)),
 }
+# The cases four ranks run: one KV head a rank under eviction, and the biases rank 0 alone adds.
+WIDE_CASES = ("minikv", "biases_hadamard")
 # Compiled on the CPU (the ranks' collectives inside the compiled layer and choice): batch 1,
 # where a cold compile of each part takes seconds, not the minutes of every bucket and mode.
 COMPILED = dict(CAP, max_batch_size=1, compile=True)
@@ -56,12 +72,18 @@ NEW = 70  # crosses two flushes of the 32-token ring
 SAMPLED = dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.9, seed=5)
 
 
-def _build(case: str, tp: int):
+def _model(kind: str = "llama", wide: bool = False, **over):
+    """The tiny model (``wide``: ``WIDE_HEADS``), biases random."""
+    model = tiny(kind, **(WIDE_HEADS if wide else {}), **over)
+    _random_biases(model)
+    return model
+
+
+def _build(case: str, tp: int, wide: bool = False):
     over, fields = CASES[case]
     over = dict(over)
-    model = tiny(over.pop("kind", "llama"), **over)
-    _random_biases(model)
-    return minikv_compile(model, MiniKVConfig(**fields, tensor_parallel=tp))
+    return minikv_compile(_model(over.pop("kind", "llama"), wide, **over),
+                          MiniKVConfig(**fields, tensor_parallel=tp))
 
 
 def _random_biases(model) -> None:
@@ -73,10 +95,10 @@ def _random_biases(model) -> None:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
 
 
-def _generate_and_join(case: str, tp: int) -> dict:
+def _generate_and_join(case: str, tp: int, wide: bool = False) -> dict:
     """What the tests compare: greedy and sampled tokens of a batch, requests joining a
     running batch through the runtime, the KV bytes per layer."""
-    cm = _build(case, tp)
+    cm = _build(case, tp, wide)
     out = {"greedy": cm.generate(PROMPTS, max_new_tokens=NEW).sequences,
            "sampled": cm.generate(PROMPTS, max_new_tokens=NEW, **SAMPLED).sequences}
     rt = cm.runtime
@@ -107,13 +129,15 @@ def _generate_and_join(case: str, tp: int) -> dict:
     return out
 
 
-def _every_case(tp: int) -> dict:
-    return {case: _generate_and_join(case, tp) for case in CASES}
+def _every_case(tp: int, cases=tuple(CASES), wide: bool = False) -> dict:
+    return {case: _generate_and_join(case, tp, wide) for case in cases}
 
 
 def _compiled(tp: int) -> dict:
-    """Greedy then sampled, compiled; the compile count after each."""
-    cm = minikv_compile(tiny(), MiniKVConfig(**COMPILED, tensor_parallel=tp))
+    """Greedy then sampled, compiled (``tp == 1``: the eager reference); the compile count after
+    each."""
+    cm = minikv_compile(_model(), MiniKVConfig(**dict(COMPILED, compile=tp > 1),
+                                               tensor_parallel=tp))
     out = {"greedy": [cm.generate([p], max_new_tokens=NEW).sequences[0] for p in PROMPTS]}
     out["greedy_compiles"] = cm.stats["compiles"]
     out["sampled"] = cm.generate(PROMPTS[1:2], max_new_tokens=NEW, **SAMPLED).sequences
@@ -124,6 +148,7 @@ def _compiled(tp: int) -> dict:
 def _failures(tp: int) -> dict:
     """Ranks that disagree fail together; a rank that is stuck makes the others fail after the
     group's timeout, and every later call at once (the group is broken): never hang."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=FAILURE_TIMEOUT_S))
     cm = _build("minikv", tp)
     rank = dist.get_rank()
     out = {}
@@ -148,15 +173,14 @@ def _fused(tp: int) -> dict:
     """The CUDA path's fused projections over the ranks (``ops.fused_linear``'s reference on the
     CPU): the residual in rank 0's launches alone, the norm not split; batches of 1 and 3 on
     the fused plan, 40 on the GEMM plan."""
-    model = tiny(attention_bias=True, mlp_bias=True)
-    _random_biases(model)
+    model = _model(attention_bias=True, mlp_bias=True)
     cfg = MiniKVConfig(**dict(CAP, max_batch_size=64, max_new_tokens=40))
     adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens, fuse_projections=True,
                           tp=TensorParallel.from_default_group(tp))
     rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.float32,
                      compile=False, cuda_graphs=False)
     out = {"plans": [[p.fused_linear, p.split_norm]
-                     for p in (adapter.decode_plan(b, torch.float32) for b in (1, 4, 64))]}
+                     for p in (decode_path(adapter, b, torch.float32) for b in (1, 4, 64))]}
     for n in (1, 3, 40):
         for slot in range(n):
             rt.admit(slot, Request(prompt_of(20 + 2 * slot, seed=slot), 40))
@@ -173,13 +197,14 @@ SAMPLED_REQUEST = Sampling(greedy=False, temperature=1.2, seed=3)
 
 def _scheduler(tp: int) -> dict:
     """Requests through rank 0's scheduler (the other rank follows its runtime's calls): idle
-    heartbeats, three requests, then two joining the running ones, prompts prefilled a layer between two steps, one
-    cancelled mid-stream, one too long for the engine (refused on rank 0 alone), a sampled one
-    with a seed; then the slots reused."""
+    heartbeats, three requests, then two joining the running ones, prompts prefilled a layer
+    between two steps, one cancelled mid-stream, one too long for the engine (refused on rank 0
+    alone), a sampled one with a seed; then the slots reused."""
     cm = _build("minikv", tp)
     if tp > 1 and dist.get_rank() != 0:
         follow(cm)
         return {}
+    heartbeat = scheduler_module.HEARTBEAT_S
     scheduler_module.HEARTBEAT_S = 0.01  # idle rank 0 tells the other rank so (a no-op call)
     sched = Scheduler(cm, CharTokenizer(), max_queue=8, prefill_layers=1)
     sched.warm_up()
@@ -198,24 +223,46 @@ def _scheduler(tp: int) -> dict:
     out["again"] = sched.submit(ServeRequest(*SERVED[1])).result()  # a reused slot
     out["slots_in_use"] = sched.slots_in_use
     sched.shutdown()
+    scheduler_module.HEARTBEAT_S = heartbeat
     return out
 
 
-SCENARIOS = {"every_case": _every_case, "compiled": _compiled, "failures": _failures,
-             "scheduler": _scheduler, "fused": _fused}
+def _scheduler_reference() -> dict:
+    """What the single-process engine's generate gives each served request alone."""
+    cm, tok = _build("minikv", 1), CharTokenizer()
+    want = [tok.decode(cm.generate([p], max_new_tokens=m, eos_token_id=[]).sequences[0])
+            for p, m in SERVED]
+    rt = cm.runtime  # the sampled request alone, on the single process's runtime
+    rt.admit(0, Request(SERVED[0][0], 20, sampling=SAMPLED_REQUEST))
+    while not rt.finished([0])[0]:
+        rt.step()
+    return {"texts": want, "sampled": tok.decode(rt.outputs([0])[0])}
 
 
-def _rank_main(rank: int, world: int, store: str, out_dir: str, scenario: str):
-    torch.set_num_threads(1)  # two ranks on a small CPU machine
+# Each launch's scenarios in order: "failures" breaks the group, so it comes last.
+SCENARIOS = {"every_case": _every_case, "fused": _fused, "scheduler": _scheduler,
+             "compiled": _compiled, "failures": _failures,
+             "wide": lambda tp: _every_case(tp, WIDE_CASES, wide=True)}
+LAUNCHES = {RANKS: ("every_case", "fused", "scheduler", "compiled", "failures"),
+            WIDE: ("wide",)}
+
+
+def _rank_main(rank: int, world: int, store: str, out_dir: str, scenarios):
+    torch.set_num_threads(1)  # several ranks on a small CPU machine
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=FAILURE_TIMEOUT_S
-                                                       if scenario == "failures"
-                                                       else GROUP_TIMEOUT_S))
-    torch.manual_seed(0)
-    result = SCENARIOS[scenario](world)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if scenario == "failures":
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    for scenario in scenarios:
+        torch.manual_seed(0)
+        path = os.path.join(out_dir, f"{scenario}.rank{rank}.json")
+        try:
+            result = SCENARIOS[scenario](world)
+        except BaseException:
+            with open(path, "w") as f:  # the traceback for the tests of this scenario
+                json.dump({"error": traceback.format_exc()}, f)
+            raise
+        with open(path, "w") as f:
+            json.dump(result, f)
+    if scenarios[-1] == "failures":
         # gone without a word, as a crashed rank is (a group whose peer is gone aborts in
         # its destructors at a normal exit: the result is already written)
         os._exit(0)
@@ -240,59 +287,109 @@ def _join_within(ctx, seconds: float, what: str, progress=()) -> None:
                         + (f"; their progress:\n{notes}" if notes else ""))
 
 
-def run_ranks(tmp_path, scenario: str) -> list:
-    """Every rank's result of ``scenario`` (each rank a fresh process), within ``DEADLINE_S``."""
-    ctx = mp.start_processes(_rank_main, nprocs=RANKS, join=False, start_method="spawn",
-                             args=(RANKS, str(tmp_path / "store"), str(tmp_path), scenario))
-    _join_within(ctx, DEADLINE_S, f"{scenario}: ranks")
-    results = []
-    for r in range(RANKS):
-        with open(tmp_path / f"rank{r}.json") as f:
-            results.append(json.load(f))
-    return results
+class Launch:
+    """The ranks of one launch: ``world`` fresh processes running ``LAUNCHES[world]`` in order."""
+
+    def __init__(self, tmp_path, world: int):
+        self.dir, self.world, self.error = tmp_path, world, None
+        self.start = time.monotonic()
+        self.ctx = mp.start_processes(_rank_main, nprocs=world, join=False, start_method="spawn",
+                                      args=(world, str(tmp_path / "store"), str(tmp_path),
+                                            LAUNCHES[world]))
+
+    def join(self) -> "Launch":
+        """Wait until ``DEADLINE_S`` after the start; a rank that failed is kept as ``error``
+        (its scenario's file holds the traceback), the results of the scenarios before it stay
+        readable."""
+        try:
+            _join_within(self.ctx, DEADLINE_S - (time.monotonic() - self.start),
+                         f"{self.world} ranks")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            self.error = str(e)
+        return self
+
+    def results(self, scenario: str) -> list:
+        """Every rank's result of ``scenario``, or the test fails with what stopped it."""
+        paths = [self.dir / f"{scenario}.rank{r}.json" for r in range(self.world)]
+        results = [json.loads(p.read_text()) if p.exists() else None for p in paths]
+        errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
+        if errors or None in results:
+            pytest.fail(f"{scenario} on {self.world} ranks: "
+                        + (errors[0] if errors else f"no result ({self.error})"))
+        return results
 
 
 @pytest.fixture(scope="module")
-def every_case(tmp_path_factory):
-    """(each rank's results, the single process's) of every case, the ranks in one run."""
-    ranks = run_ranks(tmp_path_factory.mktemp("ranks"), "every_case")
-    return ranks, json.loads(json.dumps(_every_case(1)))
+def launched(tmp_path_factory):
+    """(the two-rank launch, the four-rank launch, the single process's references): the
+    references computed while the two ranks run (they wait in their collectives much of the
+    time), the four ranks launched after them (six processes on a small machine would only
+    wait for each other)."""
+    two = Launch(tmp_path_factory.mktemp("ranks2"), RANKS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: a tiny model's ops gain nothing from a second thread
+    try:
+        alone = json.loads(json.dumps({
+            "every_case": _every_case(1), "fused": _fused(1), "compiled": _compiled(1),
+            "scheduler": _scheduler_reference(), "wide": _every_case(1, WIDE_CASES, wide=True)}))
+    except BaseException:
+        for p in two.ctx.processes:
+            p.kill()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    two.join()
+    return two, Launch(tmp_path_factory.mktemp("ranks4"), WIDE).join(), alone
+
+
+def _check_case(ranks: list, alone: dict, case: str, kv_heads: int) -> None:
+    world = len(ranks)
+    ranks = [r[case] for r in ranks]
+    for key in ("greedy", "sampled", "joined"):
+        for rank in ranks:
+            assert rank[key] == alone[key], key
+    # an unseeded sampled request: one seed (rank 0's draw) on every rank
+    assert all(rank["unseeded"] == ranks[0]["unseeded"] for rank in ranks)
+    # each rank's cache holds its share of the KV heads: 1 / world of every per-head byte
+    for rank in ranks:
+        for mine, whole in zip(rank["kv"], alone["kv"]):
+            assert [world * b for b in mine] == whole
+        assert any(f"its {kv_heads // world} of {kv_heads} KV heads" in note
+                   for note in rank["kv_notes"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_give_the_single_process_tokens(every_case, case):
-    ranks, alone = every_case[0], every_case[1][case]
-    ranks = [r[case] for r in ranks]
-    for key in ("greedy", "sampled", "joined"):
-        assert ranks[0][key] == ranks[1][key] == alone[key], key
+def test_two_ranks_give_the_single_process_tokens(launched, case):
+    two, _, alone = launched
+    _check_case(two.results("every_case"), alone["every_case"][case], case, kv_heads=2)
     if case == "full":  # and the uncompressed cache's tokens are HF's own
-        model = tiny()
-        assert alone["greedy"] == [hf_greedy(model, p, NEW) for p in PROMPTS]
-    # an unseeded sampled request: one seed (rank 0's draw) on both ranks
-    assert ranks[0]["unseeded"] == ranks[1]["unseeded"]
-    # each rank's cache holds one of the two KV heads: half of every per-head byte
-    for rank in ranks:
-        for mine, whole in zip(rank["kv"], alone["kv"]):
-            assert [2 * b for b in mine] == whole
-        assert any("1 of 2 KV heads" in note for note in rank["kv_notes"])
+        model = _model()
+        assert alone["every_case"][case]["greedy"] == [hf_greedy(model, p, NEW) for p in PROMPTS]
 
 
-def test_two_compiled_ranks_give_the_single_process_tokens_and_compile_as_often(tmp_path):
-    ranks = run_ranks(tmp_path, "compiled")
-    alone = json.loads(json.dumps(_compiled(1)))
+@pytest.mark.parametrize("case", WIDE_CASES)
+def test_four_ranks_give_the_single_process_tokens(launched, case):
+    _, four, alone = launched
+    _check_case(four.results("wide"), alone["wide"][case], case, kv_heads=4)
+
+
+def test_two_compiled_ranks_give_the_single_process_tokens_and_compile_as_often(launched):
+    two, _, alone = launched
+    ranks, alone = two.results("compiled"), alone["compiled"]
+    # the eager single process's tokens (the compiled step's equal them: test_engine)
     for key in ("greedy", "sampled"):
-        assert ranks[0][key] == ranks[1][key] == alone[key], key
+        for rank in ranks:
+            assert rank[key] == alone[key], key
     # the start, the layer, the choice; then the sampling choice: the collectives inside the
     # compiled parts cost no compile, and nothing recompiles over the three requests and 210
     # steps
-    assert alone["greedy_compiles"] == 3 and alone["compiles"] == 4
     for rank in ranks:
         assert (rank["greedy_compiles"], rank["compiles"]) == (3, 4)
 
 
-def test_two_ranks_on_the_fused_projections_give_the_single_process_tokens(tmp_path):
-    ranks = run_ranks(tmp_path, "fused")
-    alone = json.loads(json.dumps(_fused(1)))
+def test_two_ranks_on_the_fused_projections_give_the_single_process_tokens(launched):
+    two, _, alone = launched
+    ranks, alone = two.results("fused"), alone["fused"]
     # one rank splits the norm at several rows; two ranks cannot (h is a sum over them)
     assert alone["plans"] == [[True, False], [True, True], [False, False]]
     for rank in ranks:
@@ -301,26 +398,20 @@ def test_two_ranks_on_the_fused_projections_give_the_single_process_tokens(tmp_p
             assert rank[n] == alone[n], n
 
 
-def test_requests_through_rank_0s_scheduler_give_the_single_process_tokens(tmp_path):
+def test_requests_through_rank_0s_scheduler_give_the_single_process_tokens(launched):
     """The server's path: rank 0's scheduler drives both ranks; every request gets what the
     single-process engine's generate gives it alone."""
-    rank0 = run_ranks(tmp_path, "scheduler")[0]
-    cm, tok = _build("minikv", 1), CharTokenizer()
-    want = [tok.decode(cm.generate([p], max_new_tokens=m, eos_token_id=[]).sequences[0])
-            for p, m in SERVED]
+    two, _, alone = launched
+    rank0, want = two.results("scheduler")[0], alone["scheduler"]["texts"]
     assert [tuple(t) for t in rank0["texts"]] == [(w, "length") for w in want]
     assert tuple(rank0["again"]) == (want[1], "length")
     assert rank0["cancelled"] == "cancelled" and rank0["too_long"].startswith("error: ")
-    rt = cm.runtime  # the sampled request alone, on the single process's runtime
-    rt.admit(0, Request(SERVED[0][0], 20, sampling=SAMPLED_REQUEST))
-    while not rt.finished([0])[0]:
-        rt.step()
-    assert tuple(rank0["sampled"]) == (tok.decode(rt.outputs([0])[0]), "length")
+    assert tuple(rank0["sampled"]) == (alone["scheduler"]["sampled"], "length")
     assert rank0["slots_in_use"] == 0
 
 
-def test_ranks_that_disagree_or_are_gone_fail_instead_of_hanging(tmp_path):
-    ranks = run_ranks(tmp_path, "failures")
+def test_ranks_that_disagree_or_are_gone_fail_instead_of_hanging(launched):
+    ranks = launched[0].results("failures")
     for rank in ranks:
         assert "requests: expected the same arguments on every rank (rank 0's), got different " \
                "ones on ranks [1]" in rank["mismatch"]
@@ -520,10 +611,16 @@ def test_gpu_nccl_collectives_compile_and_capture_in_the_step(tmp_path):
     assert coll["replays"] == plain["replays"] > 0
 
 
-def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
-    """Rank ``rank`` on GPU ``rank``: the compiled, captured engine over two NCCL ranks; then,
-    the group destroyed by both ranks together (an NCCL communicator's destruction waits for
-    every rank's), rank 0 alone runs the single-GPU engine on the same model, in bf16 and
+def _gpu_ranks() -> int:
+    """The ranks of the multi-GPU test: four where four GPUs are present, else two (the wide
+    model's four KV heads divide by neither three nor more than four)."""
+    return WIDE if torch.cuda.device_count() >= WIDE else RANKS
+
+
+def _nccl_ranks(rank: int, world: int, store: str, out_dir: str) -> None:
+    """Rank ``rank`` on GPU ``rank``: the compiled, captured engine over ``world`` NCCL ranks;
+    then, the group destroyed by every rank together (an NCCL communicator's destruction waits
+    for every rank's), rank 0 alone runs the single-GPU engine on the same model, in bf16 and
     (log-probabilities only) in fp16. The CUDA kernels take no fp32."""
     t0 = time.monotonic()
 
@@ -532,22 +629,22 @@ def _nccl_two_ranks(rank: int, store: str, out_dir: str) -> None:
             f.write(f"rank {rank} {time.monotonic() - t0:6.1f} s: {what}\n")
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2,
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     targets = [prompt_of(NEW, seed=50 + i) for i in range(len(PROMPTS))]
     out = {}
-    for name, tp, dtype in (("ranks", 2, torch.bfloat16), ("alone", 1, torch.bfloat16),
+    for name, tp, dtype in (("ranks", world, torch.bfloat16), ("alone", 1, torch.bfloat16),
                             ("fp16", 1, torch.float16)):
         if tp == 1 and dist.is_initialized():
             cm = None
-            gc.collect()  # the two-rank engine's graphs (it lives in reference cycles)
+            gc.collect()  # the N-rank engine's graphs (it lives in reference cycles)
             dist.barrier()
             dist.destroy_process_group()
             mark("group destroyed")
             if rank != 0:
                 break
         mark(f"{name}: building")
-        cm = minikv_compile(tiny(dtype=dtype, device=f"cuda:{rank}"),
+        cm = minikv_compile(_model(wide=True, dtype=dtype, device=f"cuda:{rank}"),
                             MiniKVConfig(**CAP, tensor_parallel=tp))
         out[name] = run = {}
         if name != "fp16":
@@ -578,32 +675,35 @@ def _deviation(a, b):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
                     or not dist.is_nccl_available(), reason="needs two GPUs and NCCL")
-def test_gpu_two_nccl_ranks_compute_what_one_gpu_does(tmp_path):
-    """Two GPUs, one rank each: the step with its NCCL all-reduces and logits gather compiled
-    and captured per bucket, replayed, never recompiled, computing what the single-GPU engine
-    computes. In bf16 each rank's partial sum is rounded before the two are added, and greedy
-    tokens part after a few steps (the gloo tests check exact tokens in fp32 on the CPU), so
-    the check against one GPU is on teacher-forced log-probabilities over 70 steps and two
-    flushes: the two ranks may move them no more than bf16 itself does (one GPU in bf16 against
-    fp16). On the CPU the same comparison measured 0.033 mean / 0.23 max against bf16's own
-    0.12 / 0.53; a head or a sum dropped or misplaced moves them by whole units."""
-    ctx = mp.start_processes(_nccl_two_ranks, nprocs=2, join=False, start_method="spawn",
-                             args=(str(tmp_path / "store"), str(tmp_path)))
-    _join_within(ctx, NCCL_DEADLINE_S, "ranks",
-                 [tmp_path / f"progress{r}.txt" for r in range(2)])
-    ranks = [json.loads((tmp_path / f"nccl{r}.json").read_text()) for r in range(2)]
-    assert ranks[0]["ranks"] == ranks[1]["ranks"]  # every token and log-prob, every count
+def test_gpu_nccl_ranks_compute_what_one_gpu_does(tmp_path):
+    """Four GPUs (two where fewer are present), one rank each: the step with its NCCL
+    all-reduces and logits gather compiled and captured per bucket, replayed, never
+    recompiled, computing what the single-GPU engine computes. In bf16 each rank's partial sum
+    is rounded before they are added, and greedy tokens part after a few steps (the gloo tests
+    check exact tokens in fp32 on the CPU), so the check against one GPU is on teacher-forced
+    log-probabilities over 70 steps and two flushes: the ranks may move them no more than bf16
+    itself does (one GPU in bf16 against fp16). On the CPU over two ranks the same comparison
+    measured 0.033 mean / 0.23 max against bf16's own 0.12 / 0.53; a head or a sum dropped or
+    misplaced moves them by whole units."""
+    world = _gpu_ranks()
+    ctx = mp.start_processes(_nccl_ranks, nprocs=world, join=False, start_method="spawn",
+                             args=(world, str(tmp_path / "store"), str(tmp_path)))
+    _join_within(ctx, NCCL_DEADLINE_S, f"{world} ranks",
+                 [tmp_path / f"progress{r}.txt" for r in range(world)])
+    ranks = [json.loads((tmp_path / f"nccl{r}.json").read_text()) for r in range(world)]
+    for other in ranks[1:]:
+        assert other["ranks"] == ranks[0]["ranks"]  # every token and log-prob, every count
     mine, alone = ranks[0]["ranks"], ranks[0]["alone"]
     assert mine["again"] == mine["batch"] and alone["again"] == alone["batch"]
     tp_max, tp_mean = _deviation(mine["forced"], alone["forced"])
     own_max, own_mean = _deviation(alone["forced"], ranks[0]["fp16"]["forced"])
     assert tp_mean <= own_mean and tp_max <= own_max, (tp_mean, own_mean, tp_max, own_max)
-    # the start, the layer and the choice at 1 and at 2..4 (two ranks never split the norm:
+    # the start, the layer and the choice at 1 and at 2..4 (the ranks never split the norm:
     # one kind of layer call): the collectives inside the compiled parts cost no compile; a
     # second batch compiles nothing more and replays every step
     assert (mine["compiles"], mine["graphs"]) == (6, alone["graphs"])
     assert mine["compiles_after"] == mine["compiles"]
     assert mine["replays_after"] - mine["replays"] == (
         alone["replays_after"] - alone["replays"]) > 0
-    for m, a in zip(mine["kv"], alone["kv"]):  # each rank holds one of the two KV heads
-        assert [2 * b for b in m] == a
+    for m, a in zip(mine["kv"], alone["kv"]):  # each rank holds its share of the 4 KV heads
+        assert [world * b for b in m] == a
