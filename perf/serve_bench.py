@@ -17,6 +17,13 @@ Phases, per backend (``--phases``), in this order:
 ``half``     Poisson at half the backend's saturation rate
 ``long``     the same rate with every ``--long-every``-th prompt ``--long-prompt`` tokens long
 ``offline``  ``--offline-requests`` requests all sent at once
+``reuse``    (asked alone, this engine only; not in the default list) multi-turn questions
+             about shared documents: ``--reuse-users`` users, Poisson arrivals at
+             ``--reuse-rate`` users/s, each on one of ``--reuse-docs`` documents, asking
+             ``--reuse-turns`` questions in turn; one upload of each document first (its
+             prompt alone). Run twice on the same server (``--reuse-pool-bytes`` of prefix
+             cache), reuse off (every request opts out) then on: TTFT, ITL, output tokens/s,
+             the hit rate and the pool's bytes of each, and their ratios
 
 Every phase leaves ``DIR/serve-parts/<model>.<backend>.<phase>.json`` (every request's figures, the
 server's own description and environment); after each, ``DIR/serve.json``, ``serve.md`` and the
@@ -42,9 +49,11 @@ from .argtypes import comma_list, nonneg_int, positive_float, positive_int
 MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
 BACKENDS = ("minikv", "hf")
 PHASES = ("single", "sweep", "half", "long", "offline")
+# phases asked by name only (not in the default list)
+EXTRA_PHASES = ("reuse",)
 # Shares of a backend's time left given to each phase still to run (what one does not use
 # flows to the next).
-_WEIGHTS = {"single": 1.0, "sweep": 4.0, "half": 1.5, "long": 1.5, "offline": 3.0}
+_WEIGHTS = {"single": 1.0, "sweep": 4.0, "half": 1.5, "long": 1.5, "offline": 3.0, "reuse": 1.0}
 # Our server's /metrics counters, read before and after each phase (the part's "engine" deltas).
 ENGINE_COUNTERS = {"steps": "minikv_decode_steps_total",
                    "replays": "minikv_cuda_graph_replays_total",
@@ -57,13 +66,17 @@ PRESETS: Dict[str, Dict[str, object]] = {
                  long_every=8, max_batch_size=64, max_queue=1024, prefill_ms=50.0, requests=64,
                  min_requests=16, rate_seconds=60.0, max_rates=8, refine=1, drain_seconds=60.0,
                  ttft_limit=10.0, single_requests=3, offline_requests=256, budget_seconds=510.0,
-                 startup_timeout=420.0),
+                 startup_timeout=420.0, reuse_users=32, reuse_turns=4, reuse_docs=4,
+                 reuse_doc_len=(8192, 16384), reuse_question_len=(64, 256), reuse_rate=0.5,
+                 reuse_pool_bytes=16 << 30),
     "tiny": dict(model="tiny", backends=list(BACKENDS), phases=list(PHASES),
                  prompt_len=(16, 64), output_len=(4, 12), long_prompt=160, long_every=3,
                  max_batch_size=4, max_queue=64, prefill_ms=50.0, requests=8, min_requests=6,
                  rate_seconds=1.0, max_rates=3, refine=0, drain_seconds=10.0, ttft_limit=0.5,
                  single_requests=2, offline_requests=12, budget_seconds=100.0,
-                 startup_timeout=90.0),
+                 startup_timeout=90.0, reuse_users=4, reuse_turns=3, reuse_docs=2,
+                 reuse_doc_len=(48, 64), reuse_question_len=(4, 8), reuse_rate=4.0,
+                 reuse_pool_bytes=64 << 20),
 }
 # The real SmolLM2 reads 8192 positions: prompts up to 6k, the long ones 7k (+ 512 generated).
 MODEL_PRESETS = {"smollm2-135m-real": dict(prompt_len=(1024, 6144), long_prompt=7168)}
@@ -103,8 +116,10 @@ def add_parsers(sub) -> None:
                    help="model shape (default llama3.1-8b)")
     p.add_argument("--backends", type=comma_list(BACKENDS, "backends", canonical=True), default=None,
                    help="comma-separated, from: minikv, hf (default both, one after the other)")
-    p.add_argument("--phases", type=comma_list(PHASES, "phases", canonical=True), default=None,
-                   help=f"comma-separated, from: {', '.join(PHASES)} (default all)")
+    p.add_argument("--phases", type=comma_list(PHASES + EXTRA_PHASES, "phases", canonical=True),
+                   default=None,
+                   help=f"comma-separated, from: {', '.join(PHASES)} (default all); or reuse "
+                        f"alone (--backends minikv)")
     p.add_argument("--budget-seconds", type=positive_float, default=None,
                    help="wall-clock bound of the whole invocation, worker start-up included "
                         "(default 510; split evenly between the backends)")
@@ -147,6 +162,22 @@ def add_parsers(sub) -> None:
                    help="requests of phase single, one at a time (default 3)")
     g.add_argument("--offline-requests", type=positive_int, default=None,
                    help="requests of phase offline, all at once (default 256)")
+    g = p.add_argument_group("phase reuse (multi-turn, shared documents, prefix cache on vs off)")
+    g.add_argument("--reuse-users", type=positive_int, default=None,
+                   help="users (default 32)")
+    g.add_argument("--reuse-turns", type=positive_int, default=None,
+                   help="questions per user, each sent when the answer before it ended "
+                        "(default 4)")
+    g.add_argument("--reuse-docs", type=positive_int, default=None,
+                   help="shared documents; user u reads document u %% docs (default 4)")
+    g.add_argument("--reuse-doc-len", type=_range, default=None, metavar="MIN,MAX",
+                   help="document tokens, uniform (default 8192,16384)")
+    g.add_argument("--reuse-question-len", type=_range, default=None, metavar="MIN,MAX",
+                   help="question tokens, uniform (default 64,256); answers: --output-len")
+    g.add_argument("--reuse-rate", type=positive_float, default=None,
+                   help="Poisson arrivals of users, per second (default 0.5)")
+    g.add_argument("--reuse-pool-bytes", type=positive_int, default=None,
+                   help="the server's --prefix-cache-gpu-bytes (default 16 GiB)")
     g = p.add_argument_group("server capacity (both backends accept the same requests)")
     g.add_argument("--max-batch-size", type=positive_int, default=None,
                    help="minikv slots (default 64; HF batches by its own rule)")
@@ -176,8 +207,14 @@ def apply_presets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     uses_long = "long" in args.phases
+    if "reuse" in args.phases and (args.phases != ["reuse"] or args.backends != ["minikv"]):
+        parser.error(f"--phases reuse: expected alone with --backends minikv (its server keeps "
+                     f"a prefix cache, which would change the other phases), got phases "
+                     f"{','.join(args.phases)} and backends {','.join(args.backends)}")
     if args.max_prompt_len is None:
         args.max_prompt_len = max(args.prompt_len[1], args.long_prompt)
+        if "reuse" in args.phases:  # the last turn: the document, every question and answer
+            args.max_prompt_len = max(args.max_prompt_len, _last_turn(args))
     if args.max_new_tokens is None:
         args.max_new_tokens = args.output_len[1]
     if args.prompt_len[1] > args.max_prompt_len:
@@ -189,6 +226,10 @@ def apply_presets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.output_len[1] > args.max_new_tokens:
         parser.error(f"--output-len: expected outputs up to --max-new-tokens="
                      f"{args.max_new_tokens}, got up to {args.output_len[1]}")
+    if "reuse" in args.phases and _last_turn(args) > args.max_prompt_len:
+        parser.error(f"--max-prompt-len: expected room for phase reuse's last turn (the "
+                     f"longest document, {args.reuse_turns} questions and answers: "
+                     f"{_last_turn(args)} tokens), got {args.max_prompt_len}")
     if args.min_requests > args.requests:
         parser.error(f"--min-requests: expected at most --requests={args.requests}, "
                      f"got {args.min_requests}")
@@ -197,6 +238,13 @@ def apply_presets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available here (use --device auto)")
+
+
+def _last_turn(args) -> int:
+    """Tokens of phase reuse's longest prompt: the longest document, then every question and
+    answer at their longest."""
+    return (args.reuse_doc_len[1]
+            + args.reuse_turns * (args.reuse_question_len[1] + args.output_len[1]))
 
 
 # -- the worker process -----------------------------------------------------------------------
@@ -226,6 +274,8 @@ class Worker:
                      "--max-new-tokens", str(args.max_new_tokens),
                      "--max-queue", str(args.max_queue), "--prefill-ms", str(args.prefill_ms),
                      "--data-parallel", str(args.data_parallel)]
+        if "reuse" in args.phases:
+            self.argv += ["--prefix-cache-gpu-bytes", str(args.reuse_pool_bytes)]
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float) -> float:
@@ -671,6 +721,86 @@ class _Context:
         row = self.run(specs, [0.0] * len(specs), deadline, "offline", None)
         row["cut_by_budget"] = row["cut"] > 0
         part["runs"] = [row]
+
+
+    def _reuse(self, part, box_end) -> None:
+        """Phase reuse: the same users twice on the same server, reuse off then on."""
+        from .serve_load import (_spec, conversations, drive_conversations, poisson_arrivals,
+                                 run_async, summarize)
+
+        a = self.a
+        if not self.words:
+            raise _Skip("the answers' ids are read back from the synthetic text: a random "
+                        "shape's (token i reads ' i'), not a real tokenizer's")
+        documents, users = conversations(
+            a.reuse_users, a.reuse_turns, a.reuse_docs, a.reuse_doc_len, a.reuse_question_len,
+            a.output_len, self.workload.vocab, a.seed, "reuse")
+        arrivals = poisson_arrivals(len(users), a.reuse_rate, a.seed, "reuse")
+        part.update(users=a.reuse_users, turns=a.reuse_turns, docs=a.reuse_docs,
+                    doc_lens=[len(d) for d in documents], user_rate=a.reuse_rate,
+                    pool_bytes_limit=a.reuse_pool_bytes)
+        runs = []
+        for k, reuse in enumerate((False, True)):
+            label = f"reuse {'on' if reuse else 'off'}"
+            end = time.perf_counter() + (box_end - time.perf_counter()) / (2 - k)
+            extra = None if reuse else {"minikv": {"prefix_cache": False}}
+            uploads = [_spec(i, list(d), 1, False, extra) for i, d in enumerate(documents)]
+            self.run(uploads, [0.0] * len(uploads), max(5.0, end - time.perf_counter()),
+                     f"{label}: the documents' uploads", None)
+            before = self.worker.metrics() or {}
+            deadline = max(1.0, end - time.perf_counter())
+            outcomes, _ = run_async(drive_conversations(self.worker.url, documents, users,
+                                                        arrivals, deadline, reuse))
+            row = summarize(outcomes, a.ttft_limit, None)
+            row["idle_after"] = self.worker.wait_idle()
+            after = self.worker.metrics() or {}
+            delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+            prompt = sum(o.prompt_len for o in outcomes if o.cached_tokens is not None)
+            cached = sum(o.cached_tokens or 0 for o in outcomes)
+            row.update(label=label, reuse=reuse, per_request=[o.row() for o in outcomes],
+                       prompt_tokens=prompt, cached_tokens=cached,
+                       hit_rate=cached / prompt if prompt else None,
+                       pool_queries=delta("minikv_prefix_cache_queries_total"),
+                       pool_hits=delta("minikv_prefix_cache_hits_total"),
+                       pool_evictions=delta("minikv_prefix_cache_evictions_total"),
+                       pool_bytes=after.get('minikv_prefix_cache_bytes{tier="device"}'),
+                       pool_entries=after.get("minikv_prefix_cache_entries"),
+                       cut_by_budget=row["cut"] + row["unsent"] > 0)
+            self.say(f"{label}: {_line(row)}; hit rate {_pct(row['hit_rate'])}, pool "
+                     f"{_mib(row['pool_bytes'])} in {row['pool_entries']} contexts")
+            runs.append(row)
+        part["runs"] = runs
+        off, on = runs
+        ratio = lambda k: (off[k] / on[k] if off.get(k) and on.get(k) else None)  # noqa: E731
+        part["reuse"] = {"ttft_p50_on_over_off": ratio("ttft_p50_s") and 1 / ratio("ttft_p50_s"),
+                         "ttft_p99_on_over_off": ratio("ttft_p99_s") and 1 / ratio("ttft_p99_s"),
+                         "output_tokens_per_s_on_over_off": (
+                             on["output_tokens_per_s"] / off["output_tokens_per_s"]
+                             if on.get("output_tokens_per_s") and off.get("output_tokens_per_s")
+                             else None),
+                         "itl_p99_ms_on": on.get("itl_p99_ms")}
+        table = ["| reuse | TTFT p50 s | TTFT p99 s | ITL p99 ms | out tok/s | completed | "
+                 "hit rate | pool MiB | contexts |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in runs:
+            table.append(f"| {'on' if r['reuse'] else 'off'} | {_g(r['ttft_p50_s'])} | "
+                         f"{_g(r['ttft_p99_s'])} | {_g(r['itl_p99_ms'])} | "
+                         f"{_g(r['output_tokens_per_s'])} | {r['completed']}/{r['requests']} | "
+                         f"{_pct(r['hit_rate'])} | {_mib(r['pool_bytes'])} | "
+                         f"{_g(r['pool_entries'])} |")
+        part["table"] = table
+        print("\n".join(table), file=sys.stderr, flush=True)
+
+
+def _g(v) -> str:
+    return "–" if v is None else f"{v:.4g}"
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
+
+
+def _mib(v) -> str:
+    return "–" if v is None else f"{v / 2**20:.1f} MiB"
 
 
 class _Skip(Exception):

@@ -7,7 +7,10 @@
 - arrivals: Poisson at a rate (exponential gaps, the first request at 0) or all at 0 (offline);
 - ``drive``: one asyncio + httpx client for both backends; each request is a streaming
   ``POST /v1/completions`` of token ids, read chunk by chunk with a timestamp per chunk;
-- ``summarize``: the figures of one run.
+- ``summarize``: the figures of one run;
+- ``conversations`` / ``drive_conversations``: phase ``reuse``'s users, each asking several
+  questions in turn about one of a few shared documents (turn ``k + 1``'s prompt is turn ``k``'s
+  prompt, its answer and the next question), with the server's prefix cache on or off.
 
 Timing, per request (``time.perf_counter`` of this process): TTFT = first chunk with text minus
 the moment the request was sent; the inter-token latencies (ITL) are the gaps between
@@ -91,10 +94,13 @@ class Workload:
         return out
 
 
-def _spec(index: int, ids: List[int], max_tokens: int, long: bool) -> RequestSpec:
-    """The request as sent: greedy, streamed, with the usage chunk at the end."""
+def _spec(index: int, ids: List[int], max_tokens: int, long: bool,
+          extra: Optional[Dict[str, object]] = None) -> RequestSpec:
+    """The request as sent: greedy, streamed, with the usage chunk at the end (and the body
+    fields ``extra``)."""
     body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-                       "stream_options": {"include_usage": True}}, separators=(",", ":"))
+                       "stream_options": {"include_usage": True}, **(extra or {})},
+                      separators=(",", ":"))
     return RequestSpec(index, len(ids), max_tokens, long, body.encode())
 
 
@@ -133,6 +139,7 @@ class Outcome:
     e2e_s: Optional[float] = None
     tokens: int = 0                        # counted from the chunks
     usage_tokens: Optional[int] = None     # the stream's own usage.completion_tokens
+    cached_tokens: Optional[int] = None    # its usage.prompt_tokens_details.cached_tokens
     chunks: int = 0
     finish_reason: Optional[str] = None
     retry_after: Optional[str] = None
@@ -142,6 +149,7 @@ class Outcome:
     _sent: Optional[float] = field(default=None, repr=False)
     _last: Optional[float] = field(default=None, repr=False)
     _times: List[float] = field(default_factory=list, repr=False)  # one per token counted
+    _text: List[str] = field(default_factory=list, repr=False)     # the chunks' text
 
     def record(self, now: float, count: int) -> None:
         """A chunk of ``count`` tokens arrived at ``now``."""
@@ -200,9 +208,12 @@ async def _one(client, spec: RequestSpec, at: float, out: Outcome, words: bool) 
                     return
                 if obj.get("usage"):
                     out.usage_tokens = obj["usage"].get("completion_tokens")
+                    details = obj["usage"].get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens")
                 for choice in obj.get("choices") or ():
                     text = choice.get("text") or ""
                     if text:
+                        out._text.append(text)
                         out.record(now, max(1, len(text.split())) if words else 1)
                     if choice.get("finish_reason"):
                         out.finish_reason = choice["finish_reason"]
@@ -239,6 +250,81 @@ async def drive(base_url: str, specs: Sequence[RequestSpec], arrivals: Sequence[
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     for o in outcomes:  # cancelled before they were due
+        if o._sent is None:
+            o.status = "unsent"
+    return outcomes, start
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One user of phase ``reuse``: questions in turn about document ``doc`` (an index into
+    the shared documents), each answer ``max_tokens[k]`` tokens long."""
+
+    index: int
+    doc: int
+    questions: Tuple[Tuple[int, ...], ...]
+    max_tokens: Tuple[int, ...]
+
+
+def conversations(users: int, turns: int, docs: int, doc_len: Tuple[int, int],
+                  question_len: Tuple[int, int], output_len: Tuple[int, int], vocab: int,
+                  seed: int, stream: str) -> Tuple[List[List[int]], List[Conversation]]:
+    """(the documents' ids, the users): ``docs`` documents of lengths uniform in ``doc_len``,
+    user ``u`` on document ``u % docs``, ``turns`` questions each (lengths uniform in
+    ``question_len``, answers in ``output_len``); seeded by ``seed`` and ``stream``."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, zlib.crc32(f"reuse:{stream}".encode())])
+    draw = lambda lo_hi: int(rng.integers(lo_hi[0], lo_hi[1] + 1))  # noqa: E731
+    documents = [rng.integers(3, vocab, draw(doc_len)).tolist() for _ in range(docs)]
+    users_ = [Conversation(u, u % docs,
+                           tuple(tuple(rng.integers(3, vocab, draw(question_len)).tolist())
+                                 for _ in range(turns)),
+                           tuple(draw(output_len) for _ in range(turns)))
+              for u in range(users)]
+    return documents, users_
+
+
+async def drive_conversations(base_url: str, documents: Sequence[Sequence[int]],
+                              users: Sequence[Conversation], arrivals: Sequence[float],
+                              deadline_s: float, reuse: bool
+                              ) -> Tuple[List[Outcome], float]:
+    """User ``i`` starts at ``arrivals[i]`` seconds from now and asks its questions one after
+    the other, each sent when the answer before it has ended; turn ``k + 1``'s prompt is turn
+    ``k``'s, its answer's ids (read back from the synthetic text: token ``i`` is the word
+    ``" i"``) and the next question. ``reuse`` False: every request opts out of the prefix
+    cache (``"minikv": {"prefix_cache": false}``). At most ``deadline_s`` seconds; a user's
+    turn that fails ends that user. Returns every turn's outcome (``index``: user * turns + k)
+    and the run's start."""
+    import httpx
+
+    extra = None if reuse else {"minikv": {"prefix_cache": False}}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(None, connect=30.0)
+    outcomes: List[Outcome] = []
+
+    async def user(client, conv: Conversation, at: float) -> None:
+        prompt = list(documents[conv.doc])
+        for k, (question, m) in enumerate(zip(conv.questions, conv.max_tokens)):
+            prompt += question
+            spec = _spec(conv.index * len(conv.questions) + k, prompt, m, False, extra)
+            out = Outcome(spec.index, len(prompt), m, False, at - start)
+            outcomes.append(out)
+            await _one(client, spec, at, out, True)
+            if out.status != "ok":
+                return
+            prompt += [int(w) for w in "".join(out._text).split()]
+            at = time.perf_counter()
+
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
+        start = time.perf_counter() + 0.02
+        tasks = [asyncio.create_task(user(client, c, start + a)) for c, a in zip(users, arrivals)]
+        left = max(0.0, start + deadline_s - time.perf_counter())
+        _, pending = await asyncio.wait(tasks, timeout=left)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for o in outcomes:
         if o._sent is None:
             o.status = "unsent"
     return outcomes, start

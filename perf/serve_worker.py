@@ -45,6 +45,13 @@ class SyntheticTokenizer:
     eos_token_id = None
     chat_template = None
 
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def get_vocab(self) -> Dict[str, int]:
+        """Every token's text (the server reads its longest token's length off it)."""
+        return {f" {i}": i for i in range(self.vocab)}
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(f" {int(i)}" for i in ids)
 
@@ -88,7 +95,7 @@ def load(shape: str, device, dtype):
             default_cache_root() / "smollm2-135m-instruct"))
         text = "the model's own tokenizer (eos hidden: every request runs to max_tokens)"
     else:
-        tokenizer = SyntheticTokenizer()
+        tokenizer = SyntheticTokenizer(model.config.vocab_size)
         text = "synthetic: token i is the word ' i' (random weights have no tokenizer)"
     facts = {"name": shape, "description": H.SHAPES[shape].description, **H.model_summary(model),
              "tokenizer": text, "synthetic_text": not H.SHAPES[shape].real}
@@ -109,7 +116,8 @@ def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> 
     engine = minikv_compile(model, config)
     build_s = time.perf_counter() - t0
     facts["stamps"]["engine"] = time.time()
-    scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue, prefill_ms=args.prefill_ms)
+    scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue, prefill_ms=args.prefill_ms,
+                          prefix_cache_gpu_bytes=args.prefix_cache_gpu_bytes)
     app = create_app(scheduler, tokenizer, args.model, config)
     kv = engine.kv_memory()
 
@@ -124,7 +132,8 @@ def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> 
                 "compile_s": sum(stats["compile_seconds"].values()) or None,
                 "capture_s": sum(stats["capture_seconds"].values()) or None,
                 "graphs": len(stats["graphs"]), "compiles": stats["compiles"],
-                "prefill_ms": scheduler.prefill_ms, "prefill_layers": scheduler.prefill_layers}
+                "prefill_ms": scheduler.prefill_ms, "prefill_layers": scheduler.prefill_layers,
+                "prefix_cache_gpu_bytes": scheduler.pool.gpu_bytes}
 
     return run_server(app, scheduler, args.model, args.host, args.port)
 
@@ -339,7 +348,7 @@ def _exit_quietly(signum, frame) -> None:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .argtypes import positive_float, positive_int
+    from .argtypes import nonneg_int, positive_float, positive_int
     from .serve_bench import MODELS
 
     p = sub.add_parser("serve-worker", help="serve one backend over HTTP (started by 'serve')",
@@ -358,6 +367,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the largest max_tokens accepted (both backends)")
     p.add_argument("--max-queue", type=positive_int, default=1024,
                    help="minikv: waiting requests at most before 429 (HF's queue is unbounded)")
+    p.add_argument("--prefix-cache-gpu-bytes", type=nonneg_int, default=0,
+                   help="minikv: device bytes of the prefix cache (0: off; phase reuse)")
     p.add_argument("--prefill-ms", type=positive_float, default=50.0,
                    help="minikv: ms of prefill between two decode steps while others stream")
     p.add_argument("--data-parallel", type=positive_int, default=1,
