@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call at 06ba43c (a clean copy of the commit, carried as .carry_head): issue 46's prompt
+# One device call at c34cfb3 (a clean copy of the commit, carried as .carry_head): issue 46's prompt
 # cache after the pinned, chunked save/load (load was 0.23 of the disk + link bound at 67edc84),
+# the tail prefill without its per-chunk host sync (counters tracked on the host),
 # the bf16 GPU test of the compiled tail and ttft_profile.py's room for its longer questions. The
 # GPU tests of the compiled tail and the prompt cache, then `perf prompt-cache` on the
 # Llama-3.1-8B shape (save/load efficiency, TTFT cached/fresh in the same run), then
@@ -8,7 +9,7 @@
 # lengths). Budget < 6 min: install ~0.5, tests <= 1.7, prompt-cache <= 2.3, profile <= 1.4.
 set -uo pipefail
 cd .carry_head
-export MINIKV_GIT_SHA=06ba43c PYTHONUNBUFFERED=1
+export MINIKV_GIT_SHA=c34cfb3 PYTHONUNBUFFERED=1
 bash perf/gpu_check.sh "$OUT" > /dev/null
 ROOT=$(pwd); export PYTHONPATH=/tmp/mk; cd /tmp/run
 timeout 100 python -m pytest -q -m gpu -p no:cacheprovider --durations=6 --rootdir "$ROOT" \
