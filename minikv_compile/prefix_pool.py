@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -211,10 +214,12 @@ def scope_name(scope: Hashable) -> str:
 class DiskContexts:
     """Contexts saved as ``PromptCache`` files in ``folder``, one per context, named by scope,
     length and hash (``{scope}-{length}-{hash}.safetensors``), so that a lookup probes names
-    and reads only the file that matches. ``save(scope, snap)`` writes one (atomically, by
-    ``PromptCache.save``); ``load(scope, prompt, hashes)`` reads the longest that starts the
-    prompt through ``read`` (a path -> ``SlotSnapshot``; a file of another model or config
-    raises ``ValueError`` there and is skipped). Unbounded: the folder is the operator's."""
+    and reads only the file that matches. ``save(scope, snap)`` queues one for a writer thread
+    (``write``, atomic by ``PromptCache.save``: a 16k-token context of the 8B shape is ~200 MB,
+    a stall of every stream if written on the scheduler's loop); ``flush`` waits for the queue.
+    ``load(scope, prompt, hashes)`` reads the longest that starts the prompt through ``read``
+    (a path -> ``SlotSnapshot``; a file of another model or config raises ``ValueError`` there
+    and is skipped), on the caller's thread. Unbounded: the folder is the operator's."""
 
     SUFFIX = ".safetensors"
 
@@ -223,15 +228,22 @@ class DiskContexts:
         self.folder = os.fspath(folder)
         os.makedirs(self.folder, exist_ok=True)
         self._write, self._read = write, read
+        self._lock = threading.Lock()  # the names and lengths: the writer adds to them
         self._names = set()
         self._lengths = set()
+        self._queued = set()
         for name in os.listdir(self.folder):
             parts = name[: -len(self.SUFFIX)].split("-") if name.endswith(self.SUFFIX) else []
             if len(parts) == 3 and parts[1].isdigit():
                 self._names.add(name)
                 self._lengths.add(int(parts[1]))
         self.skipped: List[str] = []  # files refused on load, with why
+        self.failed: List[str] = []   # writes that failed, with why (also logged)
         self.loads = 0  # contexts read back
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._writer, name="minikv-prefix-writer",
+                                        daemon=True)
+        self._thread.start()
 
     def _name(self, scope: Hashable, n: int, h: int) -> str:
         return f"{scope_name(scope)}-{n}-{h:016x}{self.SUFFIX}"
@@ -239,23 +251,58 @@ class DiskContexts:
     def save(self, scope: Hashable, snap: SlotSnapshot) -> None:
         n = len(snap.tokens)
         name = self._name(scope, n, int(prefix_hashes(snap.tokens)[-1]))
-        if name in self._names:
-            return
-        self._write(snap, os.path.join(self.folder, name))
-        self._names.add(name)
-        self._lengths.add(n)
+        with self._lock:
+            if name in self._names or name in self._queued:
+                return
+            self._queued.add(name)
+        self._queue.put((name, n, snap))
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            name, n, snap = item
+            try:
+                self._write(snap, os.path.join(self.folder, name))
+            except Exception as e:  # a full disk, say: the context stays in memory only
+                self.failed.append(f"{name}: {type(e).__name__}: {e}")
+                logging.getLogger("minikv_compile.serve").warning(
+                    "prefix cache: could not save %s: %s", name, e)
+            else:
+                with self._lock:
+                    self._names.add(name)
+                    self._lengths.add(n)
+            finally:
+                with self._lock:
+                    self._queued.discard(name)
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued context is written."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        self._queue.put(None)
+        self._thread.join()
 
     def load(self, scope: Hashable, prompt: Sequence[int], hashes: np.ndarray
              ) -> Optional[SlotSnapshot]:
-        for n in sorted((n for n in self._lengths if n <= len(prompt)), reverse=True):
+        with self._lock:
+            lengths = sorted((n for n in self._lengths if n <= len(prompt)), reverse=True)
+        for n in lengths:
             name = self._name(scope, n, int(hashes[n - 1]))
-            if name not in self._names:
-                continue
+            with self._lock:
+                if name not in self._names:
+                    continue
             try:
                 snap = self._read(os.path.join(self.folder, name))
             except (ValueError, OSError) as e:
                 self.skipped.append(f"{name}: {e}")
-                self._names.discard(name)
+                with self._lock:
+                    self._names.discard(name)
                 continue
             if list(snap.tokens) != list(prompt[:n]) or (n == len(prompt)
                                                         and snap.logits is None):

@@ -8,7 +8,9 @@ token while the GPU runs the next step (the host's share of a step, detokenizing
 is hidden behind it), turns tokens into text incrementally, and ends a request the step it
 finishes (eos, a stop string, ``max_tokens``, cancellation), freeing its slot at once. A request
 that fails (bad input the checks missed, an error in its prefill) ends with an error of its own;
-the engine and every other request go on. Beside it: the detokenizer (``detokenizer``), the
+the engine and every other request go on. A request whose prompt starts with a context kept
+from an earlier one (``prefix_pool``: its prompt, or a chat's prompt and answer) is admitted
+from that context and prefills only its tail. Beside it: the detokenizer (``detokenizer``), the
 counters (``loop_metrics``) and the prefill clock (``prefill_clock``).
 """
 from __future__ import annotations
@@ -288,6 +290,8 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=30)
         stuck = self._thread is not None and self._thread.is_alive()
+        if self.disk is not None:
+            self.disk.close()  # the contexts still queued are written
         if isinstance(self.rt, ReplicatedRuntime) and not stuck:
             self.rt.stop_followers()  # (not while the loop may still make calls)
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from minikv_compile import MiniKVConfig, minikv_compile  # noqa: E402
 from minikv_compile.graphs.runtime import Request  # noqa: E402
 from minikv_compile.prefix_pool import PrefixPool, snapshot_bytes  # noqa: E402
-from test_serve import Server, _save_tiny_llama, metrics  # noqa: E402
+from test_serve import Server, _save_tiny_llama, metrics, wait_for  # noqa: E402
 
 FLAGS = dict(max_batch_size=2, max_prompt_len=96, max_new_tokens=64, residual_length=16,
              kept_floor=1)
@@ -275,7 +275,9 @@ def test_bad_minikv_fields_are_400(client):
 
 def test_a_restart_hits_from_the_contexts_folder(model_dir, folders, ref, bound, client):
     doc = words(13, CONTEXT)
-    complete(client, doc, max_tokens=1)  # kept, and saved to the folder
+    saved = len(list(folders["contexts"].glob("*.safetensors")))
+    complete(client, doc, max_tokens=1)  # kept, and saved to the folder (by a writer thread)
+    assert wait_for(lambda: len(list(folders["contexts"].glob("*.safetensors"))) > saved)
     again = Server(model_dir, folders["logs"] / "restart.log",
                    args=("--compile-cache", str(folders["compiled"])),
                    prefix_cache_gpu_bytes=bound, prefix_cache_dir=folders["contexts"], **FLAGS)

@@ -152,6 +152,9 @@ def test_disk_contexts_by_name(tmp_path):
     disk = DiskContexts(tmp_path, write, lambda path: written[path])
     disk.save("s", snap([1, 2, 3]))
     disk.save("s", snap([1, 2]))
+    disk.save("s", snap([1, 2]))  # written once
+    disk.flush()
+    assert len(written) == 2
     prompt = [1, 2, 3, 4]
     assert disk.load("s", prompt, prefix_hashes(prompt)).tokens == (1, 2, 3)
     assert disk.load("t", prompt, prefix_hashes(prompt)) is None  # another scope
@@ -165,3 +168,16 @@ def test_disk_contexts_by_name(tmp_path):
     broken = DiskContexts(tmp_path, write, refuse)
     assert broken.load("s", prompt, prefix_hashes(prompt)) is None
     assert len(broken.skipped) == 2 and "bits" in broken.skipped[0]
+    for d in (disk, again, broken):
+        d.close()
+
+
+def test_a_failed_write_is_recorded_and_the_context_not_listed(tmp_path):
+    def full(s, path):
+        raise OSError(28, "No space left on device")
+
+    disk = DiskContexts(tmp_path, full, lambda path: None)
+    disk.save("s", snap([1, 2]))
+    disk.close()
+    assert len(disk.failed) == 1 and "No space left" in disk.failed[0]
+    assert disk.load("s", [1, 2, 3], prefix_hashes([1, 2, 3])) is None
