@@ -418,6 +418,12 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
         # (written together by save) is left unread here and streamed to the device
         data = torch.empty(size - start, dtype=torch.uint8)
         if device.type == "cuda":
+            inside = [k for k, e in entries.items() if on_host(k)
+                      and max(lo, e["data_offsets"][0]) < min(hi, e["data_offsets"][1])]
+            if inside:
+                raise ValueError(f"path: expected the device tensors' bytes together, before "
+                                 f"the host tensors' (as save writes them on CUDA), got "
+                                 f"{inside[0]!r} among them")
             _readinto(f, data[:lo])
             moved = torch.empty(hi - lo, dtype=torch.uint8, device=device)
             _read_to_device(f, moved)
