@@ -18,7 +18,7 @@ import struct
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -237,19 +237,19 @@ def _write_safetensors(f, device: Dict[str, torch.Tensor], host: Dict[str, torch
 # it into fresh pageable memory and copying from there ran the 32k load at 0.23 of the disk +
 # link bound, perf prompt-cache on an H100).
 STAGING_CHUNK = 32 << 20
-_staging: Dict[Tuple[int, bool], List[torch.Tensor]] = {}
-_staging_lock = threading.Lock()  # one transfer at a time uses the staging buffers
+# per thread (a server's writer thread saves while its loop loads): no transfer waits for
+# another's disk I/O
+_staging = threading.local()
 
 
 def _staging_buffers(chunk: int, pinned: bool) -> List[torch.Tensor]:
-    """Two ``(chunk,)`` uint8 host buffers, pinned if ``pinned``, kept for the next transfer
-    (one pair at a time). Call with ``_staging_lock`` held."""
-    key = (chunk, pinned)
-    if key not in _staging:
-        _staging.clear()
-        _staging[key] = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pinned)
-                         for _ in range(2)]
-    return _staging[key]
+    """Two ``(chunk,)`` uint8 host buffers, pinned if ``pinned``, this thread's, kept for its
+    next transfer (one pair a thread)."""
+    if getattr(_staging, "key", None) != (chunk, pinned):
+        _staging.buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pinned)
+                            for _ in range(2)]
+        _staging.key = (chunk, pinned)
+    return _staging.buffers
 
 
 def _readinto(f, dst: torch.Tensor) -> None:
@@ -272,12 +272,12 @@ def _read_to_device(f, dst: torch.Tensor) -> None:
     side stream is synchronized at the end (the buffers are free for the next transfer and
     ``dst`` is written)."""
     n, chunk, cuda = dst.numel(), STAGING_CHUNK, dst.is_cuda
-    with _staging_lock:
-        bufs = _staging_buffers(chunk, pinned=cuda)
-        copied: List[Optional[torch.cuda.Event]] = [None, None]
-        stream = torch.cuda.Stream(dst.device) if cuda else None
-        if cuda:  # dst was allocated on the current stream
-            stream.wait_stream(torch.cuda.current_stream(dst.device))
+    bufs = _staging_buffers(chunk, pinned=cuda)
+    copied: List[Optional[torch.cuda.Event]] = [None, None]
+    stream = torch.cuda.Stream(dst.device) if cuda else None
+    if cuda:  # dst was allocated on the current stream
+        stream.wait_stream(torch.cuda.current_stream(dst.device))
+    try:
         for j, off in enumerate(range(0, n, chunk)):
             b, m = j % 2, min(chunk, n - off)
             if copied[b] is not None:
@@ -290,6 +290,7 @@ def _read_to_device(f, dst: torch.Tensor) -> None:
                     copied[b].record(stream)
             else:
                 dst[off: off + m].copy_(bufs[b][:m])
+    finally:  # also on an error: no copy may outlive dst or meet the next transfer's reads
         if cuda:
             stream.synchronize()
 
@@ -301,24 +302,24 @@ def _write_from_device(f, src: torch.Tensor) -> None:
     first). A buffer is refilled only after its write returned (writes are synchronous)."""
     n, chunk, cuda = src.numel(), STAGING_CHUNK, src.is_cuda
     offsets = list(range(0, n, chunk))
-    with _staging_lock:
-        bufs = _staging_buffers(chunk, pinned=cuda)
-        stream = torch.cuda.Stream(src.device) if cuda else None
-        if cuda:  # src was made on the current stream
-            stream.wait_stream(torch.cuda.current_stream(src.device))
+    bufs = _staging_buffers(chunk, pinned=cuda)
+    stream = torch.cuda.Stream(src.device) if cuda else None
+    if cuda:  # src was made on the current stream
+        stream.wait_stream(torch.cuda.current_stream(src.device))
 
-        def fetch(j: int):
-            off = offsets[j]
-            m = min(chunk, n - off)
-            if not cuda:
-                bufs[j % 2][:m].copy_(src[off: off + m])
-                return None
-            with torch.cuda.stream(stream):
-                bufs[j % 2][:m].copy_(src[off: off + m], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            return event
+    def fetch(j: int):
+        off = offsets[j]
+        m = min(chunk, n - off)
+        if not cuda:
+            bufs[j % 2][:m].copy_(src[off: off + m])
+            return None
+        with torch.cuda.stream(stream):
+            bufs[j % 2][:m].copy_(src[off: off + m], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
+    try:
         pending = fetch(0) if offsets else None
         for j, off in enumerate(offsets):
             event = pending
@@ -327,6 +328,9 @@ def _write_from_device(f, src: torch.Tensor) -> None:
             if event is not None:
                 event.synchronize()
             f.write(memoryview(bufs[j % 2][: min(chunk, n - off)].numpy()))
+    finally:  # also on an error (a full disk): no copy may outlive src or meet the next's
+        if cuda:
+            stream.synchronize()
 
 
 def _read_header(f, path: str, size: int) -> dict:
