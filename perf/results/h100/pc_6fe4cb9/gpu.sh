@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call at 1468a47 (a clean copy of the commit, carried as .carry_head): issue 46's prompt
+# One device call at 6fe4cb9 (a clean copy of the commit, carried as .carry_head): issue 46's prompt
 # cache after the pinned, chunked save/load (load was 0.23 of the disk + link bound at 67edc84),
 # the tail prefill without its per-chunk host sync (counters tracked on the host),
 # the bf16 GPU test of the compiled tail and ttft_profile.py's room for its longer questions. The
@@ -9,7 +9,7 @@
 # lengths). Budget < 6 min: install ~0.5, tests <= 1.7, prompt-cache <= 2.3, profile <= 1.4.
 set -uo pipefail
 cd .carry_head
-export MINIKV_GIT_SHA=1468a47 PYTHONUNBUFFERED=1
+export MINIKV_GIT_SHA=6fe4cb9 PYTHONUNBUFFERED=1
 bash perf/gpu_check.sh "$OUT" > /dev/null
 ROOT=$(pwd); export PYTHONPATH=/tmp/mk; cd /tmp/run
 timeout 100 python -m pytest -q -m gpu -p no:cacheprovider --durations=6 --rootdir "$ROOT" \
