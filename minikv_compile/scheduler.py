@@ -176,7 +176,8 @@ class Scheduler:
         so more would gain little and delay the pass's first tokens by ~53 ms each.
     prefix_cache_gpu_bytes: device bytes of the contexts kept for reuse (``PrefixPool``; 0:
         no reuse), beside the slots' static cache, never in it; held during ``warm_up``'s
-        longest prefill, so that start-up proves they fit beside it.
+        longest prefill with a slot's share more (a new context is copied before the oldest
+        goes), so that start-up proves they fit beside it.
     prefix_cache_host_bytes: host memory for contexts evicted from the device (0: none).
     prefix_cache_dir: contexts are also saved there (``PromptCache`` files) and loaded on a
         miss, so that a restarted server reuses them.
@@ -269,10 +270,25 @@ class Scheduler:
                 self.rt.prepare(bucket, mode)
         slot = self.rt.free_slots()[0]
         longest = Request([0] * self.engine.config.max_prompt_len, 1)
-        # the prefix pool's bytes, full, beside the longest prefill
-        pool = torch.empty(self.pool.gpu_bytes, dtype=torch.uint8, device=self.engine.device)
-        for _ in self.rt.admit_batch_in_pieces([slot], [longest], self.engine.adapter.num_layers):
-            pass
+        # the prefix pool's bytes, full, and a context being copied in before the oldest goes
+        # (at most a slot's share of the cache and its logits), beside the longest prefill
+        held = 0
+        if self.pool.gpu_bytes:
+            cfg, vocab = self.engine.config, self.engine.adapter.vocab_size
+            held = (self.pool.gpu_bytes + 4 * vocab
+                    + self.engine.kv_memory().allocated_bytes // cfg.max_batch_size)
+        try:
+            pool = torch.empty(held, dtype=torch.uint8, device=self.engine.device)
+            for _ in self.rt.admit_batch_in_pieces([slot], [longest],
+                                                   self.engine.adapter.num_layers):
+                pass
+        except torch.OutOfMemoryError as e:
+            if not self.pool.gpu_bytes:
+                raise
+            raise RuntimeError(f"prefix_cache_gpu_bytes: expected room for {self.pool.gpu_bytes} "
+                               f"bytes of contexts (and one slot's more, {held} in all) beside "
+                               f"the slots' cache and a prefill of max_prompt_len tokens, got out "
+                               f"of memory ({e}); lower --prefix-cache-gpu-bytes") from None
         self.rt.release(slot)
         del pool
         gc.collect()

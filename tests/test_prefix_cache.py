@@ -306,3 +306,23 @@ def test_flags_are_checked(model_dir, folders, capsys):
         with pytest.raises(SystemExit):
             main(["--model", str(model_dir), "--device", "cpu", *argv])
         assert message in capsys.readouterr().err
+
+
+def test_start_up_refuses_a_pool_that_does_not_fit(ref, monkeypatch):
+    """warm_up holds the pool's bytes and a slot's share more beside the longest prefill; out
+    of memory there names the flag (the allocation failing stands in for a full GPU)."""
+    from minikv_compile import scheduler as S
+
+    held = []
+
+    def empty(n, **kwargs):
+        held.append(n)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    sched = S.Scheduler(ref.engine, ref.tok, prefix_cache_gpu_bytes=10**6)
+    monkeypatch.setattr(S.torch, "empty", empty)
+    with pytest.raises(RuntimeError, match="prefix_cache_gpu_bytes: expected room for 1000000"):
+        sched.warm_up()
+    share = ref.engine.kv_memory().allocated_bytes // FLAGS["max_batch_size"]
+    assert held == [10**6 + share + 4 * ref.engine.adapter.vocab_size]
+    assert not sched.ready and not ref.engine.runtime.admitted
