@@ -632,7 +632,8 @@ class Scheduler:
             cut = min((i for i in (run.text.find(s, frm) for s in r.stop) if i >= 0), default=-1)
             if cut >= 0:
                 run.text = run.text[:cut]
-                self._finish(slot, "stop")
+                # its tokens run past the text the client gets: no next turn starts with them
+                self._finish(slot, "stop", keep=False)
             elif finished:
                 eos = count > 0 and token in r.eos_ids
                 self._finish(slot, "stop" if eos else "length")
@@ -644,11 +645,13 @@ class Scheduler:
                     h._emit(Delta(run.text[run.sent:upto], [token]))
                     run.sent = upto
 
-    def _finish(self, slot: int, reason: str) -> None:
-        """End the request of ``slot`` with the text it still holds back, freeing the slot."""
+    def _finish(self, slot: int, reason: str, keep: bool = True) -> None:
+        """End the request of ``slot`` with the text it still holds back, freeing the slot (a
+        chat's context kept first, unless ``keep`` is False)."""
         run = self._running.pop(slot)
         r = run.handle.request
-        if reason in ("stop", "length") and self._reuses(r) and r.keep == "conversation":
+        if (keep and reason in ("stop", "length") and self._reuses(r)
+                and r.keep == "conversation"):
             self._keep(slot, run.handle)
         self.rt.release(slot)
         self._end(run.handle, reason, None, run.text[run.sent:])

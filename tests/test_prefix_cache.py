@@ -326,3 +326,19 @@ def test_start_up_refuses_a_pool_that_does_not_fit(ref, monkeypatch):
     share = ref.engine.kv_memory().allocated_bytes // FLAGS["max_batch_size"]
     assert held == [10**6 + share + 4 * ref.engine.adapter.vocab_size]
     assert not sched.ready and not ref.engine.runtime.admitted
+
+
+def test_a_chat_cut_by_a_stop_string_keeps_no_context(client, ref):
+    messages = [{"role": "system", "content": words(14, 20)},
+                {"role": "user", "content": words(15, 5)}]
+    prompt = ref.chat_ids(messages)
+    want = ref.engine.generate([prompt], max_new_tokens=6, do_sample=False).sequences[0]
+    stop = ref.text(prompt, want).split()[0]  # the answer's first word
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0}
+    before = counters(client)
+    r = client.post("/v1/chat/completions", json={**body, "stop": stop})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    kept = lambda m: m["entries"] + m["evictions_total"]  # noqa: E731  (an add may evict)
+    assert kept(counters(client)) == kept(before)
+    r = client.post("/v1/chat/completions", json=body)  # the same without the stop: kept
+    assert r.status_code == 200 and kept(counters(client)) == kept(before) + 1
