@@ -14,7 +14,7 @@ OUT=${1:?usage: perf/gpu/prefix_reuse.sh OUTDIR [SHA]}
 export MINIKV_GIT_SHA=${2:-unknown} PYTHONUNBUFFERED=1
 USERS=${USERS:-24}; RATE=${RATE:-0.4}; TURNS=${TURNS:-4}; DOCS=${DOCS:-4}; OUT_LEN=${OUT_LEN:-64,256}
 POOL=${POOL:-8589934592}; BUDGET=${BUDGET:-450}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the run goes on from /tmp/run
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 perf/gpu_check.sh "$OUT"
