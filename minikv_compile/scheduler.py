@@ -291,9 +291,31 @@ class Scheduler:
                                f"of memory ({e}); lower --prefix-cache-gpu-bytes") from None
         self.rt.release(slot)
         del pool
+        if self.pool.enabled:
+            self._warm_tail(slot)
         gc.collect()
         gc.freeze()
         self.ready = True
+
+    def _warm_tail(self, slot: int) -> None:
+        """Run the tail prefill once with a chunk of one token and once with several (its
+        compiled layer's two graphs) from a 4-token prefix in ``slot``, as the decode steps are
+        compiled before serving: the first hit would compile while every stream waits (one
+        layer's inductor compile)."""
+        rt, layers = self.rt, self.engine.adapter.num_layers
+        longest = self.engine.config.max_prompt_len
+        if longest < 2:
+            return  # no prompt has a tail
+        n = min(4, longest - 1)
+        for _ in rt.admit_batch_in_pieces([slot], [Request([0] * n, 1)], layers):
+            pass
+        prefix = rt.snapshot(slot)
+        rt.release(slot)
+        for tail in sorted({1, min(3, longest - n)}):
+            request = Request([0] * (n + tail), 1, prefix=prefix)
+            for _ in rt.admit_batch_in_pieces([slot], [request], layers):
+                pass
+            rt.release(slot)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="minikv-scheduler", daemon=True)
