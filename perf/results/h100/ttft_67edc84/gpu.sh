@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call at f0e3fd4 (a clean copy of the commit, carried as .carry_head): the compiled tail
+# One device call at 67edc84 (a clean copy of the commit, carried as .carry_head): the compiled tail
 # prefill (issue 46, TTFT of a cached 32k context + a 256-token question). The GPU tests of the
 # tail op, the compiled tail and the prompt cache, then `perf prompt-cache` on the Llama-3.1-8B
 # shape (the TTFT ratio against a fresh prefill in the same run; target <= 0.05), then
@@ -7,7 +7,7 @@
 # lengths). Budget ~7 min: install ~0.5, tests <= 2.3, prompt-cache <= 2.8, profile <= 1.4.
 set -uo pipefail
 cd .carry_head
-export MINIKV_GIT_SHA=f0e3fd4 PYTHONUNBUFFERED=1
+export MINIKV_GIT_SHA=67edc84 PYTHONUNBUFFERED=1
 bash perf/gpu_check.sh "$OUT" > /dev/null
 ROOT=$(pwd); export PYTHONPATH=/tmp/mk; cd /tmp/run
 timeout 140 python -m pytest -q -m gpu -p no:cacheprovider --durations=6 --rootdir "$ROOT" \
