@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="comma-separated needle prompt lengths in tokens (default: the part's)")
     p.add_argument("--ppl-prefix", type=int, default=None,
                    help="perplexity prompt tokens (default: the part's)")
+    p.add_argument("--ppl-continuation", type=int, default=None,
+                   help="perplexity tokens teacher-forced after the prompt (default: the part's)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode step eagerly")
     p.add_argument("--budget-seconds", type=float, default=None,
@@ -94,6 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"{args.needle_lengths!r}")
     if args.ppl_prefix is not None:
         overrides["ppl_prefix"] = args.ppl_prefix
+    if args.ppl_continuation is not None:
+        overrides["ppl_continuation"] = args.ppl_continuation
     plan = replace(plan, **overrides)
     if args.sweep:
         try:
