@@ -326,8 +326,6 @@ def launched(tmp_path_factory):
     time), the four ranks launched after them (six processes on a small machine would only
     wait for each other)."""
     two = Launch(tmp_path_factory.mktemp("ranks2"), RANKS)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks: a tiny model's ops gain nothing from a second thread
     try:
         alone = json.loads(json.dumps({
             "every_case": _every_case(1), "fused": _fused(1), "compiled": _compiled(1),
@@ -336,8 +334,6 @@ def launched(tmp_path_factory):
         for p in two.ctx.processes:
             p.kill()
         raise
-    finally:
-        torch.set_num_threads(threads)
     two.join()
     return two, Launch(tmp_path_factory.mktemp("ranks4"), WIDE).join(), alone
 
