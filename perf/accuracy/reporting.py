@@ -129,7 +129,8 @@ def render_markdown(data: dict) -> str:
                   f"**{'passed' if check['passed'] else 'FAILED'}** — `{json.dumps(_brief(check['tasks']))}`"]
     if data.get("skipped"):
         lines += ["", "Skipped by the time budget: "
-                  + ", ".join(f"{s['method']}/{s['task']}/{s['group']}" for s in data["skipped"])]
+                  + ", ".join(f"{s['method']}/{s['task']}/{s['group']}" + (f" ({s['mode']})" if s.get("mode") else "")
+                     for s in data["skipped"])]
     if data.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines) + "\n"
