@@ -45,7 +45,9 @@ GROUP_TIMEOUT_S = 300
 FAILURE_TIMEOUT_S = 5     # the same in the scenario of failures (the last of its launch)
 NCCL_DEADLINE_S = 420     # the GPU test: three engines compiled on a cold machine (200 s was short)
 
-CAP = dict(residual_length=32, max_prompt_len=128, max_new_tokens=70, max_batch_size=4)
+# kept_floor=1: the prompts here (20-120 tokens) are evicted from, as the ranks must agree on it
+CAP = dict(residual_length=32, max_prompt_len=128, max_new_tokens=70, max_batch_size=4,
+           kept_floor=1)
 # The tiny model: 4 query / 2 KV heads (one KV head per rank over 2 ranks), intermediate 192,
 # vocabulary 101 (ragged over 2 ranks: 51 + 50). Four ranks take the wide one, 8 query / 4 KV
 # heads (one GQA group of 2 per rank; 48 features, 26 x 3 + 23 vocabulary rows a rank); it is a
