@@ -27,12 +27,3 @@ class IncrementalDetokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.tokens)
         return after[len(before):]
-
-    def flush(self) -> str:
-        """At the end of a stream: the text the pushed tokens add that ``push`` held back, a
-        trailing U+FFFD included (no later token can complete the character, and a decode of
-        the whole output ends with it too)."""
-        before = self.tok.decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
-        after = self.tok.decode(self.tokens[self.prefix:], skip_special_tokens=True)
-        self.prefix = self.read = len(self.tokens)
-        return after[len(before):] if len(after) > len(before) else ""

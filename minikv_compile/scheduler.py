@@ -658,7 +658,6 @@ class Scheduler:
                 self._finish(slot, "stop", keep=False)
             elif finished:
                 eos = count > 0 and token in r.eos_ids
-                run.text += run.detok.flush()
                 self._finish(slot, "stop" if eos else "length")
             else:
                 # hold back what could be the start of a stop string

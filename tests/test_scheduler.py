@@ -156,17 +156,6 @@ def test_incremental_detokenizer_never_emits_half_a_character():
     assert pieces[1] == "" and pieces[2] == "é" and pieces[4:6] == ["", ""]
 
 
-def test_a_stream_ending_in_half_a_character_ends_as_the_whole_decode_does():
-    tok = CharTokenizer()
-    detok = IncrementalDetokenizer(tok)
-    ids = [0, 90, 91, 1, 92]                      # the last character's first byte alone
-    text = "".join(detok.push(t) for t in ids)
-    assert not text.endswith("\ufffd")            # held back while a later token could end it
-    text += detok.flush()
-    assert text == tok.decode(ids) and text.endswith("\ufffd")
-    assert detok.flush() == ""                    # nothing is emitted twice
-
-
 def test_many_threads_submit_at_once(served):
     cm, sched = served
     p = prompt_of(20, seed=6)
