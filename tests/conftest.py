@@ -39,3 +39,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for the test: at tiny shapes more threads only contend (on
+    the loaded 2-core machine several times slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -30,13 +30,7 @@ def _experiment(name: str):
     return module
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny shapes: intra-op threads only contend (on a loaded 2-core machine, 10x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 ENV_KEYS = {"timestamp", "python", "torch", "torch_cuda", "triton", "transformers", "git", "device", "nvml"}

@@ -19,11 +19,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from minikv_compile import MiniKVConfig, minikv_compile  # noqa: E402
 from minikv_compile.graphs.runtime import Request  # noqa: E402
 from minikv_compile.prefix_pool import PrefixPool, snapshot_bytes  # noqa: E402
+from test_serve import Reference as ServeReference  # noqa: E402
 from test_serve import Server, _save_tiny_llama, metrics, wait_for  # noqa: E402
 
 FLAGS = dict(max_batch_size=2, max_prompt_len=96, max_new_tokens=64, residual_length=16,
@@ -36,20 +37,11 @@ def words(seed: int, n: int) -> str:
     return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
 
 
-class Reference:
-    """The Python API on the same saved model and config."""
+class Reference(ServeReference):
+    """The Python API on the same saved model and this module's config."""
 
     def __init__(self, model_dir: Path):
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.engine = minikv_compile(model, MiniKVConfig(**FLAGS))
-
-    def ids(self, text: str) -> list:
-        return self.tok(text)["input_ids"]
-
-    def chat_ids(self, messages) -> list:
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        super().__init__(model_dir, FLAGS)
 
     def text(self, prompt: list, tokens: list) -> str:
         decode = lambda t: self.tok.decode(t, skip_special_tokens=True)  # noqa: E731

@@ -35,14 +35,7 @@ EVICT = {"kept_floor": 1} if "kept_floor" in MiniKVConfig.__dataclass_fields__ e
 DOC, QUESTION = prompt_of(90, 1), prompt_of(45, 2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes: intra-op threads only contend (on a loaded 2-core machine, several times
-    # slower)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -158,10 +159,10 @@ def client(server, silent):
 class Reference:
     """What a prompt gets alone through ``generate()`` on the same saved model and config."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, flags: Optional[dict] = None):
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.engine = minikv_compile(model, MiniKVConfig(**FLAGS))
+        self.engine = minikv_compile(model, MiniKVConfig(**(FLAGS if flags is None else flags)))
 
     def ids(self, prompt: str) -> list:
         return self.tok(prompt)["input_ids"]
