@@ -37,7 +37,9 @@ class TailPrefill:
     """The tail prefill of one engine's slots (``__call__``), its layer compiled if ``compile``.
 
     compiles: graphs compiled for the layer so far (a test proves tails of new lengths add
-    none)."""
+    none). chunk_lengths: the chunk lengths T run so far; the Triton kernels of a chunk are
+    compiled on the first launch of each of their variants (T's block of query rows, T == 1,
+    T a multiple of 16), so the server's warm-up runs every length (``Scheduler.warm_up``)."""
 
     def __init__(self, adapter, cache: StaticKVCache, compile: bool):
         self.adapter, self.cache = adapter, cache
@@ -46,10 +48,17 @@ class TailPrefill:
                         for i in range(adapter.num_layers)]
         self.compiles = 0
         self._compiled = compile
+        self.chunk_lengths: set = set()
         self._kinds: set = set()  # chunk kinds run so far (T == 1 or not), see ``_limits``
         self._views: dict = {}  # per slot, see ``_slot_views``
         self._layer = (torch.compile(self.layer, fullgraph=True, backend=self._backend)
                        if compile else self.layer)
+
+    @property
+    def longest_chunk(self) -> int:
+        """R, a chunk's most tokens: the ring's length (a full ring is flushed between chunks)."""
+        cache = self.cache
+        return ring_length(cache.layers[0].k_ring.shape[2], cache.bits, cache.group_size)
 
     def _backend(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx  # (inductor: on first use)
@@ -68,7 +77,7 @@ class TailPrefill:
         per chunk (each layer's first ring row)."""
         adapter, cache = self.adapter, self.cache
         n, dev = ids.shape[0], ids.device
-        R = ring_length(cache.layers[0].k_ring.shape[2], cache.bits, cache.group_size)
+        R = self.longest_chunk
         live, views, slot_lens, ring_counts = self._slot_views(slot)
         # per layer (quantized tokens, ring tokens) of the slot: read once, then kept here
         counts = torch.stack(slot_lens).tolist()
@@ -76,6 +85,7 @@ class TailPrefill:
         while True:
             starts = self._starts(slot, R, counts)
             T = min(n - done, min(R - n_ring for _, n_ring in starts))
+            self.chunk_lengths.add(T)
             ops.cache_begin_step(cache.layout, slot + 1, live)  # flushes, row 0 counted
             h = adapter.embed(ids[None, done: done + T])                        # (1, T, hidden)
             positions = torch.arange(start + done, start + done + T, device=dev)[None]

@@ -298,10 +298,13 @@ class Scheduler:
         self.ready = True
 
     def _warm_tail(self, slot: int) -> None:
-        """Run the tail prefill once with a chunk of one token and once with several (its
-        compiled layer's two graphs) from a 4-token prefix in ``slot``, as the decode steps are
-        compiled before serving: the first hit would compile while every stream waits (one
-        layer's inductor compile)."""
+        """Run the tail prefill with every chunk length it can take (1 .. R, the ring's length)
+        from a 4-token prefix in ``slot``, as the decode steps are compiled before serving: the
+        first hit of each length would otherwise compile while every stream waits (the compiled
+        layer's two graphs, T == 1 and T >= 2, then the Triton kernels' launch variants by T;
+        on the H200 the first hits of the serving benchmark took 1.5-3.1 s, the later ones
+        0.1-0.2 s). With ``room`` rows free in the prefix's ring, a tail of ``room + k`` tokens
+        runs the chunks ``room`` and ``k``."""
         rt, layers = self.rt, self.engine.adapter.num_layers
         longest = self.engine.config.max_prompt_len
         if longest < 2:
@@ -311,7 +314,12 @@ class Scheduler:
             pass
         prefix = rt.snapshot(slot)
         rt.release(slot)
-        for tail in sorted({1, min(3, longest - n)}):
+        R = rt.tail.longest_chunk
+        room = R - max(n_ring for _, n_ring in prefix.lens)  # the first chunk's most tokens
+        tails = [k for k in range(1, room + 1)] + [room + k for k in range(room + 1, R + 1)]
+        for tail in tails:
+            if n + tail > longest:
+                break
             request = Request([0] * (n + tail), 1, prefix=prefix)
             for _ in rt.admit_batch_in_pieces([slot], [request], layers):
                 pass
@@ -452,7 +460,7 @@ class Scheduler:
                     self._end(handle, "cancelled", None)
                 continue
             try:
-                self._prefill_layers(pieces, sum(h.prompt_tokens for h in handles))
+                self._prefill_layers(pieces, self._piece_tokens(handles))
                 return  # the admission goes on after a decode step
             except StopIteration:
                 self._admitting = None
@@ -483,6 +491,17 @@ class Scheduler:
                                       [(slot, self._running[slot]) for slot in joined]))
             if self._running:
                 return  # one admission's prefill between two decode steps, never two
+
+    def _piece_tokens(self, handles: List[Handle]) -> int:
+        """An admission's cost a piece in the clock's unit (a prompt token through a layer): a
+        prefill's piece is a layer of every whole prompt; a cached prompt's tail runs in chunks
+        of at most R tokens through every layer, a chunk a piece (timed by its prompt's length,
+        a 200-token tail after a 15k-token context took one chunk between two decode steps)."""
+        fresh = sum(h.prompt_tokens for h in handles if not h.cached_tokens)
+        if fresh:
+            return fresh
+        tail = max(h.prompt_tokens - h.cached_tokens for h in handles)
+        return self.engine.adapter.num_layers * min(max(tail, 1), self.rt.tail.longest_chunk)
 
     def _prefill_layers(self, pieces: Iterator[None], tokens: int) -> None:
         """Run layers of the admission ``pieces`` (a layer a ``next``; ``tokens``: its prompt

@@ -22,7 +22,9 @@ Phases, per backend (``--phases``), in this order:
              ``--reuse-rate`` users/s, each on one of ``--reuse-docs`` documents, asking
              ``--reuse-turns`` questions in turn; one upload of each document first (its
              prompt alone). Run twice on the same server (``--reuse-pool-bytes`` of prefix
-             cache), reuse off (every request opts out) then on: TTFT, ITL, output tokens/s,
+             cache), reuse off (every request opts out) then on; then as many other users on
+             other documents arriving at once (a burst: the server saturated, its sustained
+             requests/s), off then on: TTFT, ITL, output tokens/s, requests/s,
              the hit rate and the pool's bytes of each, and their ratios
 
 Every phase leaves ``DIR/serve-parts/<model>.<backend>.<phase>.json`` (every request's figures, the
@@ -724,7 +726,9 @@ class _Context:
 
 
     def _reuse(self, part, box_end) -> None:
-        """Phase reuse: the same users twice on the same server, reuse off then on."""
+        """Phase reuse: the same users twice on the same server, reuse off then on, arriving
+        as a Poisson process (latency under load); then other users on other documents, all
+        arriving at once, off then on (the sustained request rate: the server saturated)."""
         from .serve_load import (_spec, conversations, drive_conversations, poisson_arrivals,
                                  run_async, summarize)
 
@@ -732,17 +736,25 @@ class _Context:
         if not self.words:
             raise _Skip("the answers' ids are read back from the synthetic text: a random "
                         "shape's (token i reads ' i'), not a real tokenizer's")
-        documents, users = conversations(
-            a.reuse_users, a.reuse_turns, a.reuse_docs, a.reuse_doc_len, a.reuse_question_len,
-            a.output_len, self.workload.vocab, a.seed, "reuse")
-        arrivals = poisson_arrivals(len(users), a.reuse_rate, a.seed, "reuse")
+        loads = {}
+        for load in ("poisson", "burst"):
+            documents, users = conversations(
+                a.reuse_users, a.reuse_turns, a.reuse_docs, a.reuse_doc_len,
+                a.reuse_question_len, a.output_len, self.workload.vocab, a.seed,
+                "reuse" if load == "poisson" else "reuse-burst")
+            arrivals = (poisson_arrivals(len(users), a.reuse_rate, a.seed, "reuse")
+                        if load == "poisson" else [0.0] * len(users))
+            loads[load] = documents, users, arrivals
         part.update(users=a.reuse_users, turns=a.reuse_turns, docs=a.reuse_docs,
-                    doc_lens=[len(d) for d in documents], user_rate=a.reuse_rate,
+                    doc_lens=[len(d) for d in loads["poisson"][0]],
+                    burst_doc_lens=[len(d) for d in loads["burst"][0]], user_rate=a.reuse_rate,
                     pool_bytes_limit=a.reuse_pool_bytes)
+        plan = [(load, reuse) for load in ("poisson", "burst") for reuse in (False, True)]
         runs = []
-        for k, reuse in enumerate((False, True)):
-            label = f"reuse {'on' if reuse else 'off'}"
-            end = time.perf_counter() + (box_end - time.perf_counter()) / (2 - k)
+        for k, (load, reuse) in enumerate(plan):
+            documents, users, arrivals = loads[load]
+            label = f"reuse {'on' if reuse else 'off'}, {load}"
+            end = time.perf_counter() + (box_end - time.perf_counter()) / (len(plan) - k)
             extra = None if reuse else {"minikv": {"prefix_cache": False}}
             uploads = [_spec(i, list(d), 1, False, extra) for i, d in enumerate(documents)]
             self.run(uploads, [0.0] * len(uploads), max(5.0, end - time.perf_counter()),
@@ -757,7 +769,8 @@ class _Context:
             delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
             prompt = sum(o.prompt_len for o in outcomes if o.cached_tokens is not None)
             cached = sum(o.cached_tokens or 0 for o in outcomes)
-            row.update(label=label, reuse=reuse, per_request=[o.row() for o in outcomes],
+            row.update(label=label, load=load, reuse=reuse,
+                       per_request=[o.row() for o in outcomes],
                        prompt_tokens=prompt, cached_tokens=cached,
                        hit_rate=cached / prompt if prompt else None,
                        pool_queries=delta("minikv_prefix_cache_queries_total"),
@@ -766,25 +779,32 @@ class _Context:
                        pool_bytes=after.get('minikv_prefix_cache_bytes{tier="device"}'),
                        pool_entries=after.get("minikv_prefix_cache_entries"),
                        cut_by_budget=row["cut"] + row["unsent"] > 0)
-            self.say(f"{label}: {_line(row)}; hit rate {_pct(row['hit_rate'])}, pool "
-                     f"{_mib(row['pool_bytes'])} in {row['pool_entries']} contexts")
+            self.say(f"{label}: {_line(row)}; {_g(row['requests_per_s'])} requests/s; hit rate "
+                     f"{_pct(row['hit_rate'])}, pool {_mib(row['pool_bytes'])} in "
+                     f"{row['pool_entries']} contexts")
             runs.append(row)
         part["runs"] = runs
-        off, on = runs
-        ratio = lambda k: (off[k] / on[k] if off.get(k) and on.get(k) else None)  # noqa: E731
-        part["reuse"] = {"ttft_p50_on_over_off": ratio("ttft_p50_s") and 1 / ratio("ttft_p50_s"),
-                         "ttft_p99_on_over_off": ratio("ttft_p99_s") and 1 / ratio("ttft_p99_s"),
-                         "output_tokens_per_s_on_over_off": (
-                             on["output_tokens_per_s"] / off["output_tokens_per_s"]
-                             if on.get("output_tokens_per_s") and off.get("output_tokens_per_s")
-                             else None),
-                         "itl_p99_ms_on": on.get("itl_p99_ms")}
-        table = ["| reuse | TTFT p50 s | TTFT p99 s | ITL p99 ms | out tok/s | completed | "
-                 "hit rate | pool MiB | contexts |", "|---|---|---|---|---|---|---|---|---|"]
+        off, on, burst_off, burst_on = runs
+
+        def ratio(num, den, key):
+            return num[key] / den[key] if num.get(key) and den.get(key) else None
+
+        part["reuse"] = {"ttft_p50_on_over_off": ratio(on, off, "ttft_p50_s"),
+                         "ttft_p99_on_over_off": ratio(on, off, "ttft_p99_s"),
+                         "output_tokens_per_s_on_over_off": ratio(on, off,
+                                                                  "output_tokens_per_s"),
+                         "itl_p99_ms_on": on.get("itl_p99_ms"),
+                         "requests_per_s_on_over_off_burst": ratio(burst_on, burst_off,
+                                                                   "requests_per_s"),
+                         "itl_p99_ms_on_burst": burst_on.get("itl_p99_ms")}
+        table = ["| load | reuse | TTFT p50 s | TTFT p99 s | ITL p99 ms | out tok/s | "
+                 "requests/s | completed | hit rate | pool MiB | contexts |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in runs:
-            table.append(f"| {'on' if r['reuse'] else 'off'} | {_g(r['ttft_p50_s'])} | "
-                         f"{_g(r['ttft_p99_s'])} | {_g(r['itl_p99_ms'])} | "
-                         f"{_g(r['output_tokens_per_s'])} | {r['completed']}/{r['requests']} | "
+            table.append(f"| {r['load']} | {'on' if r['reuse'] else 'off'} | "
+                         f"{_g(r['ttft_p50_s'])} | {_g(r['ttft_p99_s'])} | "
+                         f"{_g(r['itl_p99_ms'])} | {_g(r['output_tokens_per_s'])} | "
+                         f"{_g(r['requests_per_s'])} | {r['completed']}/{r['requests']} | "
                          f"{_pct(r['hit_rate'])} | {_mib(r['pool_bytes'])} | "
                          f"{_g(r['pool_entries'])} |")
         part["table"] = table

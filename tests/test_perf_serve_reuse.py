@@ -32,26 +32,39 @@ def reuse_part(tmp_path_factory):
 
 def test_reuse_phase_off_then_on_with_each_turns_cached_tokens(reuse_part):
     part, stderr = reuse_part
-    users, turns, doc_lens = part["users"], part["turns"], part["doc_lens"]
-    off, on = part["runs"]
-    assert (off["reuse"], on["reuse"]) == (False, True)
-    for run in (off, on):
+    users, turns = part["users"], part["turns"]
+    runs = part["runs"]
+    assert [(r["load"], r["reuse"]) for r in runs] == [
+        ("poisson", False), ("poisson", True), ("burst", False), ("burst", True)]
+    for run in runs:
         assert run["completed"] == run["requests"] == users * turns
-        assert run["tokens_exact"]
-    # off: every request opted out, none looked up
-    assert off["cached_tokens"] == 0 and off["pool_queries"] == 0 and off["pool_hits"] == 0
-    # on: turn 1 from the document's upload, turn k from turn k - 1's prompt
-    assert on["pool_evictions"] == 0  # (the tiny pool holds every context)
-    rows = {r["index"]: r for r in on["per_request"]}
-    for u in range(users):
-        for k in range(turns):
-            want = doc_lens[u % len(doc_lens)] if k == 0 else rows[u * turns + k - 1]["prompt_len"]
-            assert rows[u * turns + k]["cached_tokens"] == want, (u, k)
-    assert on["cached_tokens"] == on["pool_hits"] == sum(r["cached_tokens"] for r in rows.values())
-    assert on["pool_queries"] == on["prompt_tokens"]
-    assert on["hit_rate"] == pytest.approx(on["cached_tokens"] / on["prompt_tokens"])
-    assert on["pool_bytes"] > 0 and on["pool_entries"] >= len(doc_lens) + users * turns
-    assert "| on |" in stderr and "| off |" in stderr
+        assert run["tokens_exact"] and run["requests_per_s"] > 0
+    for off, on, doc_lens in ((runs[0], runs[1], part["doc_lens"]),
+                              (runs[2], runs[3], part["burst_doc_lens"])):
+        # off: every request opted out, none looked up
+        assert off["cached_tokens"] == 0 and off["pool_queries"] == 0 and off["pool_hits"] == 0
+        # on: turn 1 from the document's upload, turn k from turn k - 1's prompt
+        assert on["pool_evictions"] == 0  # (the tiny pool holds every context)
+        rows = {r["index"]: r for r in on["per_request"]}
+        for u in range(users):
+            for k in range(turns):
+                want = (doc_lens[u % len(doc_lens)] if k == 0
+                        else rows[u * turns + k - 1]["prompt_len"])
+                assert rows[u * turns + k]["cached_tokens"] == want, (u, k)
+        assert on["cached_tokens"] == on["pool_hits"] == sum(r["cached_tokens"]
+                                                             for r in rows.values())
+        assert on["pool_queries"] == on["prompt_tokens"]
+        assert on["hit_rate"] == pytest.approx(on["cached_tokens"] / on["prompt_tokens"])
+        assert on["pool_bytes"] > 0 and on["pool_entries"] >= len(doc_lens) + users * turns
+    # the burst's users arrive at once; the Poisson ones spread
+    assert all(r["arrival_s"] < 1.0 for r in runs[2]["per_request"] if r["index"] % turns == 0)
+    assert part["burst_doc_lens"] != part["doc_lens"]
+    ratios = part["reuse"]
+    assert ratios["ttft_p50_on_over_off"] == pytest.approx(runs[1]["ttft_p50_s"]
+                                                           / runs[0]["ttft_p50_s"])
+    assert ratios["requests_per_s_on_over_off_burst"] == pytest.approx(
+        runs[3]["requests_per_s"] / runs[2]["requests_per_s"])
+    assert "| burst | on |" in stderr and "| poisson | off |" in stderr
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -334,3 +334,38 @@ def test_a_chat_cut_by_a_stop_string_keeps_no_context(client, ref):
     assert kept(counters(client)) == kept(before)
     r = client.post("/v1/chat/completions", json=body)  # the same without the stop: kept
     assert r.status_code == 200 and kept(counters(client)) == kept(before) + 1
+
+
+def test_warm_up_runs_the_tail_at_every_chunk_length(ref):
+    """The first tail chunk of each length launches its kernels' variants for the first time
+    (the first hits of the H200 benchmark took 1.5-3 s): warm_up runs every length, 1 .. R (the
+    ring's length), then leaves every slot free."""
+    from minikv_compile import scheduler as S
+
+    rt = ref.engine.runtime
+    sched = S.Scheduler(ref.engine, ref.tok, prefix_cache_gpu_bytes=10**6)
+    rt.tail.chunk_lengths.clear()
+    sched.warm_up()
+    assert rt.tail.longest_chunk == FLAGS["residual_length"]
+    assert rt.tail.chunk_lengths == set(range(1, FLAGS["residual_length"] + 1))
+    assert sched.ready and not rt.admitted and len(rt.free_slots()) == FLAGS["max_batch_size"]
+
+
+def test_a_tails_pieces_are_timed_as_chunks_through_every_layer(ref):
+    """The prefill clock's unit is a prompt token through one layer: a whole prefill's piece
+    is a layer of its prompts, a tail's piece a chunk (at most R tokens) through every layer,
+    whatever the cached context's length."""
+    from types import SimpleNamespace as H
+
+    from minikv_compile import scheduler as S
+
+    sched = S.Scheduler(ref.engine, ref.tok, prefix_cache_gpu_bytes=10**6)
+    L, R = ref.engine.adapter.num_layers, FLAGS["residual_length"]
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=0),
+                                H(prompt_tokens=7, cached_tokens=0)]) == 97
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=85)]) == L * 5
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=40)]) == L * R
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=90)]) == L
+    # a batch with a whole prefill is timed by its layers
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=40),
+                                H(prompt_tokens=30, cached_tokens=0)]) == 30
