@@ -1,11 +1,14 @@
 """Data-parallel replicas behind one front: ``python -m minikv_compile.serve --data-parallel 2``.
 
 One front over two CPU replicas (each an ordinary server process on a loopback port) of the tiny
-model of ``test_serve``, shared by every test here, driven over HTTP: the requests spread over
-both replicas and get what one server gives (greedy: the same text on either replica), the
-front's ``/metrics`` is each replica's samples and their sum, and a replica killed while it
-streams fails its own request with an error naming it while the other's completes; the front
-then says so in ``/health`` and ``/metrics`` and serves on. The last test kills a replica.
+model of ``test_serve``, shared by every test here, driven over HTTPS with an API key (the
+front's door: its TLS, key, Host check and body limit) and a prefix cache on each replica: the
+requests spread over both replicas and get what one server gives (greedy: the same text on
+either replica), the front's ``/metrics`` is each replica's samples and their sum, the turns of
+a conversation follow its first turn to one replica and hit its prefix cache (another cache
+salt does not), unrelated requests spread, and a replica killed while it streams fails its own
+request with an error naming it while the other's completes; the front then says so in
+``/health`` and ``/metrics`` and serves on. The last test kills a replica.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
 import threading
 import time
 
@@ -22,9 +27,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from minikv_compile.serve.affinity import Affinity, hashes_of, route_of  # noqa: E402
 from minikv_compile.serve.errors import ApiError  # noqa: E402
-from minikv_compile.serve.replicas import Replica, Replicas, merge_metrics  # noqa: E402
-from test_serve import Server, _save_tiny_llama  # noqa: E402
+from minikv_compile.serve.replicas import (Replica, Replicas, merge_metrics,  # noqa: E402
+                                           without_tls)
+from test_serve import Server, _read_until_closed, _save_tiny_llama  # noqa: E402
 
 # Tokens of the streams of the last test: long enough that one is still running when the test
 # kills its replica (~1.5 ms a step on an idle CPU; every step slower on a loaded one).
@@ -32,6 +39,10 @@ STREAMED = 400
 FLAGS = dict(max_batch_size=4, max_prompt_len=64, max_new_tokens=STREAMED, residual_length=16)
 START_TIMEOUT = 240.0  # the front, then two replicas started together on a small machine
 PROMPT = "w1 w2 w3 w4 w5"
+KEY = "sk-minikv-front-0123456789"
+NO_REUSE = {"prefix_cache": False}  # routed by load alone, answered without a kept context
+# The default body limit of test_serve's tiny model: 64 tokens x 13 characters x 12 B + 64 KiB.
+LIMIT = 64 * 13 * 12 + 65536
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +53,27 @@ def front(tmp_path_factory):
     config["max_position_embeddings"] = 1024  # room for STREAMED (RoPE has no weights)
     (folder / "config.json").write_text(json.dumps(config))
     logs = tmp_path_factory.mktemp("logs")
+    key, cert = logs / "key.pem", logs / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
     srv = Server(folder, logs / "front.log", args=("--data-parallel", "2", "--compile-cache",
                                                    str(logs / "compiled")),
-                 timeout=START_TIMEOUT, **FLAGS)
+                 timeout=START_TIMEOUT, cert=cert, env={"MINIKV_API_KEY": KEY},
+                 ssl_keyfile=key, ssl_certfile=cert, prefix_cache_gpu_bytes=4 << 20, **FLAGS)
     yield srv
-    pids = [r["pid"] for r in httpx.get(srv.url + "/health", timeout=10).json()["replicas"]]
+    pids = [r["pid"] for r in httpx.get(srv.url + "/health", timeout=10,
+                                        verify=srv.verify).json()["replicas"]]
     srv.stop()
     assert not any(_alive(pid) for pid in pids)  # the front stopped its replicas
+
+
+@pytest.fixture(scope="module")
+def client(front):
+    with httpx.Client(base_url=front.url, verify=front.verify, timeout=300.0,
+                      headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
 
 
 def _alive(pid: int) -> bool:
@@ -60,10 +85,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _complete(url: str, max_tokens: int, stream: bool = False) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens,
-                                                     "temperature": 0, "stream": stream},
-                      timeout=300)
+def _complete(client, max_tokens: int) -> httpx.Response:
+    return client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens,
+                                                "temperature": 0, "minikv": NO_REUSE})
 
 
 def _samples(text: str) -> dict:
@@ -76,37 +100,35 @@ def _samples(text: str) -> dict:
     return out
 
 
-def test_the_front_is_ready_when_both_replicas_are(front):
-    health = httpx.get(front.url + "/health", timeout=10)
+def test_the_front_is_ready_when_both_replicas_are(front, client):
+    health = client.get("/health")
     assert health.status_code == 200
     body = health.json()
     assert body["status"] == "ok" and [r["state"] for r in body["replicas"]] == ["ready"] * 2
     assert len({r["pid"] for r in body["replicas"]} | {front.proc.pid}) == 3
-    models = httpx.get(front.url + "/v1/models", timeout=10).json()
+    models = client.get("/v1/models").json()
     assert models["data"][0]["max_new_tokens"] == STREAMED
+    assert models["data"][0]["max_body_bytes"] == LIMIT
 
 
-def test_requests_spread_over_the_replicas_and_get_one_servers_answer(front):
-    """Four requests 50 ms apart: both replicas serve some (the rule itself:
-    ``test_the_front_picks_the_ready_replica_with_the_fewest_in_flight``), and every one gets
-    the same greedy text (the replicas are the same model)."""
-    replies, errors = [None] * 4, []
-
-    def send(i: int) -> None:
-        try:
-            replies[i] = _complete(front.url, 100)
-        except Exception as e:  # noqa: BLE001 - shown by the assertion below
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors and all(r is not None and r.status_code == 200 for r in replies), errors
-    assert {r.headers["x-minikv-replica"] for r in replies} == {"0", "1"}
-    texts = {r.json()["choices"][0]["text"] for r in replies}
+def test_requests_spread_over_the_replicas_and_get_one_servers_answer(client):
+    """Without prefix reuse (so without affinity): a request sent while another streams goes
+    to the other replica (fewest in flight), the next two one to each (ties in turn; the rule
+    itself: ``test_the_front_picks_the_ready_replica_with_the_fewest_in_flight``), and all four
+    get the same greedy text (the replicas are the same model). One request a replica at a
+    time: a batch of two compiles its own step on the CPU (~20 s, cold)."""
+    out, started = {}, threading.Event()
+    streaming = threading.Thread(target=_stream, args=(client, out, started, _body(PROMPT, 100)))
+    streaming.start()
+    assert started.wait(120), "no first chunk"
+    replies = [_complete(client, 100)]
+    streaming.join(timeout=300)
+    assert replies[0].status_code == 200
+    assert replies[0].headers["x-minikv-replica"] != out["replica"]
+    replies += [_complete(client, 100) for _ in range(2)]
+    assert all(r.status_code == 200 for r in replies)
+    assert {r.headers["x-minikv-replica"] for r in replies[1:]} == {"0", "1"}
+    texts = {r.json()["choices"][0]["text"] for r in replies} | {_text(out["events"])}
     assert len(texts) == 1 and all(r.json()["usage"]["completion_tokens"] == 100 for r in replies)
 
 
@@ -127,8 +149,8 @@ def test_the_front_picks_the_ready_replica_with_the_fewest_in_flight():
     assert replicas.status() == (503, "failed")
 
 
-def test_metrics_give_each_replica_and_their_sum(front):
-    text = httpx.get(front.url + "/metrics", timeout=30).text
+def test_metrics_give_each_replica_and_their_sum(client):
+    text = client.get("/metrics").text
     s = _samples(text)
     for name in ('minikv_requests_total{outcome="length"}', "minikv_completion_tokens_total",
                  "minikv_slots", "minikv_decode_steps_total", "minikv_ready"):
@@ -164,11 +186,173 @@ def test_merge_metrics_sums_histograms_and_labelled_samples():
     assert big[1] == "c 1234568"
 
 
-def _stream(url: str, out: dict, started: threading.Event) -> None:
+def test_affinity_holds_until_its_replica_is_full_while_another_has_a_free_slot():
+    replicas = Replicas([Replica(i, [], {}, 0) for i in range(3)], slots=2)
+    for r in replicas.replicas:
+        r.state = "ready"
+    busy = replicas.replicas[1]
+    busy.in_flight = 1                                   # a free slot left: affinity holds
+    assert replicas.pick(prefer=1) is busy and (busy.affine, replicas.yielded) == (1, 0)
+    busy.in_flight = 2                                   # full, others free: by load
+    assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 1
+    for r in replicas.replicas:
+        r.in_flight = 5 if r is busy else 2              # every one full: affinity holds
+    assert replicas.pick(prefer=1) is busy and busy.affine == 2
+    busy.state = "dead"                                  # its replica gone: by load
+    assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 2
+    assert replicas.pick().index in (0, 2) and busy.affine == 2  # no preference: by load
+
+
+def _scope_and_hashes(path: str, body: dict):
+    scope, route = route_of(path, body)
+    return scope, hashes_of(route)
+
+
+def test_affinity_keys_on_the_scope_and_the_longest_remembered_start():
+    """A conversation's route text starts with its earlier turns'; a prompt's with the prompts
+    it extends (text, or token ids); another salt or budget is another scope; no reuse, no
+    route; the LRU keeps ``max_entries`` and forgets a dead replica's entries."""
+    chat = "/v1/chat/completions"
+    turn1 = {"messages": CONVERSATION[:1]}
+    turn2 = {"messages": CONVERSATION[:3]}
+    affinity = Affinity(max_entries=3)
+    affinity.remember(*_scope_and_hashes(chat, turn1), 1)
+    assert affinity.lookup(*_scope_and_hashes(chat, turn2)) == 1
+    salted = {**turn2, "minikv": {"cache_salt": "tenant-b"}}
+    assert affinity.lookup(*_scope_and_hashes(chat, salted)) is None
+    budget = {**turn2, "minikv": {"heavy_budget": 0.1}}
+    assert affinity.lookup(*_scope_and_hashes(chat, budget)) is None
+    assert route_of(chat, {**turn2, "minikv": NO_REUSE}) is None
+    assert route_of(chat, {"messages": "w1"}) is None and route_of(chat, [1]) is None
+    # another first message is another conversation; a longer first message too (its
+    # template's end-of-turn comes later: not a token prefix either)
+    other = {"messages": [{"role": "user", "content": "w9 w9"}] + CONVERSATION[1:3]}
+    assert affinity.lookup(*_scope_and_hashes(chat, other)) is None
+    longer = {"messages": [{"role": "user", "content": CONVERSATION[0]["content"] + " w1"}]}
+    assert affinity.lookup(*_scope_and_hashes(chat, longer)) is None
+    # completions: the longest remembered start wins; ids and text are apart
+    done = "/v1/completions"
+    affinity.remember(*_scope_and_hashes(done, {"prompt": "w1 w2"}), 0)
+    affinity.remember(*_scope_and_hashes(done, {"prompt": "w1 w2 w3"}), 2)
+    assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w3 w4"})) == 2
+    assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w4"})) == 0
+    assert affinity.lookup(*_scope_and_hashes(done, {"prompt": [5, 6, 7]})) is None
+    assert len(affinity) == 3
+    affinity.remember(*_scope_and_hashes(done, {"prompt": [5, 6]}), 1)  # 4 > 3: LRU out
+    assert len(affinity) == 3
+    assert affinity.lookup(*_scope_and_hashes(done, {"prompt": [5, 6, 7]})) == 1
+    assert affinity.lookup(*_scope_and_hashes(chat, turn2)) is None  # turn1's, least recent
+    affinity.forget_replica(2)
+    assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w3 w4"})) == 0
+    assert len(affinity) == 2
+
+
+def test_the_replicas_serve_plain_http_without_the_fronts_tls_flags():
+    argv = ["--model", "m", "--ssl-keyfile", "k.pem", "--ssl-certfile=c.pem", "--port", "1"]
+    assert without_tls(argv) == ["--model", "m", "--port", "1"]
+
+
+# One conversation of three turns, short enough for max_prompt_len 64 with the template.
+CONVERSATION = [{"role": "user", "content": "w3 w7 w9"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "w8 w2"}]
+
+
+def _chat(client, messages, salt=None, max_tokens=4) -> httpx.Response:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if salt is not None:
+        body["minikv"] = {"cache_salt": salt}
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply
+
+
+def test_a_conversation_follows_its_first_turn_and_hits_the_prefix_cache(client):
+    """Each turn (the earlier turns, their answers, a new message) goes to the replica of the
+    first and gets its prompt cached: without affinity the front's turn-taking would send
+    turn 2 to the other, idle replica. The same turn under another cache salt inherits
+    nothing; an unrelated request sent while another streams goes to the other replica."""
+    affine = lambda: {k: v for k, v in _samples(client.get("/metrics").text).items()  # noqa
+                      if k.startswith("minikv_replica_affine_total")}
+    before = affine()
+    messages, replicas, cached = [CONVERSATION[0]], [], []
+    for turn in range(3):
+        reply = _chat(client, messages)
+        out = reply.json()
+        replicas.append(reply.headers["x-minikv-replica"])
+        cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        if turn < 2:
+            messages = messages + [{"role": "assistant",
+                                    "content": out["choices"][0]["message"]["content"]},
+                                   CONVERSATION[2 * turn + 2]]
+    assert len(set(replicas)) == 1, replicas
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]) and cached[2] > cached[1], cached
+    after = affine()
+    key = f'minikv_replica_affine_total{{replica="{replicas[0]}"}}'
+    assert after[key] - before[key] == 2 and sum(after.values()) - sum(before.values()) == 2
+    # the last turn again under another salt: no affinity (routed by load), nothing cached
+    salted = _chat(client, messages, salt="tenant-b").json()
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert affine() == after
+    # unrelated requests (prefix reuse on): one sent while another streams goes by load
+    out, started = {}, threading.Event()
+    streaming = threading.Thread(target=_stream, args=(client, out, started,
+                                                       _body("w40 w41 w42", 100, {})))
+    streaming.start()
+    assert started.wait(120), "no first chunk"
+    other = _chat(client, [{"role": "user", "content": "w43 w44"}])
+    streaming.join(timeout=300)
+    assert other.headers["x-minikv-replica"] != out["replica"] and out["events"][-1] == "[DONE]"
+    assert affine() == after
+
+
+def test_the_front_is_the_door(front, client):
+    """The front's own TLS, API key, Host check and body limit (the replicas' default: 413
+    before the body is read), in front of replicas that serve plain HTTP on loopback."""
+    with pytest.raises(httpx.TransportError):  # plain HTTP to the front's TLS port
+        httpx.get(f"http://127.0.0.1:{front.port}/health", timeout=5)
+    for r in client.get("/health").json()["replicas"]:
+        assert httpx.get(f"http://127.0.0.1:{r['port']}/health", timeout=5).status_code == 200
+    anon = httpx.post(front.url + "/v1/completions", json={"prompt": PROMPT}, verify=front.verify,
+                      timeout=30)
+    assert anon.status_code == 401 and "--api-key" in anon.json()["error"]["message"]
+    assert client.get("/v1/models", headers={"Host": "other.test"}).status_code == 400
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}"
+            f"\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n").encode()
+    t0 = time.monotonic()
+    sock = front.verify.wrap_socket(socket.create_connection(("127.0.0.1", front.port), 10),
+                                    server_hostname="127.0.0.1")
+    sock.sendall(head + b'{"prompt": "' + b"w1 " * 300)
+    got, closed = _read_until_closed(sock, t0 + 5)
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 413 ") and closed is not None and closed - t0 < 1.0, got
+    assert f"expected at most {LIMIT} bytes (--max-body-bytes)".encode() in got
+
+    def chunks():  # no Content-Length: counted as it comes
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"w1 " * 1000
+    r = client.post("/v1/completions", content=chunks(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["message"].endswith("got more")
+    assert _complete(client, 4).status_code == 200
+
+
+def _body(prompt: str, max_tokens: int, minikv: dict = NO_REUSE) -> dict:
+    """A streamed completion's body."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "minikv": minikv}
+
+
+def _text(events: list) -> str:
+    """The text of a streamed completion's events."""
+    return "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1])
+                   if c["choices"])
+
+
+def _stream(client, out: dict, started: threading.Event, body: dict) -> None:
     """A streamed request: its replica, its text chunks and its last event, into ``out``."""
-    body = {"prompt": PROMPT, "max_tokens": STREAMED, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
+    with client.stream("POST", "/v1/completions", json=body) as reply:
         out["replica"] = reply.headers["x-minikv-replica"]
         out["events"] = []
         for line in reply.iter_lines():
@@ -177,13 +361,14 @@ def _stream(url: str, out: dict, started: threading.Event) -> None:
                 started.set()
 
 
-def test_a_replica_killed_mid_stream_fails_its_own_request_and_the_front_serves_on(front):
-    health = httpx.get(front.url + "/health", timeout=10).json()
+def test_a_replica_killed_mid_stream_fails_its_own_request_and_the_front_serves_on(client):
+    health = client.get("/health").json()
     pids = {str(r["replica"]): r["pid"] for r in health["replicas"]}
     outs, threads = [{}, {}], []
     for out in outs:
         started = threading.Event()
-        threads.append(threading.Thread(target=_stream, args=(front.url, out, started)))
+        threads.append(threading.Thread(target=_stream, args=(client, out, started,
+                                                              _body(PROMPT, STREAMED))))
         threads[-1].start()
         assert started.wait(120), "no first chunk"
     assert sorted(o["replica"] for o in outs) == ["0", "1"]  # one stream on each replica
@@ -204,14 +389,14 @@ def test_a_replica_killed_mid_stream_fails_its_own_request_and_the_front_serves_
     assert whole[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == STREAMED
     # the front says so, and serves on with the other replica
-    health = httpx.get(front.url + "/health", timeout=10)
+    health = client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "degraded"
     states = {str(r["replica"]): (r["state"], r["exit_status"]) for r in health.json()["replicas"]}
     assert states[victim] == ("dead", -signal.SIGKILL)
-    s = _samples(httpx.get(front.url + "/metrics", timeout=30).text)
+    s = _samples(client.get("/metrics").text)
     assert s[f'minikv_replica_up{{replica="{victim}"}}'] == 0
     assert s[f'minikv_replica_dead{{replica="{victim}"}}'] == 1
     assert s[f'minikv_replica_failed_total{{replica="{victim}"}}'] == 1
     for _ in range(3):
-        reply = _complete(front.url, 20)
+        reply = _complete(client, 20)
         assert reply.status_code == 200 and reply.headers["x-minikv-replica"] != victim

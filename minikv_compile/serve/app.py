@@ -129,7 +129,8 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, config: MiniKVC
     async def models():
         return {"object": "list", "data": [{
             "id": served.name, "object": "model", "created": created, "owned_by": "minikv_compile",
-            "max_prompt_len": served.max_prompt_len, "max_new_tokens": served.max_new_tokens}]}
+            "max_prompt_len": served.max_prompt_len, "max_new_tokens": served.max_new_tokens,
+            "max_body_bytes": limit}]}
 
     @app.get("/health")
     async def health():

@@ -140,8 +140,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.data_parallel != 1:  # this process is the front alone (serve/replicas.py)
             check_int("--data-parallel", args.data_parallel, lo=1)
             replicas = plan_replicas(sys.argv[1:] if argv is None else argv, args.data_parallel,
-                                     config.tensor_parallel, device)
-            return serve_front(replicas, args.host, args.port)
+                                     config.tensor_parallel, device,
+                                     slots=config.max_batch_size, api_key=args.api_key)
+            return serve_front(replicas, args.host, args.port, options,
+                               keep_alive=args.timeout_keep_alive, **tls)
         use_compile_cache(args.compile_cache)
         if config.tensor_parallel > 1:
             n = config.tensor_parallel

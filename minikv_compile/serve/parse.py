@@ -93,9 +93,14 @@ class Parsed:
 
 
 async def json_body(request: Request, limit: int, timeout: float) -> Dict[str, Any]:
-    """The JSON object of the request's body: 413 past ``limit`` bytes (by its Content-Length
-    before anything is read, else as soon as the bytes read pass it), 408 when the whole body
-    has not come within ``timeout`` seconds; either closes the connection."""
+    """The JSON object of the request's body (``read_body``)."""
+    return await parse_json(await read_body(request, limit, timeout))
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request's body: 413 past ``limit`` bytes (by its Content-Length before anything is
+    read, else as soon as the bytes read pass it), 408 when the whole body has not come within
+    ``timeout`` seconds; either closes the connection."""
     close = {"Connection": "close"}
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
@@ -122,8 +127,13 @@ async def json_body(request: Request, limit: int, timeout: float) -> Dict[str, A
             raise ApiError(413, f"body: expected at most {limit} bytes (--max-body-bytes), got "
                                 f"more", headers=close)
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_json(raw: bytes) -> Dict[str, Any]:
+    """The JSON object of a body; 400 when it is not one."""
     try:  # in a worker thread: a body at the limit (~4 MB for SmolLM2) parsed in ~17 ms (CI box)
-        body = await run_in_threadpool(json.loads, b"".join(chunks))
+        body = await run_in_threadpool(json.loads, raw)
     except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a huge int
         what = "JSON nested too deeply" if isinstance(e, RecursionError) else "invalid JSON"
         raise ApiError(400, f"body: expected a JSON object, got {what} ({e})") from None

@@ -3,8 +3,9 @@
 ::
 
     clients --HTTP--> front (this process: no model, no GPU)
-                        |  each request to the live, ready replica with the fewest requests in
-                        |  flight (the front counts them), over HTTP on loopback, streamed back
+                        |  each request to the replica that served a prompt starting it, else
+                        |  the ready one with the fewest requests in flight (the front counts
+                        |  them), over HTTP on loopback, streamed back
                         v
               replica i: python -m minikv_compile.serve <the same flags> --port P_i
                          (CUDA_VISIBLE_DEVICES: its M GPUs; under torchrun when M =
@@ -12,12 +13,21 @@
 
 A replica is an ordinary server: its own scheduler, slots, queue and compiled steps. The front
 routes by load: fewest in flight is most free slots, then the shortest queue, when the replicas
-are alike (ties go round the replicas). ``/health`` is 200 once every replica is ready (503
+are alike (ties go round the replicas); with affinity for prefix reuse: a request whose prompt
+starts with one the front sent to replica i (same cache salt and budgets; ``affinity.py`` says
+what it keys on) goes to i, whose pool keeps that context, unless i has no free slot while
+another replica has one (see ``Replicas.pick``). ``/health`` is 200 once every replica is ready (503
 while any is starting), and stays 200 while at least one serves after others died, saying which
 (``"degraded"``); ``/metrics`` gives every replica's samples with a ``replica`` label, their sum
 without it, and the front's own (replica up, in flight, routed, failed). A replica that dies
 fails only the requests it held: a stream gets an error event naming it, then ``[DONE]``; a
 whole answer a 502. The front serves on the others and never restarts it.
+
+The front is the server's door: the single server's checks (``security.Guard``: Host, Origin,
+API key, JSON content type), CORS, ``--max-body-bytes`` (a larger body is answered 413 before it
+is read whole; by default the replicas' own limit, read from their ``/v1/models``), the read
+timeouts and TLS (``--ssl-keyfile``/``--ssl-certfile``: the front serves HTTPS, the replicas
+plain HTTP on loopback). The replicas check the same again (the client's headers go along).
 """
 from __future__ import annotations
 
@@ -37,10 +47,15 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .affinity import Affinity, route_of
 from .errors import ApiError
+from .parse import parse_json, read_body
+from .security import Guard, ServeOptions
 
 _log = logging.getLogger("minikv_compile.serve.replicas")
 
@@ -48,6 +63,9 @@ _log = logging.getLogger("minikv_compile.serve.replicas")
 POLL_S = 0.5
 # A replica's /metrics must answer within this for the front's /metrics (else its last scrape).
 SCRAPE_TIMEOUT_S = 5.0
+# The body limit where the replicas publish none (the benchmark's worker has no /v1/models):
+# 16x the server's default for SmolLM2 at its 32k-token max_prompt_len (~4 MB).
+FALLBACK_BODY_BYTES = 64 << 20
 
 
 @dataclass
@@ -64,6 +82,8 @@ class Replica:
     in_flight: int = 0
     routed: int = 0                         # requests sent to it
     failed: int = 0                         # of them, cut by its death
+    affine: int = 0                         # of them, sent by affinity (it served their prefix)
+    max_body_bytes: Optional[int] = None    # its limit, from its /v1/models once ready
     last_metrics: Optional[str] = field(default=None, repr=False)
 
     @property
@@ -74,7 +94,7 @@ class Replica:
         return {"replica": self.index, "state": self.state, "port": self.port,
                 "pid": self.proc.pid if self.proc else None, "exit_status": self.exit_status,
                 "in_flight": self.in_flight, "routed": self.routed, "failed": self.failed,
-                "gpus": self.env.get("CUDA_VISIBLE_DEVICES")}
+                "affine": self.affine, "gpus": self.env.get("CUDA_VISIBLE_DEVICES")}
 
 
 def _die_with_parent() -> None:  # (the child, before exec) a front killed outright takes these along
@@ -86,10 +106,19 @@ def _die_with_parent() -> None:  # (the child, before exec) a front killed outri
 
 class Replicas:
     """The replica processes: started together, watched by a thread (a process that ended is
-    ``dead``; one whose ``/health`` answers 200 is ``ready``), chosen by load, stopped together."""
+    ``dead``; one whose ``/health`` answers 200 is ``ready``), chosen by affinity and load,
+    stopped together.
 
-    def __init__(self, replicas: Sequence[Replica]):
+    slots: each replica's ``max_batch_size``. api_key: the key the watcher's ``/v1/models``
+    carries (the replicas' ``--api-key``)."""
+
+    def __init__(self, replicas: Sequence[Replica], slots: int = 1,
+                 api_key: Optional[str] = None):
         self.replicas = list(replicas)
+        self.slots = slots
+        self.affinity = Affinity()
+        self.yielded = 0  # requests with an affine replica, sent elsewhere by load
+        self._auth = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._turn = itertools.count()
         self._stopping = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -114,31 +143,65 @@ class Replicas:
                     if r.state == "starting":
                         try:
                             if client.get(r.url + "/health").status_code == 200:
+                                r.max_body_bytes = self._body_limit(client, r)
                                 r.state = "ready"
                                 _log.info("replica %d: ready", r.index)
                         except httpx.TransportError:
                             pass
                 self._stopping.wait(POLL_S)
 
+    def _body_limit(self, client, r: Replica) -> Optional[int]:
+        """The body limit ``r``'s ``/v1/models`` gives, None where it gives none (the
+        benchmark's worker)."""
+        reply = client.get(r.url + "/v1/models", headers=self._auth)
+        try:
+            limit = reply.json()["data"][0]["max_body_bytes"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
+        return limit if type(limit) is int and limit > 0 else None
+
     def check(self, r: Replica) -> bool:
         """Whether ``r`` is still running; marks it dead (with its exit status) if not."""
         if r.state != "dead" and r.proc is not None and r.proc.poll() is not None:
             r.state, r.exit_status = "dead", r.proc.returncode
+            self.affinity.forget_replica(r.index)  # its pool went with it
             if not self._stopping.is_set():
                 _log.error("replica %d (pid %d) exited with status %s: the front serves on "
                            "the others", r.index, r.proc.pid, r.exit_status)
         return r.state != "dead"
 
-    def pick(self) -> Replica:
-        """The ready replica with the fewest requests in flight (ties in turn); ``ApiError``
-        503 when none is ready."""
+    def pick(self, prefer: Optional[int] = None) -> Replica:
+        """Replica ``prefer`` (affinity: it served a prompt starting this one) while it is
+        ready, unless it has no free slot (``slots`` in flight) while another has one; else the
+        ready replica with the fewest requests in flight (ties in turn). ``ApiError`` 503 when
+        none is ready.
+
+        Why a full replica yields only to one with a free slot: a request queued there waits
+        for one of its streams to end (up to max_new_tokens decode steps), a miss elsewhere
+        costs one prefill of the context (a 32k-token one: 1.6 s on an H200, vs 78 ms cached),
+        and starts at once."""
         ready = [r for r in self.replicas if r.state == "ready" and self.check(r)]
         if not ready:
             raise ApiError(503, f"no replica is ready ({self.summary()})", type="server_error",
                            headers={"Retry-After": "5"})
         least = min(r.in_flight for r in ready)
+        if prefer is not None:
+            r = self.replicas[prefer]
+            if r in ready and (r.in_flight < self.slots or least >= self.slots):
+                r.affine += 1
+                return r
+            self.yielded += 1
         ready = [r for r in ready if r.in_flight == least]
         return ready[next(self._turn) % len(ready)]
+
+    def max_body_bytes(self) -> Optional[int]:
+        """The ready replicas' body limit (the same flags and model: one value), or
+        ``FALLBACK_BODY_BYTES`` where they give none; None before any is ready."""
+        ready = [r for r in self.replicas if r.state == "ready"]
+        if not ready:
+            return None
+        known = [r.max_body_bytes for r in ready if r.max_body_bytes is not None]
+        return min(known) if known else FALLBACK_BODY_BYTES
 
     def summary(self) -> str:
         return ", ".join(f"replica {r.index} {r.state}" + (
@@ -216,7 +279,7 @@ def merge_metrics(scrapes: Sequence[Tuple[int, str]]) -> List[str]:
     return lines
 
 
-def _front_metrics(replicas: Replicas) -> List[str]:
+def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
     lines: List[str] = []
 
     def metric(name: str, kind: str, help_: str, value) -> None:
@@ -235,11 +298,23 @@ def _front_metrics(replicas: Replicas) -> List[str]:
            lambda r: r.routed)
     metric("minikv_replica_failed_total", "counter",
            "Of them, requests cut because the replica died.", lambda r: r.failed)
+    metric("minikv_replica_affine_total", "counter",
+           "Of them, requests sent because the replica served a prompt that starts theirs.",
+           lambda r: r.affine)
+    for name, kind, help_, value in (
+            ("minikv_front_affinity_yielded_total", "counter", "Requests sent away from the "
+             "replica that served their prefix, which had no free slot.", replicas.yielded),
+            ("minikv_front_affinity_entries", "gauge", "Routed prompts the front remembers "
+             "for affinity.", len(replicas.affinity)),
+            ("minikv_front_invalid_total", "counter", "Requests answered 4xx through the front: "
+             "its own refusals (door, body) and the replicas' it passed on.", invalid)):
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return lines
 
 
-def create_front(replicas: Replicas):
-    """The front's FastAPI app over ``replicas`` (started by the caller)."""
+def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
+    """The front's FastAPI app over ``replicas`` (started by the caller), behind the door
+    ``options`` describes (as the single server's ``create_app``)."""
     import httpx
 
     # One pool for all replicas; no read timeout: a long prompt's first token may take seconds.
@@ -253,7 +328,13 @@ def create_front(replicas: Replicas):
         await client.aclose()
 
     app = FastAPI(title="minikv_compile data-parallel front", docs_url=None, redoc_url=None,
-                  lifespan=lifespan)
+                  openapi_url=None, lifespan=lifespan)
+    counts = {"invalid": 0}
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guard, options=options, counts=counts)  # the last added runs first
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
@@ -277,12 +358,17 @@ def create_front(replicas: Replicas):
                         headers={"Retry-After": "1"})
 
     async def proxy(request: Request, path: str):
-        body = await request.body()
-        try:
-            stream = bool(json.loads(body).get("stream"))
-        except (ValueError, AttributeError):
-            stream = False  # the replica answers the 400
-        r = replicas.pick()
+        limit = options.max_body_bytes or replicas.max_body_bytes()
+        if limit is None:  # no replica ready yet: refused before the body is read
+            replicas.pick()
+        body = await read_body(request, limit, options.read_timeout)
+        obj = await parse_json(body)
+        stream = obj.get("stream") is True  # (any other value: the replica answers the 400)
+        route = route_of(path, obj)
+        hashes = prefer = None
+        if route is not None:  # in a worker thread: up to ~2 ms a lookup, ~20 ms a 300k text
+            hashes, prefer = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
+        r = replicas.pick(prefer)
         r.in_flight += 1
         r.routed += 1
         reply: Optional[httpx.Response] = None
@@ -290,6 +376,8 @@ def create_front(replicas: Replicas):
             upstream = client.build_request("POST", r.url + path, content=body,
                                             headers=_forwarded(request.headers, _NOT_SENT))
             reply = await client.send(upstream, stream=True)
+            if route is not None and reply.status_code == 200:  # its context is kept there
+                replicas.affinity.remember(route[0], hashes, r.index)
             mine = {**_forwarded(reply.headers, _NOT_RETURNED),
                     "x-minikv-replica": str(r.index)}
             if not stream or reply.status_code != 200:
@@ -376,7 +464,8 @@ def create_front(replicas: Replicas):
         texts = await asyncio.gather(*(scrape(r) for r in replicas.replicas))
         lines = merge_metrics([(r.index, t) for r, t in zip(replicas.replicas, texts)
                                if t is not None])
-        return PlainTextResponse("\n".join(lines + _front_metrics(replicas)) + "\n",
+        return PlainTextResponse("\n".join(lines + _front_metrics(replicas, counts["invalid"]))
+                                 + "\n",
                                  media_type="text/plain; version=0.0.4")
 
     return app
@@ -389,7 +478,8 @@ def replica_commands(argv: Sequence[str], data_parallel: int, tensor_parallel: i
                      ) -> List[Tuple[List[str], Dict]]:
     """Each replica's (argv, environment): ``python -m MODULE`` (this server, or the benchmark's
     worker) with these flags, one replica, a loopback port of its own and, on CUDA, GPUs
-    ``[i M, (i + 1) M)`` of ``visible`` (default: the GPUs this process sees). ``ValueError``
+    ``[i M, (i + 1) M)`` of ``visible`` (default: the GPUs this process sees); on the CPU, its
+    share of the cores (``OMP_NUM_THREADS``, unless set). ``ValueError``
     when there are fewer GPUs than ``data_parallel x tensor_parallel``."""
     if device == "cuda":
         if visible is None:
@@ -403,9 +493,14 @@ def replica_commands(argv: Sequence[str], data_parallel: int, tensor_parallel: i
         if len(visible) < need:
             raise ValueError(f"--data-parallel {data_parallel} x --tensor-parallel "
                              f"{tensor_parallel}: expected {need} GPUs, got {len(visible)}")
+    # CPU replicas share the cores: cores / N threads each, unless OMP_NUM_THREADS is set
+    # (two replicas of torch's default threads on 2 cores: a 400-token stream 8 s, alone 0.5 s)
+    cpu_threads = max(1, len(os.sched_getaffinity(0)) // data_parallel)
     out = []
     for i, port in enumerate(ports):
         env = dict(os.environ)
+        if device != "cuda":
+            env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(
                 visible[i * tensor_parallel:(i + 1) * tensor_parallel])
@@ -427,32 +522,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def without_tls(argv: Sequence[str]) -> List[str]:
+    """``argv`` less ``--ssl-keyfile``/``--ssl-certfile`` and their values (the front serves
+    HTTPS; the replicas, on loopback, plain HTTP)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--ssl-keyfile", "--ssl-certfile"):
+            skip = True
+        elif not a.startswith(("--ssl-keyfile=", "--ssl-certfile=")):
+            out.append(a)
+    return out
+
+
 def plan_replicas(argv: Sequence[str], data_parallel: int, tensor_parallel: int,
-                  device: str, module: Sequence[str] = ("minikv_compile.serve",)) -> Replicas:
-    """The replicas of this server (``argv``: its flags), not started yet; ``ValueError`` when
-    the GPUs are too few."""
-    tls = [flag for flag in ("--ssl-keyfile", "--ssl-certfile")
-           if any(a == flag or a.startswith(flag + "=") for a in argv)]
-    if tls:  # the replicas would serve HTTPS on loopback, the front plain HTTP
-        raise ValueError(f"--data-parallel {data_parallel}: expected no {', '.join(tls)} (the "
-                         f"front serves plain HTTP: put a TLS proxy before it), got {tls[0]}")
-    commands = replica_commands(argv, data_parallel, tensor_parallel, device,
+                  device: str, module: Sequence[str] = ("minikv_compile.serve",),
+                  slots: int = 1, api_key: Optional[str] = None) -> Replicas:
+    """The replicas of this server (``argv``: its flags; ``slots``: its max_batch_size;
+    ``api_key``: its --api-key), not started yet; ``ValueError`` when the GPUs are too few."""
+    commands = replica_commands(without_tls(argv), data_parallel, tensor_parallel, device,
                                 [_free_port() for _ in range(data_parallel)], module=module)
-    return Replicas([Replica(i, a, env, int(a[-1])) for i, (a, env) in enumerate(commands)])
+    return Replicas([Replica(i, a, env, int(a[-1])) for i, (a, env) in enumerate(commands)],
+                    slots=slots, api_key=api_key)
 
 
 def _exit_quietly(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def serve_front(replicas: Replicas, host: str, port: int) -> int:
-    """Start ``replicas``, serve the front on ``host:port`` until SIGTERM or SIGINT, then stop
-    them. Returns 1 when every replica died (the front then stops by itself), else 0."""
+def serve_front(replicas: Replicas, host: str, port: int,
+                options: ServeOptions = ServeOptions(), *, keep_alive: float = 5.0,
+                ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None) -> int:
+    """Start ``replicas``, serve the front on ``host:port`` (as ``server.run_server`` serves
+    one server: ``options``' door and read timeout, ``keep_alive``, TLS) until SIGTERM or
+    SIGINT, then stop them. Returns 1 when every replica died (the front then stops by
+    itself), else 0."""
     import uvicorn
 
+    from .server import _protocol
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
-    server = uvicorn.Server(uvicorn.Config(create_front(replicas), host=host, port=port,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(
+        create_front(replicas, options), host=host, port=port, timeout_graceful_shutdown=5,
+        timeout_keep_alive=keep_alive, http=_protocol(options.read_timeout),
+        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile))
     replicas.start()
 
     def every_replica_dead() -> None:  # nothing left to serve: the front stops too
@@ -473,4 +587,4 @@ def serve_front(replicas: Replicas, host: str, port: int) -> int:
 
 
 __all__ = ["Replica", "Replicas", "create_front", "merge_metrics", "plan_replicas",
-           "replica_commands", "serve_front"]
+           "replica_commands", "serve_front", "without_tls"]
