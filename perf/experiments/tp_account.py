@@ -44,20 +44,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from minikv_compile.models import TensorParallel
 
-def _no_collectives():
+
+class NoCollectives(TensorParallel):
     """A ``TensorParallel`` whose step collectives are no-ops (the admission's eager checks
-    stay: every rank is given the same requests)."""
-    from minikv_compile.models import TensorParallel
+    stay: every rank is given the same requests). At module level: torch.compile's saved
+    package names the classes the step's guards hold, and a class local to a function cannot
+    be named (the first GPU run failed on it)."""
 
-    class NoCollectives(TensorParallel):
-        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-            return x
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
-        def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-            return F.pad(logits, (0, vocab_size - logits.shape[1]))
-
-    return NoCollectives
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        return F.pad(logits, (0, vocab_size - logits.shape[1]))
 
 
 def _sync() -> None:
@@ -166,7 +166,6 @@ def _markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     from minikv_compile import engine as engine_module
-    from minikv_compile.models import TensorParallel
     from minikv_compile.models.parallel import join_torchrun
     from minikv_compile.perf.argtypes import shape_list
     from minikv_compile.perf.bench_tp import sharded_model, step_collectives_ms
@@ -204,7 +203,7 @@ def main(argv=None) -> int:
     for batch, prompt_len in args.cases:
         real = _measure(model, tp, batch, prompt_len, summary, args)
         _free()
-        engine_module.TensorParallel = _no_collectives()
+        engine_module.TensorParallel = NoCollectives
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or "/tmp/torchinductor_tp")
                                                     / "tp_account_no_collectives")
         try:
