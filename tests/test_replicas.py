@@ -40,6 +40,7 @@ FLAGS = dict(max_batch_size=4, max_prompt_len=64, max_new_tokens=STREAMED, resid
 START_TIMEOUT = 240.0  # the front, then two replicas started together on a small machine
 PROMPT = "w1 w2 w3 w4 w5"
 KEY = "sk-minikv-front-0123456789"
+GOOD_ORIGIN = "http://good.example"
 NO_REUSE = {"prefix_cache": False}  # routed by load alone, answered without a kept context
 # The default body limit of test_serve's tiny model: 64 tokens x 13 characters x 12 B + 64 KiB.
 LIMIT = 64 * 13 * 12 + 65536
@@ -59,7 +60,8 @@ def front(tmp_path_factory):
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
                     "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
     srv = Server(folder, logs / "front.log", args=("--data-parallel", "2", "--compile-cache",
-                                                   str(logs / "compiled")),
+                                                   str(logs / "compiled"),
+                                                   "--allowed-origins", GOOD_ORIGIN),
                  timeout=START_TIMEOUT, cert=cert, env={"MINIKV_API_KEY": KEY},
                  ssl_keyfile=key, ssl_certfile=cert, prefix_cache_gpu_bytes=4 << 20, **FLAGS)
     yield srv
@@ -186,20 +188,22 @@ def test_merge_metrics_sums_histograms_and_labelled_samples():
     assert big[1] == "c 1234568"
 
 
-def test_affinity_holds_until_its_replica_is_full_while_another_has_a_free_slot():
+def test_affinity_holds_while_its_replica_has_a_free_slot_or_is_least_loaded():
     replicas = Replicas([Replica(i, [], {}, 0) for i in range(3)], slots=2)
     for r in replicas.replicas:
         r.state = "ready"
     busy = replicas.replicas[1]
     busy.in_flight = 1                                   # a free slot left: affinity holds
     assert replicas.pick(prefer=1) is busy and (busy.affine, replicas.yielded) == (1, 0)
-    busy.in_flight = 2                                   # full, others free: by load
+    busy.in_flight = 2                                   # full, others less loaded: by load
     assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 1
     for r in replicas.replicas:
-        r.in_flight = 5 if r is busy else 2              # every one full: affinity holds
+        r.in_flight = 3 if r is busy else 2              # all full, it the busiest: by load
+    assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 2
+    busy.in_flight = 2                                   # all full, none less loaded: holds
     assert replicas.pick(prefer=1) is busy and busy.affine == 2
     busy.state = "dead"                                  # its replica gone: by load
-    assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 2
+    assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 3
     assert replicas.pick().index in (0, 2) and busy.affine == 2  # no preference: by load
 
 
@@ -307,8 +311,8 @@ def test_a_conversation_follows_its_first_turn_and_hits_the_prefix_cache(client)
 
 
 def test_the_front_is_the_door(front, client):
-    """The front's own TLS, API key, Host check and body limit (the replicas' default: 413
-    before the body is read), in front of replicas that serve plain HTTP on loopback."""
+    """The front's own TLS, API key, Host check, CORS and body limit (the replicas' default:
+    413 before the body is read), in front of replicas that serve plain HTTP on loopback."""
     with pytest.raises(httpx.TransportError):  # plain HTTP to the front's TLS port
         httpx.get(f"http://127.0.0.1:{front.port}/health", timeout=5)
     for r in client.get("/health").json()["replicas"]:
@@ -317,6 +321,18 @@ def test_the_front_is_the_door(front, client):
                       timeout=30)
     assert anon.status_code == 401 and "--api-key" in anon.json()["error"]["message"]
     assert client.get("/v1/models", headers={"Host": "other.test"}).status_code == 400
+    preflight = client.options("/v1/completions", headers={
+        "Origin": GOOD_ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    r = client.post("/v1/completions", headers={"Origin": GOOD_ORIGIN},
+                    json={"prompt": PROMPT, "max_tokens": 2, "minikv": NO_REUSE})
+    assert r.status_code == 200
+    assert r.headers.get_list("access-control-allow-origin") == [GOOD_ORIGIN]
+    evil = client.post("/v1/completions", headers={"Origin": "http://evil.example"},
+                       json={"prompt": PROMPT, "max_tokens": 2})
+    assert evil.status_code == 403 and "--allowed-origins" in evil.text
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}"
             f"\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n").encode()
     t0 = time.monotonic()
@@ -372,11 +388,11 @@ def test_a_replica_killed_mid_stream_fails_its_own_request_and_the_front_serves_
         threads[-1].start()
         assert started.wait(120), "no first chunk"
     assert sorted(o["replica"] for o in outs) == ["0", "1"]  # one stream on each replica
-    victim = outs[0]["replica"]
+    victim = outs[1]["replica"]  # the later stream: the most tokens left when killed
     os.kill(pids[victim], signal.SIGKILL)
     for t in threads:
         t.join(timeout=300)
-    cut, whole = outs[0]["events"], outs[1]["events"]
+    cut, whole = outs[1]["events"], outs[0]["events"]
     # the killed replica's stream: its chunks so far, then an error naming the replica, [DONE]
     assert cut[-1] == "[DONE]"
     error = json.loads(cut[-2])["error"]

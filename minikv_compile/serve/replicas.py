@@ -15,8 +15,8 @@ A replica is an ordinary server: its own scheduler, slots, queue and compiled st
 routes by load: fewest in flight is most free slots, then the shortest queue, when the replicas
 are alike (ties go round the replicas); with affinity for prefix reuse: a request whose prompt
 starts with one the front sent to replica i (same cache salt and budgets; ``affinity.py`` says
-what it keys on) goes to i, whose pool keeps that context, unless i has no free slot while
-another replica has one (see ``Replicas.pick``). ``/health`` is 200 once every replica is ready (503
+what it keys on) goes to i, whose pool keeps that context, unless i has no free slot and another
+replica has fewer in flight (see ``Replicas.pick``). ``/health`` is 200 once every replica is ready (503
 while any is starting), and stays 200 while at least one serves after others died, saying which
 (``"degraded"``); ``/metrics`` gives every replica's samples with a ``replica`` label, their sum
 without it, and the front's own (replica up, in flight, routed, failed). A replica that dies
@@ -172,14 +172,14 @@ class Replicas:
 
     def pick(self, prefer: Optional[int] = None) -> Replica:
         """Replica ``prefer`` (affinity: it served a prompt starting this one) while it is
-        ready, unless it has no free slot (``slots`` in flight) while another has one; else the
-        ready replica with the fewest requests in flight (ties in turn). ``ApiError`` 503 when
-        none is ready.
+        ready and has a free slot (fewer than ``slots`` in flight) or is among the least
+        loaded; else the ready replica with the fewest requests in flight (ties in turn).
+        ``ApiError`` 503 when none is ready.
 
-        Why a full replica yields only to one with a free slot: a request queued there waits
-        for one of its streams to end (up to max_new_tokens decode steps), a miss elsewhere
-        costs one prefill of the context (a 32k-token one: 1.6 s on an H200, vs 78 ms cached),
-        and starts at once."""
+        Why a full replica yields to any less loaded one: a request queued there waits for one
+        of its streams to end (up to max_new_tokens decode steps), a miss elsewhere costs one
+        prefill of the context (a 32k-token one: 1.6 s on an H200, vs 78 ms cached) and waits
+        less or not at all; and a popular prefix must not pile a queue on one replica."""
         ready = [r for r in self.replicas if r.state == "ready" and self.check(r)]
         if not ready:
             raise ApiError(503, f"no replica is ready ({self.summary()})", type="server_error",
@@ -187,7 +187,7 @@ class Replicas:
         least = min(r.in_flight for r in ready)
         if prefer is not None:
             r = self.replicas[prefer]
-            if r in ready and (r.in_flight < self.slots or least >= self.slots):
+            if r in ready and (r.in_flight < self.slots or r.in_flight == least):
                 r.affine += 1
                 return r
             self.yielded += 1
