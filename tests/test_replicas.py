@@ -29,8 +29,9 @@ pytest.importorskip("uvicorn")
 
 from minikv_compile.serve.affinity import Affinity, hashes_of, route_of  # noqa: E402
 from minikv_compile.serve.errors import ApiError  # noqa: E402
-from minikv_compile.serve.replicas import (Replica, Replicas, merge_metrics,  # noqa: E402
-                                           without_tls)
+from minikv_compile.serve.replicas import (FALLBACK_BODY_BYTES, Replica,  # noqa: E402
+                                           Replicas, create_front, merge_metrics, without_tls)
+from minikv_compile.serve.security import ServeOptions  # noqa: E402
 from test_serve import Server, _read_until_closed, _save_tiny_llama  # noqa: E402
 
 # Tokens of the streams of the last test: long enough that one is still running when the test
@@ -249,6 +250,25 @@ def test_affinity_keys_on_the_scope_and_the_longest_remembered_start():
     affinity.forget_replica(2)
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w3 w4"})) == 0
     assert len(affinity) == 2
+
+
+def test_the_fronts_body_limit_is_its_flag_else_the_replicas_and_none_before_them():
+    """In process (no replica is reached: every answer comes before the body is read)."""
+    from starlette.testclient import TestClient
+
+    replicas = Replicas([Replica(i, [], {}, 0) for i in range(2)])
+    big = {"prompt": "w1 " * 1000}  # ~3 kB
+    with TestClient(create_front(replicas)) as c:
+        r = c.post("/v1/completions", json=big)            # every replica still starting
+        assert r.status_code == 503 and "no replica is ready" in r.json()["error"]["message"]
+        replicas.replicas[0].state, replicas.replicas[0].max_body_bytes = "ready", 2048
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 413 and "expected at most 2048 bytes" in r.text
+        replicas.replicas[0].max_body_bytes = None        # a replica that gives none
+        assert replicas.max_body_bytes() == FALLBACK_BODY_BYTES
+    with TestClient(create_front(replicas, ServeOptions(max_body_bytes=1024))) as c:
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 413 and "expected at most 1024 bytes" in r.text
 
 
 def test_the_replicas_serve_plain_http_without_the_fronts_tls_flags():

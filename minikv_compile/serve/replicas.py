@@ -182,8 +182,7 @@ class Replicas:
         less or not at all; and a popular prefix must not pile a queue on one replica."""
         ready = [r for r in self.replicas if r.state == "ready" and self.check(r)]
         if not ready:
-            raise ApiError(503, f"no replica is ready ({self.summary()})", type="server_error",
-                           headers={"Retry-After": "5"})
+            raise self.none_ready()
         least = min(r.in_flight for r in ready)
         if prefer is not None:
             r = self.replicas[prefer]
@@ -193,6 +192,10 @@ class Replicas:
             self.yielded += 1
         ready = [r for r in ready if r.in_flight == least]
         return ready[next(self._turn) % len(ready)]
+
+    def none_ready(self) -> ApiError:
+        return ApiError(503, f"no replica is ready ({self.summary()})", type="server_error",
+                        headers={"Retry-After": "5"})
 
     def max_body_bytes(self) -> Optional[int]:
         """The ready replicas' body limit (the same flags and model: one value), or
@@ -360,7 +363,7 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
     async def proxy(request: Request, path: str):
         limit = options.max_body_bytes or replicas.max_body_bytes()
         if limit is None:  # no replica ready yet: refused before the body is read
-            replicas.pick()
+            raise replicas.none_ready()
         body = await read_body(request, limit, options.read_timeout)
         obj = await parse_json(body)
         stream = obj.get("stream") is True  # (any other value: the replica answers the 400)
