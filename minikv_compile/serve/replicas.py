@@ -15,11 +15,12 @@ A replica is an ordinary server: its own scheduler, slots, queue and compiled st
 routes by load: fewest in flight is most free slots, then the shortest queue, when the replicas
 are alike (ties go round the replicas); with affinity for prefix reuse: a request whose prompt
 starts with one the front sent to replica i (same cache salt and budgets; ``affinity.py`` says
-what it keys on) goes to i, whose pool keeps that context, unless i has no free slot and another
-replica has fewer in flight (see ``Replicas.pick``). ``/health`` is 200 once every replica is ready (503
-while any is starting), and stays 200 while at least one serves after others died, saying which
-(``"degraded"``); ``/metrics`` gives every replica's samples with a ``replica`` label, their sum
-without it, and the front's own (replica up, in flight, routed, failed). A replica that dies
+what it keys on) goes to i, whose pool keeps that context, unless i has no free slot and
+another replica has fewer in flight (see ``Replicas.pick``). ``/health`` is 200 once every
+replica is ready (503 while any is starting), and stays 200 while at least one serves after
+others died, saying which (``"degraded"``); ``/metrics`` gives every replica's samples with a
+``replica`` label, their sum without it, and the front's own (replica up, in flight, routed,
+failed, sent by affinity; affinity entries and yields). A replica that dies
 fails only the requests it held: a stream gets an error event naming it, then ``[DONE]``; a
 whole answer a 502. The front serves on the others and never restarts it.
 
