@@ -90,30 +90,71 @@ def test_released_slots_are_free_and_others_are_untouched():
         rt.step()
 
 
-def test_a_graph_compiled_mid_generation_leaves_running_slots_alone():
+def test_a_graph_compiled_mid_generation_and_a_rebuilt_engine_running_the_saved_steps(
+        tmp_path, monkeypatch, caplog):
     # compile=True on the CPU: the first sampled request makes the runner compile the "sample"
     # step while a greedy request is 40 tokens in. Compiling runs the step for real (with every
-    # slot masked) and must leave the running slot's cache and state as they were. (The model
-    # and config of the saved-step test below: its compiles find these kernels in inductor's
-    # cache.)
+    # slot masked) and must leave the running slot's cache and state as they were.
+    # Each compiled variant of the step's parts is saved beside inductor's cache; an engine
+    # built again on the same model and config (a restart) runs them without compiling and
+    # gives the same tokens; a file that does not load is skipped with a warning and its kind
+    # of call compiles again; another config has a folder of its own.
+    # (One test, one set of compiles: the mid-generation engine is the first rebuilt one, and
+    # its run, repeated on rebuilt engines, is what they must reproduce. As two tests they
+    # compiled 17 variants; here 11.)
+    # The cache folder: a copy (hard links) of this session's inductor cache without its saved
+    # steps: inductor finds the kernels compiled before in this process (the same tiny model)
+    # and only the saved steps are new.
+    session = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    shutil.copytree(session, tmp_path, ignore=shutil.ignore_patterns("minikv_steps", "locks"),
+                    copy_function=os.link, dirs_exist_ok=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     cfg = MiniKVConfig(**CFG, compile=True)
-    cm = minikv_compile(tiny(), cfg)
     greedy = Request(prompt_of(70, seed=4), 100)
     sampled = Request(prompt_of(30, seed=5), 40, sampling=SAMPLED)
+    cm = minikv_compile(tiny(), cfg)
     want = [alone(cm, greedy), alone(cm, sampled)]
-    compiles = cm.stats["compiles"]
-    fresh = minikv_compile(tiny(), cfg)
-    fresh.runtime.admit(0, greedy)
-    for _ in range(40):
-        fresh.runtime.step()
-    fresh.runtime.admit(1, sampled)  # (2, "sample") is compiled now, mid-generation
-    run_until_done(fresh.runtime, [0, 1])
-    assert fresh.runtime.outputs([0, 1]) == want
+    # alone, both at batch 1 share the start and the layer: 4 compiles, nothing to load
+    assert (cm.stats["compiles"], cm.stats["loaded"]) == (4, 0)
+
+    def join(config=cfg):
+        """A rebuilt engine: the sampled request joins the greedy one 40 tokens in."""
+        fresh = minikv_compile(tiny(), config)
+        fresh.runtime.admit(0, greedy)
+        for _ in range(40):
+            fresh.runtime.step()
+        fresh.runtime.admit(1, sampled)  # (2, "sample") is compiled now, mid-generation
+        run_until_done(fresh.runtime, [0, 1])
+        assert sorted(fresh.stats["compile_seconds"]) == [(1, "greedy"), (2, "sample")]
+        return fresh.runtime.outputs([0, 1]), fresh.stats["compiles"], fresh.stats["loaded"]
+
     # The start and the layer once per batch size (1, and 2 as a dynamic size), the choice
-    # once per (batch size, mode): alone, both at batch 1 share the start and the layer (4
-    # compiles); here 6.
-    assert (compiles, fresh.stats["compiles"]) == (4, 6)
-    assert sorted(fresh.stats["compile_seconds"]) == [(1, "greedy"), (2, "sample")]
+    # once per (batch size, mode): 6, of which the 3 at batch 1 are the saved ones of the
+    # engine before (loaded, not compiled) and (2, "sample")'s 3 are compiled mid-generation.
+    assert join() == (want, 6, 3)
+    # rebuilt again: every part of both batch sizes loaded, none compiled, the same tokens
+    assert join() == (want, 6, 6)
+    saved = sorted(tmp_path.glob("minikv_steps/*/layer-*.bin"))
+    assert len(saved) == 2
+    saved[0].write_bytes(b"not a compiled function")
+    with caplog.at_level("WARNING"):
+        assert join() == (want, 6, 5)
+    assert f"saved step part {saved[0]} not loaded" in caplog.text
+    # another config: a folder of its own, none of the first one's variants loaded; and a
+    # folder that cannot be written: the engine compiles and runs alone, with a warning (batch
+    # 1 alone: the start, the layer and the choice)
+    def refuse(self, data):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "write_bytes", refuse)
+    caplog.clear()
+    other = minikv_compile(tiny(), MiniKVConfig(**CFG, compile=True, bits=4))
+    with caplog.at_level("WARNING"):
+        other.generate([greedy.prompt], max_new_tokens=20)
+    assert (other.stats["compiles"], other.stats["loaded"]) == (3, 0)
+    assert "not saved (" in caplog.text and "Permission denied" in caplog.text
+    folders = sorted(tmp_path.glob("minikv_steps/*"))
+    assert len(folders) == 2 and [list(f.iterdir()) for f in folders].count([]) == 1
 
 
 def test_one_compiled_layer_serves_every_layer_of_each_plan():
@@ -173,53 +214,6 @@ def test_the_fused_plans_buckets_share_one_compile_in_bf16():
     plans = [rt.plans[b, "greedy"].path for b in (4, 32)]
     assert [(p.fused_linear, p.split_norm) for p in plans] == [(True, True)] * 2
     assert compiles[1] == compiles[0] > 0
-
-
-def test_a_rebuilt_engine_runs_the_saved_compiled_step_instead_of_compiling(tmp_path, monkeypatch,
-                                                                           caplog):
-    # Each compiled variant of the step's parts is saved beside inductor's cache; an engine
-    # built again on the same model and config (a restart) runs them without compiling and
-    # gives the same tokens; a file that does not load is skipped with a warning and its kind
-    # of call compiles again; another config has a folder of its own.
-    # The cache folder: a copy (hard links) of this session's inductor cache without its saved
-    # steps: inductor finds the kernels of the test above (the same model and config) and only
-    # the saved steps are new (with an empty folder this test took 86 s on 2 cores, mostly in
-    # inductor's C++ compiles).
-    session = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    shutil.copytree(session, tmp_path, ignore=shutil.ignore_patterns("minikv_steps", "locks"),
-                    copy_function=os.link, dirs_exist_ok=True)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    cfg = MiniKVConfig(**CFG, compile=True)
-    batches = [[prompt_of(40, seed=1)], [prompt_of(30 + 9 * i, seed=i) for i in range(3)]]
-
-    def run(config, batches=batches):
-        cm = minikv_compile(tiny(), config)
-        out = [cm.generate(b, max_new_tokens=20, do_sample=True, seed=5).sequences
-               for b in batches]
-        return out, cm.stats["compiles"], cm.stats["loaded"]
-
-    tokens, compiled, loaded = run(cfg)
-    assert (compiled, loaded) == (6, 0)  # start, layer, choice at 1 and at 2..4
-    assert run(cfg) == (tokens, compiled, compiled)
-    saved = sorted(tmp_path.glob("minikv_steps/*/layer-*.bin"))
-    assert len(saved) == 2
-    saved[0].write_bytes(b"not a compiled function")
-    with caplog.at_level("WARNING"):
-        assert run(cfg) == (tokens, compiled, compiled - 1)
-    assert f"saved step part {saved[0]} not loaded" in caplog.text
-    # another config: a folder of its own, none of the first one's variants loaded; and a
-    # folder that cannot be written: the engine compiles and runs alone, with a warning (batch
-    # 1 alone: the start, the layer and the choice)
-    def refuse(self, data):
-        raise PermissionError(13, "Permission denied", str(self))
-
-    monkeypatch.setattr(type(tmp_path), "write_bytes", refuse)
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        assert run(MiniKVConfig(**CFG, compile=True, bits=4), batches[:1])[1:] == (3, 0)
-    assert "not saved (" in caplog.text and "Permission denied" in caplog.text
-    folders = sorted(tmp_path.glob("minikv_steps/*"))
-    assert len(folders) == 2 and [list(f.iterdir()) for f in folders].count([]) == 1
 
 
 def test_generate_seed_is_reproducible_alone_and_in_a_batch():
