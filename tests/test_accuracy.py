@@ -313,12 +313,15 @@ def test_quick_smollm2_end_to_end(tmp_path):
     # What only the real model can show: its loader, tokenizer and texts through the harness, the
     # full cache scoring exactly what HF scores, MiniKV running on its shapes. The quick plan cut
     # to that (the tiny run above covers the third method and the plan's sample counts): the
-    # full cache and MiniKV, two needles (the plan's two depths), one perplexity document (its
-    # 144 tokens cross a ring flush) and two code samples (one may score 0, which leaves the
-    # relative score undefined), each checked against HF: 10 engine runs and 5 HF checks
-    # instead of 18 and 6.
+    # full cache and MiniKV, two needles (the plan's two depths), one perplexity document and
+    # two code samples (one may score 0, which leaves the relative score undefined), each
+    # checked against HF: 10 engine runs and 5 HF checks instead of 18 and 6. The document's
+    # continuation: 80 teacher-forced tokens, not the plan's 144: MiniKV keeps 192 of its 384
+    # prefilled tokens, 64 of them in the 128-token ring (budget.prefill_ring_tokens), so the
+    # ring flushes before write 65 and 16 tokens are scored after it, as 80 after it before
+    # (128 decode steps fewer over the two methods).
     assert cli.main(["--quick", "--out", str(tmp_path), "--methods", "full,minikv",
-                     "--ppl-docs", "1"]) == 0
+                     "--ppl-docs", "1", "--ppl-continuation", "80"]) == 0
     data = _check_run(tmp_path, ["full", "minikv"])
     # SmolLM2 reads a fact in a 512-token haystack with the full cache (the sanity floor of the task)
     assert data["summary"]["full"]["tasks"]["needle"]["score"] == 1.0
