@@ -23,6 +23,17 @@ from minikv_compile.perf.accuracy import stats
 from minikv_compile.perf.accuracy import tasks
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stdlib_corpora_once():
+    """The tiny runs' texts (every stdlib source, read and parsed for its docstrings: 2.7 s a
+    run, 11 runs here) read once for the module: a pure function of the installed stdlib, an
+    immutable ``Corpora`` (the samples test below takes it from here)."""
+    corpora = tasks.stdlib_corpora()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(running, "stdlib_corpora", lambda: corpora)
+        yield corpora
+
+
 # -- arithmetic -----------------------------------------------------------------------------------
 
 
@@ -158,8 +169,8 @@ def _small_plan():
                    needle_per_cell=2, ppl_docs=3, code_samples=3)
 
 
-def test_samples_are_deterministic_and_well_formed():
-    codec, corpora = tasks.ByteCodec(), tasks.stdlib_corpora()
+def test_samples_are_deterministic_and_well_formed(_stdlib_corpora_once):
+    codec, corpora = tasks.ByteCodec(), _stdlib_corpora_once
     plan = _small_plan()
     first = tasks.build_samples(codec, corpora, plan, tasks.TASKS)
     again = tasks.build_samples(codec, corpora, plan, tasks.TASKS)
