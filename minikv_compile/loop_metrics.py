@@ -23,6 +23,12 @@ class Metrics:
     ttft_sum: float = 0.0
     itl: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     itl_sum: float = 0.0
+    # a first token's wait in parts: in the queue (submission to the start of its prefill),
+    # then its prefill (or restore and tail) until the first token is chosen
+    queue: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    queue_sum: float = 0.0
+    prefill: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    prefill_sum: float = 0.0
     steps: int = 0
     prefills: int = 0  # prefill passes completed (several prompts each when batched)
 

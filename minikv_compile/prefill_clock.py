@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -20,12 +20,18 @@ class PrefillClock:
     timed by its own layers once one of its gaps has been read; before that, by the cost per
     prompt token and layer of every admission so far times its tokens, and at least the
     launches of a layer (each an average weighted toward the latest).
+
+    Pieces of two kinds are timed apart: ``"layer"``, a layer of whole prompts (``tokens``: the
+    prompts' tokens), and ``"chunk"``, a cached prompt's tail chunk through every layer
+    (``tokens``: the chunk's). A chunk of ~128 tokens reads every layer's weights for few tokens,
+    so its cost per token is not a prefill layer's: timed by one shared rate, tails ran several
+    chunks into one gap (ITL p99 141 ms on the 8B shape under a burst of hits).
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.per_token_layer: Optional[float] = None   # ms, any admission
-        self.launch_layer: float = 0.0                  # ms of the host's launches a layer
+        self.per_token: Dict[str, float] = {}  # ms a token of a piece, by kind
+        self.launch: Dict[str, float] = {}     # ms of the host's launches a piece, by kind
         self._current = None                            # the admission under way
         self._current_ms: Optional[float] = None        # its ms a layer, once read
         self._open: List[tuple] = []                    # CUDA gaps not read yet
@@ -37,7 +43,7 @@ class PrefillClock:
             event.record()
         return event, time.perf_counter()
 
-    def stop(self, start, admission, tokens: int, layers: int) -> None:
+    def stop(self, start, admission, tokens: int, layers: int, kind: str = "layer") -> None:
         if layers == 0:
             return
         if admission is not self._current:
@@ -45,34 +51,36 @@ class PrefillClock:
         event, t0 = start
         host_ms = (time.perf_counter() - t0) * 1e3
         if not self.cuda:
-            self._learn(admission, host_ms, host_ms, tokens, layers)
+            self._learn(admission, host_ms, host_ms, tokens, layers, kind)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._open.append((event, end, host_ms, admission, tokens, layers))
+        self._open.append((event, end, host_ms, admission, tokens, layers, kind))
 
-    def layer_ms(self, admission, tokens: int) -> Optional[float]:
-        """The estimate for one more layer of ``admission`` (``tokens`` prompt tokens); None
-        before anything was measured."""
+    def layer_ms(self, admission, tokens: int, kind: str = "layer") -> Optional[float]:
+        """The estimate for one more piece of ``admission`` (``tokens``: a piece's tokens, of
+        ``kind``); None before anything of that kind was measured."""
         while self._open and self._open[0][1].query():  # recorded in order, passed in order
-            start, end, host_ms, timed, n, layers = self._open.pop(0)
-            self._learn(timed, max(start.elapsed_time(end), host_ms), host_ms, n, layers)
+            start, end, host_ms, timed, n, layers, done = self._open.pop(0)
+            self._learn(timed, max(start.elapsed_time(end), host_ms), host_ms, n, layers, done)
         if admission is self._current and self._current_ms is not None:
             return self._current_ms
-        if self.per_token_layer is None:
+        if kind not in self.per_token:
             return None
-        return max(self.per_token_layer * tokens, self.launch_layer)
+        return max(self.per_token[kind] * tokens, self.launch[kind])
 
     def forget(self, admission) -> None:
         """``admission`` ended: its gaps not read yet count for every admission alone."""
         if admission is self._current:
             self._current = self._current_ms = None
 
-    def _learn(self, admission, ms: float, host_ms: float, tokens: int, layers: int) -> None:
+    def _learn(self, admission, ms: float, host_ms: float, tokens: int, layers: int,
+               kind: str = "layer") -> None:
         if admission is not None and admission is self._current:
             self._current_ms = ms / layers
         rate = ms / (layers * tokens)
-        old = self.per_token_layer
-        self.per_token_layer = rate if old is None else 0.5 * (old + rate)
         launch = host_ms / layers
-        self.launch_layer = launch if old is None else 0.5 * (self.launch_layer + launch)
+        if kind in self.per_token:
+            rate = 0.5 * (self.per_token[kind] + rate)
+            launch = 0.5 * (self.launch[kind] + launch)
+        self.per_token[kind], self.launch[kind] = rate, launch

@@ -99,6 +99,7 @@ class Handle:
         self.id, self.request = request_id, request
         self.created = time.perf_counter()
         self.first_token_at: Optional[float] = None
+        self.admitted_at: Optional[float] = None  # its prefill's start
         self.prompt_tokens = len(request.prompt_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens admitted from a resident context
@@ -460,7 +461,7 @@ class Scheduler:
                     self._end(handle, "cancelled", None)
                 continue
             try:
-                self._prefill_layers(pieces, self._piece_tokens(handles))
+                self._prefill_layers(pieces, *self._piece_tokens(handles))
                 return  # the admission goes on after a decode step
             except StopIteration:
                 self._admitting = None
@@ -478,6 +479,11 @@ class Scheduler:
                     self._end(handle, "cancelled", None)
                     continue
                 self.metrics.prompt_tokens += handle.prompt_tokens
+                now, m = time.perf_counter(), self.metrics
+                m.observe(m.queue, handle.admitted_at - handle.created)
+                m.observe(m.prefill, now - handle.admitted_at)
+                m.queue_sum += handle.admitted_at - handle.created
+                m.prefill_sum += now - handle.admitted_at
                 r = handle.request
                 if (self._reuses(r) and r.keep == "prompt"
                         and handle.cached_tokens < handle.prompt_tokens):
@@ -492,22 +498,23 @@ class Scheduler:
             if self._running:
                 return  # one admission's prefill between two decode steps, never two
 
-    def _piece_tokens(self, handles: List[Handle]) -> int:
-        """An admission's cost a piece in the clock's unit (a prompt token through a layer): a
-        prefill's piece is a layer of every whole prompt; a cached prompt's tail runs in chunks
-        of at most R tokens through every layer, a chunk a piece (timed by its prompt's length,
+    def _piece_tokens(self, handles: List[Handle]) -> Tuple[int, str]:
+        """An admission's piece for the clock, ``(tokens, kind)``: a prefill's piece is a layer
+        of every whole prompt (``"layer"``); a cached prompt's tail runs in chunks of at most R
+        tokens through every layer, a chunk a piece (``"chunk"``; timed by its prompt's length,
         a 200-token tail after a 15k-token context took one chunk between two decode steps)."""
         fresh = sum(h.prompt_tokens for h in handles if not h.cached_tokens)
         if fresh:
-            return fresh
+            return fresh, "layer"
         tail = max(h.prompt_tokens - h.cached_tokens for h in handles)
-        return self.engine.adapter.num_layers * min(max(tail, 1), self.rt.tail.longest_chunk)
+        return min(max(tail, 1), self.rt.tail.longest_chunk), "chunk"
 
-    def _prefill_layers(self, pieces: Iterator[None], tokens: int) -> None:
-        """Run layers of the admission ``pieces`` (a layer a ``next``; ``tokens``: its prompt
-        tokens): with requests streaming, as many as fit ``prefill_ms`` by the clock's estimate
-        (at least one) and ``prefill_layers``; otherwise all of them. Raises ``StopIteration``
-        once the admission is complete."""
+    def _prefill_layers(self, pieces: Iterator[None], tokens: int, kind: str = "layer") -> None:
+        """Run pieces of the admission ``pieces`` (a layer, or a tail's chunk, a ``next``;
+        ``tokens``, ``kind``: a piece's, as ``_piece_tokens`` gives them): with requests
+        streaming, as many as fit ``prefill_ms`` by the clock's estimate (at least one) and
+        ``prefill_layers``; otherwise all of them. Raises ``StopIteration`` once the admission
+        is complete."""
         limit = self.prefill_layers if self._running else None
         budget = self.prefill_ms if self._running else None
         start, layers = self.clock.start(), 0
@@ -518,11 +525,11 @@ class Scheduler:
                 if limit is not None and layers >= limit:
                     return
                 if budget is not None:
-                    per_layer = self.clock.layer_ms(pieces, tokens)
+                    per_layer = self.clock.layer_ms(pieces, tokens, kind)
                     if per_layer is None or (layers + 1) * per_layer > budget:
                         return
         finally:
-            self.clock.stop(start, pieces, tokens, layers)
+            self.clock.stop(start, pieces, tokens, layers, kind)
 
     def _admission_failed(self, handles: List[Handle], error: Exception) -> None:
         """A request prefilled alone ends with ``error``. A batched pass does not say which
@@ -560,6 +567,7 @@ class Scheduler:
                     break
                 self._waiting.popleft()
                 handle.slotted = True
+                handle.admitted_at = time.perf_counter()
                 self._slotted += 1
             alone = handle in self._alone
             self._alone.discard(handle)

@@ -779,9 +779,16 @@ class _Context:
                        pool_bytes=after.get('minikv_prefix_cache_bytes{tier="device"}'),
                        pool_entries=after.get("minikv_prefix_cache_entries"),
                        cut_by_budget=row["cut"] + row["unsent"] > 0)
+            for key, name in (("server_ttft_mean_s", "minikv_time_to_first_token_seconds"),
+                              ("server_queue_mean_s", "minikv_request_queue_seconds"),
+                              ("server_prefill_mean_s", "minikv_request_prefill_seconds")):
+                n = delta(f"{name}_count")  # the server's own account of the first tokens
+                row[key] = delta(f"{name}_sum") / n if n else None
             self.say(f"{label}: {_line(row)}; {_g(row['requests_per_s'])} requests/s; hit rate "
                      f"{_pct(row['hit_rate'])}, pool {_mib(row['pool_bytes'])} in "
-                     f"{row['pool_entries']} contexts")
+                     f"{row['pool_entries']} contexts; the server's mean TTFT "
+                     f"{_g(row['server_ttft_mean_s'])} s = queue {_g(row['server_queue_mean_s'])}"
+                     f" + prefill {_g(row['server_prefill_mean_s'])} + the first step")
             runs.append(row)
         part["runs"] = runs
         off, on, burst_off, burst_on = runs

@@ -352,20 +352,20 @@ def test_warm_up_runs_the_tail_at_every_chunk_length(ref):
 
 
 def test_a_tails_pieces_are_timed_as_chunks_through_every_layer(ref):
-    """The prefill clock's unit is a prompt token through one layer: a whole prefill's piece
-    is a layer of its prompts, a tail's piece a chunk (at most R tokens) through every layer,
+    """The prefill clock's pieces: a whole prefill's is a layer of its prompts (``"layer"``,
+    their tokens), a tail's a chunk of at most R tokens through every layer (``"chunk"``),
     whatever the cached context's length."""
     from types import SimpleNamespace as H
 
     from minikv_compile import scheduler as S
 
     sched = S.Scheduler(ref.engine, ref.tok, prefix_cache_gpu_bytes=10**6)
-    L, R = ref.engine.adapter.num_layers, FLAGS["residual_length"]
+    R = FLAGS["residual_length"]
     assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=0),
-                                H(prompt_tokens=7, cached_tokens=0)]) == 97
-    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=85)]) == L * 5
-    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=40)]) == L * R
-    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=90)]) == L
+                                H(prompt_tokens=7, cached_tokens=0)]) == (97, "layer")
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=85)]) == (5, "chunk")
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=40)]) == (R, "chunk")
+    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=90)]) == (1, "chunk")
     # a batch with a whole prefill is timed by its layers
     assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=40),
-                                H(prompt_tokens=30, cached_tokens=0)]) == 30
+                                H(prompt_tokens=30, cached_tokens=0)]) == (30, "layer")

@@ -434,7 +434,7 @@ def test_the_prefill_between_two_steps_fits_prefill_ms(monkeypatch, prefill_ms, 
     sched = Scheduler(cm, CharTokenizer(), prefill_ms=prefill_ms)
     sched.submit(ServeRequest(prompt_of(10, seed=0), 40))
     sched._admit_piece()                                   # nothing ran: admitted at once
-    monkeypatch.setattr(sched.clock, "layer_ms", lambda admission, tokens: layer_ms)
+    monkeypatch.setattr(sched.clock, "layer_ms", lambda admission, tokens, kind: layer_ms)
     long = sched.submit(ServeRequest(prompt_of(100, seed=1), 5))
     got, layers = _prefill_layers_per_gap(cm, sched, len(per_gap))
     assert got == per_gap and layers == list(range(5)) and long.completion_tokens >= 1
@@ -453,6 +453,19 @@ def test_the_prefill_clock_learns_a_layer_from_the_layers_run():
     assert clock.layer_ms(a, 50) == pytest.approx(5.0)
     # at least the host's launches of a layer (here 1 ms), however few the tokens
     assert clock.layer_ms(b, 2) == pytest.approx(1.0)
+
+
+def test_the_prefill_clock_times_tail_chunks_apart_from_prefill_layers():
+    # a chunk of a cached prompt's tail runs every layer: its cost a token is its own
+    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    clock = Scheduler(cm, CharTokenizer()).clock
+    a, b, c = object(), object(), object()
+    clock._learn(a, 30.0, 3.0, tokens=100, layers=3)                   # 0.1 ms a token, layer
+    assert clock.layer_ms(c, 64, "chunk") is None                      # no chunk measured yet
+    clock._learn(b, 40.0, 8.0, tokens=16, layers=2, kind="chunk")      # 1.25 ms a chunk token
+    assert clock.layer_ms(c, 64, "chunk") == pytest.approx(80.0)
+    assert clock.layer_ms(c, 2, "chunk") == pytest.approx(4.0)         # the launches of a chunk
+    assert clock.layer_ms(c, 300) == pytest.approx(30.0)               # layers: as before
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -548,10 +561,10 @@ def test_the_prefill_clock_takes_the_longer_of_launching_and_running_a_gap():
     clock = Scheduler(cm, CharTokenizer()).clock
     a, b = object(), object()
     clock._current = a
-    clock._open.append((Event(20.0), Event(), 50.0, a, 100, 2))             # launch-bound
+    clock._open.append((Event(20.0), Event(), 50.0, a, 100, 2, "layer"))    # launch-bound
     assert clock.layer_ms(a, 100) == 25.0
     clock._current = b
-    clock._open.append((Event(80.0), Event(), 10.0, b, 100, 2))             # GPU-bound
+    clock._open.append((Event(80.0), Event(), 10.0, b, 100, 2, "layer"))    # GPU-bound
     assert clock.layer_ms(b, 100) == 40.0
 
 

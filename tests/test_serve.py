@@ -412,6 +412,12 @@ def test_metrics_move(client, ref):
     assert delta("minikv_prefill_passes_total") == 1
     assert delta("minikv_decode_steps_total") >= n - 1
     assert after["minikv_time_to_first_token_seconds_sum"] > 0
+    # the first token's wait in parts: queue, then prefill, within it (the rest: the first step)
+    assert delta("minikv_request_queue_seconds_count") == 1
+    assert delta("minikv_request_prefill_seconds_count") == 1
+    parts = (delta("minikv_request_queue_seconds_sum")
+             + delta("minikv_request_prefill_seconds_sum"))
+    assert 0 < parts < delta("minikv_time_to_first_token_seconds_sum")
     buckets = [v for k, v in after.items() if k.startswith("minikv_inter_token_latency_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == after["minikv_inter_token_latency_seconds_count"]
     assert 'minikv_time_to_first_token_seconds_bucket{le="+Inf"}' in after

@@ -76,7 +76,12 @@ def render(scheduler: Scheduler, config: MiniKVConfig, invalid: int) -> str:
             ("minikv_time_to_first_token_seconds", m.ttft, m.ttft_sum,
              "Seconds from submission to the first token."),
             ("minikv_inter_token_latency_seconds", m.itl, m.itl_sum,
-             "Seconds between consecutive tokens of a request.")):
+             "Seconds between consecutive tokens of a request."),
+            ("minikv_request_queue_seconds", m.queue, m.queue_sum,
+             "Seconds from submission to the start of the request's prefill."),
+            ("minikv_request_prefill_seconds", m.prefill, m.prefill_sum,
+             "Seconds of the request's prefill (a hit's restore and tail), from its start to "
+             "its last piece launched.")):
         counts, samples, running = list(hist), [], 0
         for bound, count in zip(LATENCY_BUCKETS + (math.inf,), counts):
             running += count
