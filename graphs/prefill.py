@@ -33,12 +33,14 @@ class Adapter(Protocol):  # what prefill and decode need of a model (see models/
     scale: float
     tp: object  # its ranks (models/parallel.py): check_same and from_rank0 at admission
 
+    vocab_size: int
+
     def embed(self, input_ids): ...
     def rope(self, h, positions): ...
-    def layer_weights(self, layer): ...  # what qkv / finish_layer_normed take instead of an index
-    def qkv(self, layer, h, cos, sin, normed=None): ...
+    def layer_weights(self, layer): ...  # what qkv / finish_layer* take instead of an index
+    def qkv(self, layer, h, cos, sin, normed=None, path=None): ...  # path: the step's plan
     def finish_layer(self, layer, h, attn_out, overwrite=False): ...  # h consumed
-    def finish_layer_normed(self, layer, h, attn_out): ...  # (h, normed for the next qkv)
+    def finish_layer_normed(self, layer, h, attn_out, path): ...  # (h, normed for the next qkv)
     def logits(self, h): ...
 
 
