@@ -24,7 +24,7 @@ class Metrics:
     itl: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     itl_sum: float = 0.0
     # a first token's wait in parts: in the queue (submission to the start of its prefill),
-    # then its prefill (or restore and tail) until the first token is chosen
+    # then its prefill (or restore and tail) until its last piece is launched
     queue: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     queue_sum: float = 0.0
     prefill: List[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))

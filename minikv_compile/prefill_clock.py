@@ -6,7 +6,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["PrefillClock"]
+__all__ = ["CHUNK", "LAYER", "PrefillClock"]
+
+LAYER, CHUNK = "layer", "chunk"  # the kinds of piece
 
 
 class PrefillClock:
@@ -43,7 +45,8 @@ class PrefillClock:
             event.record()
         return event, time.perf_counter()
 
-    def stop(self, start, admission, tokens: int, layers: int, kind: str = "layer") -> None:
+    def stop(self, start, admission, tokens: int, layers: int, kind: str = LAYER) -> None:
+        _check_kind(kind)
         if layers == 0:
             return
         if admission is not self._current:
@@ -57,9 +60,10 @@ class PrefillClock:
         end.record()
         self._open.append((event, end, host_ms, admission, tokens, layers, kind))
 
-    def layer_ms(self, admission, tokens: int, kind: str = "layer") -> Optional[float]:
+    def layer_ms(self, admission, tokens: int, kind: str = LAYER) -> Optional[float]:
         """The estimate for one more piece of ``admission`` (``tokens``: a piece's tokens, of
         ``kind``); None before anything of that kind was measured."""
+        _check_kind(kind)
         while self._open and self._open[0][1].query():  # recorded in order, passed in order
             start, end, host_ms, timed, n, layers, done = self._open.pop(0)
             self._learn(timed, max(start.elapsed_time(end), host_ms), host_ms, n, layers, done)
@@ -75,7 +79,7 @@ class PrefillClock:
             self._current = self._current_ms = None
 
     def _learn(self, admission, ms: float, host_ms: float, tokens: int, layers: int,
-               kind: str = "layer") -> None:
+               kind: str = LAYER) -> None:
         if admission is not None and admission is self._current:
             self._current_ms = ms / layers
         rate = ms / (layers * tokens)
@@ -84,3 +88,8 @@ class PrefillClock:
             rate = 0.5 * (self.per_token[kind] + rate)
             launch = 0.5 * (self.launch[kind] + launch)
         self.per_token[kind], self.launch[kind] = rate, launch
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in (LAYER, CHUNK):
+        raise ValueError(f"kind: expected {LAYER!r} or {CHUNK!r}, got {kind!r}")

@@ -33,7 +33,7 @@ from minikv_compile.graphs.sampling import Sampling
 from .detokenizer import IncrementalDetokenizer
 from .engine import MiniKVModel
 from .loop_metrics import LATENCY_BUCKETS, Metrics
-from .prefill_clock import PrefillClock
+from .prefill_clock import CHUNK, LAYER, PrefillClock
 from .prefix_pool import DiskContexts, PrefixPool
 from .ranks import HEARTBEAT_S, ReplicatedRuntime
 
@@ -106,6 +106,7 @@ class Handle:
         self.finish_reason: Optional[str] = None
         self.cancelled = threading.Event()
         self.slotted = False  # taken from the queue into a slot (the scheduler's)
+        self.prepared: Optional[Request] = None  # its runtime request, when put back unadmitted
         self._on_delta = on_delta
         self._deltas: Optional["queue.Queue[Delta]"] = None if on_delta else queue.Queue()
 
@@ -502,14 +503,14 @@ class Scheduler:
         """An admission's piece for the clock, ``(tokens, kind)``: a prefill's piece is a layer
         of every whole prompt (``"layer"``); a cached prompt's tail runs in chunks of at most R
         tokens through every layer, a chunk a piece (``"chunk"``; timed by its prompt's length,
-        a 200-token tail after a 15k-token context took one chunk between two decode steps)."""
-        fresh = sum(h.prompt_tokens for h in handles if not h.cached_tokens)
-        if fresh:
-            return fresh, "layer"
-        tail = max(h.prompt_tokens - h.cached_tokens for h in handles)
-        return min(max(tail, 1), self.rt.tail.longest_chunk), "chunk"
+        a 200-token tail after a 15k-token context took one chunk between two decode steps). A
+        hit is admitted alone (``_start_admission``)."""
+        if len(handles) == 1 and handles[0].cached_tokens:
+            tail = handles[0].prompt_tokens - handles[0].cached_tokens
+            return min(max(tail, 1), self.rt.tail.longest_chunk), CHUNK
+        return sum(h.prompt_tokens for h in handles), LAYER
 
-    def _prefill_layers(self, pieces: Iterator[None], tokens: int, kind: str = "layer") -> None:
+    def _prefill_layers(self, pieces: Iterator[None], tokens: int, kind: str = LAYER) -> None:
         """Run pieces of the admission ``pieces`` (a layer, or a tail's chunk, a ``next``;
         ``tokens``, ``kind``: a piece's, as ``_piece_tokens`` gives them): with requests
         streaming, as many as fit ``prefill_ms`` by the clock's estimate (at least one) and
@@ -550,7 +551,8 @@ class Scheduler:
         """Start the prefill of the next waiting requests: in arrival order, while free slots
         last, their prompts total at most ``prefill_batch_tokens`` (the first one whatever its
         length) and they are at most ``prefill_batch_requests`` (a request of a failed batch
-        alone). A request cancelled while waiting, or
+        alone, and a hit of the prefix pool: its pieces are tail chunks, which the clock times
+        apart from prefill layers). A request cancelled while waiting, or
         one that does not fit the engine (``SlotRuntime.check_request``), ends here without
         holding the others up. Returns whether a prefill started."""
         free = self.rt.free_slots()
@@ -575,14 +577,22 @@ class Scheduler:
                 self._end(handle, "cancelled", None)
                 continue
             try:
-                request = self._request(handle)
+                request = handle.prepared or self._request(handle)
+                handle.prepared = None
             except Exception as e:  # bad input the server's checks missed: this request alone
                 self._end(handle, "error", f"{type(e).__name__}: {e}")
                 continue
+            if request.prefix is not None and handles:  # the hit waits for the next admission
+                handle.prepared = request  # (looked up once: the pool's counters count it once)
+                with self._cv:
+                    handle.slotted = False
+                    self._slotted -= 1
+                    self._waiting.appendleft(handle)
+                break
             handles.append(handle)
             requests.append(request)
             tokens += handle.prompt_tokens
-            if alone:
+            if alone or request.prefix is not None:
                 break
         if not handles:
             return False

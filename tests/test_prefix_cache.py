@@ -353,7 +353,7 @@ def test_warm_up_runs_the_tail_at_every_chunk_length(ref):
 
 def test_a_tails_pieces_are_timed_as_chunks_through_every_layer(ref):
     """The prefill clock's pieces: a whole prefill's is a layer of its prompts (``"layer"``,
-    their tokens), a tail's a chunk of at most R tokens through every layer (``"chunk"``),
+    their tokens), a hit's a chunk of at most R tokens through every layer (``"chunk"``),
     whatever the cached context's length."""
     from types import SimpleNamespace as H
 
@@ -366,6 +366,32 @@ def test_a_tails_pieces_are_timed_as_chunks_through_every_layer(ref):
     assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=85)]) == (5, "chunk")
     assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=40)]) == (R, "chunk")
     assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=90)]) == (1, "chunk")
-    # a batch with a whole prefill is timed by its layers
-    assert sched._piece_tokens([H(prompt_tokens=90, cached_tokens=40),
-                                H(prompt_tokens=30, cached_tokens=0)]) == (30, "layer")
+
+
+def test_a_hit_is_admitted_alone_and_looked_up_once(ref):
+    """A hit's pieces are tail chunks, timed apart from prefill layers: it is never batched
+    with whole prefills. Behind one, it waits for the next admission, looked up once."""
+    from minikv_compile import scheduler as S
+
+    sched = S.Scheduler(ref.engine, ref.tok, prefix_cache_gpu_bytes=10**7)
+    doc = ref.ids(words(21, CONTEXT))
+    first = S.ServeRequest(ref.ids(words(22, 10)), 4)
+    hit = S.ServeRequest(ref.ids(words(21, CONTEXT) + " w5 w6"), 4)
+    after = S.ServeRequest(ref.ids(words(23, 12)), 4)
+    assert hit.prompt_ids[: len(doc)] == doc
+    sched.pool.add(sched._scope(hit), ref.engine.cache_prompt([doc]).sequences[0])
+    handles = [sched.submit(r) for r in (first, hit, after)]
+    try:
+        admitted = []
+        while any(h.finish_reason is None for h in handles):
+            if sched._admitting is None and sched._start_admission():
+                admitted.append([handles.index(h) for h in sched._admitting[1]])
+            sched._admit_piece()
+            sched._step()
+        assert admitted == [[0], [1], [2]]  # the hit alone; the request after it not with it
+        assert handles[1].cached_tokens == len(doc) and handles[0].cached_tokens == 0
+        assert sched.prefix_queries == sum(len(r.prompt_ids) for r in (first, hit, after))
+        assert sched.prefix_hits == len(doc)
+    finally:
+        sched.shutdown()
+        ref.engine.runtime.release_all()

@@ -27,7 +27,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from minikv_compile.serve.affinity import Affinity, hashes_of, route_of  # noqa: E402
+from minikv_compile.serve.affinity import (  # noqa: E402
+    MAX_ROUTE, Affinity, hashes_of, route_of)
 from minikv_compile.serve.errors import ApiError  # noqa: E402
 from minikv_compile.serve.replicas import (FALLBACK_BODY_BYTES, Replica,  # noqa: E402
                                            Replicas, create_front, merge_metrics, without_tls)
@@ -203,8 +204,8 @@ def test_affinity_holds_while_its_replica_has_a_free_slot_or_is_least_loaded():
     assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 2
     busy.in_flight = 2                                   # all full, none less loaded: holds
     assert replicas.pick(prefer=1) is busy and busy.affine == 2
-    busy.state = "dead"                                  # its replica gone: by load
-    assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 3
+    busy.state = "dead"                                  # its replica gone: by load, and
+    assert replicas.pick(prefer=1).index in (0, 2) and replicas.yielded == 2  # not a yield
     assert replicas.pick().index in (0, 2) and busy.affine == 2  # no preference: by load
 
 
@@ -250,6 +251,16 @@ def test_affinity_keys_on_the_scope_and_the_longest_remembered_start():
     affinity.forget_replica(2)
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w3 w4"})) == 0
     assert len(affinity) == 2
+    # what the front keeps of a routed request: its length and last hash, as remember takes
+    key, replica = affinity.find(*route_of(done, {"prompt": "w1 w2 w3 w4"}))
+    assert replica == 0 and key == (len("w1 w2 w3 w4"), int(hashes_of("w1 w2 w3 w4")[-1]))
+    affinity.remember_last(route_of(done, {"prompt": "w7"})[0], *affinity.find(
+        *route_of(done, {"prompt": "w7"}))[0], 1)
+    assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w7 w8"})) == 1
+    # a route longer than MAX_ROUTE is routed by load alone (its hashes cost the front memory)
+    assert route_of(done, {"prompt": "w" * MAX_ROUTE}) is not None
+    assert route_of(done, {"prompt": "w" * (MAX_ROUTE + 1)}) is None
+    assert route_of(done, {"prompt": [7] * (MAX_ROUTE + 1)}) is None
 
 
 def test_the_fronts_body_limit_is_its_flag_else_the_replicas_and_none_before_them():

@@ -37,13 +37,22 @@ from ..prefix_pool import prefix_hashes
 # a lookup probes each distinct length once: at 4096 a miss costs ~2 ms (2-core CI box), and
 # 4096 is more contexts than N replicas' pools hold of the long prompts where a hit matters.
 MAX_ENTRIES = 4096
+# Longer route texts (characters or ids) are routed by load alone: hashing takes ~40 bytes of the
+# front's memory an element while it runs (a 1M-character text: ~40 MB), on up to 40 threads.
+MAX_ROUTE = 1 << 20
 
 Route = Tuple[Hashable, np.ndarray]  # (scope, prefix hashes of the route text), (L,) uint64
 
 
 def route_of(path: str, obj: Any) -> Optional[Tuple[Hashable, Any]]:
     """(scope, route text or ids) of a request's parsed JSON body (see the module), or None
-    when it has no affinity: prefix reuse off, or a body the replica will answer 400."""
+    when it has no affinity: prefix reuse off, a body the replica will answer 400, or a route
+    longer than ``MAX_ROUTE``."""
+    found = _route_of(path, obj)
+    return found if found is not None and len(found[1]) <= MAX_ROUTE else None
+
+
+def _route_of(path: str, obj: Any) -> Optional[Tuple[Hashable, Any]]:
     if not isinstance(obj, dict):
         return None
     minikv = obj.get("minikv") or {}
@@ -93,10 +102,11 @@ class Affinity:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, scope: Hashable, route: Any) -> Tuple[np.ndarray, Optional[int]]:
-        """(the prefix hashes of ``route``, a text or token ids; ``lookup``'s replica)."""
+    def find(self, scope: Hashable, route: Any) -> Tuple[Tuple[int, int], Optional[int]]:
+        """(what ``remember_last`` takes of ``route``, a text or token ids: its length and last
+        prefix hash; ``lookup``'s replica). The hashes themselves are not kept."""
         hashes = hashes_of(route)
-        return hashes, self.lookup(scope, hashes)
+        return (len(hashes), int(hashes[-1])), self.lookup(scope, hashes)
 
     def lookup(self, scope: Hashable, hashes: np.ndarray) -> Optional[int]:
         """The replica of the longest remembered route text of ``scope`` that starts this one
@@ -114,12 +124,15 @@ class Affinity:
     def remember(self, scope: Hashable, hashes: np.ndarray, replica: int) -> None:
         """This route text (its prefix hashes) was sent to ``replica``: the most recent entry,
         replacing one of the same text; the least recently used out past ``max_entries``."""
-        if not len(hashes):
-            return
-        key = (scope, len(hashes), int(hashes[-1]))
+        if len(hashes):
+            self.remember_last(scope, len(hashes), int(hashes[-1]), replica)
+
+    def remember_last(self, scope: Hashable, length: int, last: int, replica: int) -> None:
+        """``remember`` by the route text's length and last prefix hash."""
+        key = (scope, length, last)
         with self._lock:
             if key not in self._entries:
-                self._lengths.setdefault(scope, collections.Counter())[len(hashes)] += 1
+                self._lengths.setdefault(scope, collections.Counter())[length] += 1
             self._entries[key] = replica
             self._entries.move_to_end(key)
             while len(self._entries) > self.max_entries:
@@ -142,4 +155,4 @@ class Affinity:
                 del self._lengths[scope]
 
 
-__all__ = ["Affinity", "MAX_ENTRIES", "hashes_of", "route_of"]
+__all__ = ["Affinity", "MAX_ENTRIES", "MAX_ROUTE", "hashes_of", "route_of"]

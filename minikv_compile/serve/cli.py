@@ -30,8 +30,10 @@ _log = logging.getLogger("minikv_compile.serve")
 
 
 def parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: the data-parallel front rewrites its replicas' flags by their full
+    # names (TLS flags dropped, --host / --port its own), which an abbreviation would slip past
     p = argparse.ArgumentParser(
-        prog="python -m minikv_compile.serve",
+        prog="python -m minikv_compile.serve", allow_abbrev=False,
         description="An OpenAI-compatible server (completions and chat, streaming) over a "
                     "MiniKV-compressed, CUDA-graph-replayed engine.")
     p.add_argument("--model", required=True,

@@ -156,10 +156,14 @@ class Replicas:
         benchmark's worker)."""
         reply = client.get(r.url + "/v1/models", headers=self._auth)
         try:
-            limit = reply.json()["data"][0]["max_body_bytes"]
+            limit = reply.json()["data"][0]["max_body_bytes"] if reply.status_code == 200 else None
         except (ValueError, KeyError, IndexError, TypeError):
-            return None
-        return limit if type(limit) is int and limit > 0 else None
+            limit = None
+        if type(limit) is int and limit > 0:
+            return limit
+        _log.warning("replica %d: /v1/models gave no body limit (HTTP %d); the front takes "
+                     "%d bytes", r.index, reply.status_code, FALLBACK_BODY_BYTES)
+        return None
 
     def check(self, r: Replica) -> bool:
         """Whether ``r`` is still running; marks it dead (with its exit status) if not."""
@@ -190,7 +194,8 @@ class Replicas:
             if r in ready and (r.in_flight < self.slots or r.in_flight == least):
                 r.affine += 1
                 return r
-            self.yielded += 1
+            if r in ready:  # not one that died since the lookup
+                self.yielded += 1
         ready = [r for r in ready if r.in_flight == least]
         return ready[next(self._turn) % len(ready)]
 
@@ -369,9 +374,9 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
         obj = await parse_json(body)
         stream = obj.get("stream") is True  # (any other value: the replica answers the 400)
         route = route_of(path, obj)
-        hashes = prefer = None
+        last = prefer = None
         if route is not None:  # in a worker thread: up to ~2 ms a lookup, ~20 ms a 300k text
-            hashes, prefer = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
+            last, prefer = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
         r = replicas.pick(prefer)
         r.in_flight += 1
         r.routed += 1
@@ -381,7 +386,7 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
                                             headers=_forwarded(request.headers, _NOT_SENT))
             reply = await client.send(upstream, stream=True)
             if route is not None and reply.status_code == 200:  # its context is kept there
-                replicas.affinity.remember(route[0], hashes, r.index)
+                replicas.affinity.remember_last(route[0], *last, r.index)
             mine = {**_forwarded(reply.headers, _NOT_RETURNED),
                     "x-minikv-replica": str(r.index)}
             if not stream or reply.status_code != 200:
@@ -499,12 +504,13 @@ def replica_commands(argv: Sequence[str], data_parallel: int, tensor_parallel: i
                              f"{tensor_parallel}: expected {need} GPUs, got {len(visible)}")
     # CPU replicas share the cores: cores / N threads each, unless OMP_NUM_THREADS is set
     # (two replicas of torch's default threads on 2 cores: a 400-token stream 8 s, alone 0.5 s)
-    cpu_threads = max(1, len(os.sched_getaffinity(0)) // data_parallel)
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux's; elsewhere every core
+    cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     out = []
     for i, port in enumerate(ports):
         env = dict(os.environ)
         if device != "cuda":
-            env.setdefault("OMP_NUM_THREADS", str(cpu_threads))
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // data_parallel)))
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(
                 visible[i * tensor_parallel:(i + 1) * tensor_parallel])

