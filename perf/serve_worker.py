@@ -371,9 +371,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from .argtypes import nonneg_int, positive_float, positive_int
     from .serve_bench import MODELS
 
+    # allow_abbrev=False: its --data-parallel front rewrites the replicas' flags by full name
     p = sub.add_parser("serve-worker", help="serve one backend over HTTP (started by 'serve')",
                        description="Serve one backend (this engine, or HF continuous batching) "
-                                   "over HTTP for the serving benchmark.")
+                                   "over HTTP for the serving benchmark.", allow_abbrev=False)
     p.add_argument("--backend", choices=BACKENDS, required=True)
     p.add_argument("--model", choices=MODELS, required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -418,7 +419,8 @@ def main(args) -> int:
         argv = sys.argv[sys.argv.index("serve-worker") + 1:]
         try:
             replicas = plan_replicas(argv, args.data_parallel, 1, "cuda" if on_gpu else "cpu",
-                                     module=("minikv_compile.perf", "serve-worker"))
+                                     module=("minikv_compile.perf", "serve-worker"),
+                                     slots=args.max_batch_size)  # affinity while one is free
         except ValueError as e:
             print(f"serve-worker: {e}", file=sys.stderr)
             return 2

@@ -56,10 +56,12 @@ def _threads_per_xdist_worker():
     """Under pytest-xdist (``-n N``), each worker's torch takes its share of the cores, not all
     of them: N workers of all-core OpenMP teams wait on each other's preempted threads (the
     SmolLM2 short-prompt test beside a busy core, 2 cores: 19.2 s and 27.7 CPU-s at 2 threads,
-    6.5 s and 10.9 CPU-s at 1). A run without xdist keeps torch's default."""
+    6.5 s and 10.9 CPU-s at 1). The servers and ranks the tests start take the same share
+    (OMP_NUM_THREADS, unless set). A run without xdist keeps torch's default."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     n = torch.get_num_threads()
     if workers > 1:
         torch.set_num_threads(max(1, n // workers))
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, n // workers)))
     yield
     torch.set_num_threads(n)
