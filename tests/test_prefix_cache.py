@@ -25,7 +25,7 @@ from minikv_compile import MiniKVConfig, minikv_compile  # noqa: E402
 from minikv_compile.graphs.runtime import Request  # noqa: E402
 from minikv_compile.prefix_pool import PrefixPool, snapshot_bytes  # noqa: E402
 from test_serve import Reference as ServeReference  # noqa: E402
-from test_serve import Server, _save_tiny_llama, metrics, wait_for  # noqa: E402
+from test_serve import Server, metrics, model_dir, wait_for  # noqa: E402,F401 (a fixture)
 
 FLAGS = dict(max_batch_size=2, max_prompt_len=96, max_new_tokens=64, residual_length=16,
              kept_floor=1)
@@ -51,13 +51,6 @@ class Reference(ServeReference):
         """The pool's bytes of a context of ``n`` tokens."""
         cache = self.engine.cache_prompt([self.ids(words(999, n))])
         return snapshot_bytes(cache.sequences[0])
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    _save_tiny_llama(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

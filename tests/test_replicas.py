@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -33,7 +32,8 @@ from minikv_compile.serve.errors import ApiError  # noqa: E402
 from minikv_compile.serve.replicas import (FALLBACK_BODY_BYTES, Replica,  # noqa: E402
                                            Replicas, create_front, merge_metrics, without_tls)
 from minikv_compile.serve.security import ServeOptions  # noqa: E402
-from test_serve import Server, _read_until_closed, _save_tiny_llama  # noqa: E402
+from test_serve import (  # noqa: E402
+    Server, _read_until_closed, _save_tiny_llama, self_signed_cert)
 
 # Tokens of the streams of the last test: long enough that one is still running when the test
 # kills its replica (~1.5 ms a step on an idle CPU; every step slower on a loaded one).
@@ -56,11 +56,7 @@ def front(tmp_path_factory):
     config["max_position_embeddings"] = 1024  # room for STREAMED (RoPE has no weights)
     (folder / "config.json").write_text(json.dumps(config))
     logs = tmp_path_factory.mktemp("logs")
-    key, cert = logs / "key.pem", logs / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
-                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    key, cert = self_signed_cert(logs)
     srv = Server(folder, logs / "front.log", args=("--data-parallel", "2", "--compile-cache",
                                                    str(logs / "compiled"),
                                                    "--allowed-origins", GOOD_ORIGIN),

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import pytest
 import torch
@@ -814,14 +814,20 @@ GOOD_ORIGIN = "http://good.example"
 GUARDED = {**FLAGS, "max_batch_size": 2, "max_new_tokens": 2048}
 
 
-@pytest.fixture(scope="module")
-def guarded(model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("guarded")
+def self_signed_cert(folder: Path) -> Tuple[Path, Path]:
+    """(key, certificate) PEM files in ``folder``: a self-signed EC certificate for 127.0.0.1."""
     key, cert = folder / "key.pem", folder / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
                     "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
                     "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    return key, cert
+
+
+@pytest.fixture(scope="module")
+def guarded(model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("guarded")
+    key, cert = self_signed_cert(folder)
     srv = Server(model_dir, folder / "server.log", cert=cert, env={"MINIKV_API_KEY": KEY},
                  args=("--allowed-origins", GOOD_ORIGIN, "--allowed-hosts", "minikv.test",
                        "--parse-special-tokens", "--compile-cache", str(folder / "compiled")),

@@ -7,10 +7,8 @@ import uuid
 from typing import Any, Callable, Dict, List, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import MiniKVConfig
 from ..scheduler import Handle, QueueFull, Scheduler
@@ -18,7 +16,7 @@ from .errors import ApiError
 from .parse import (Parsed, Served, body_limit, chat_ids, json_body, model_eos_ids, parse,
                     prompt_ids, tokenizer_facts)
 from .prometheus import render
-from .security import Guard, ServeOptions
+from .security import ServeOptions, install_door
 from .sse import Deltas, LoopSinks, failure, stream, usage, whole
 
 
@@ -47,15 +45,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, config: MiniKVC
     counts = {"invalid": 0}  # requests answered 4xx (the scheduler never saw them)
     sinks = LoopSinks()
     app = FastAPI(title="minikv_compile", docs_url=None, redoc_url=None, openapi_url=None)
-    if options.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                           allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Guard, options=options, counts=counts)  # the last added runs first
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return err.response()
+    install_door(app, options, counts)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):  # a bug: OpenAI's body, not text
@@ -63,11 +53,6 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, config: MiniKVC
         # logging it here too printed it twice.
         return ApiError(500, f"internal error: {type(err).__name__}: {err}",
                         type="server_error").response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, err: StarletteHTTPException):
-        return ApiError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)
-                        ).response()
 
     def submit(body: Dict[str, Any], kind: str, prompt_ids: Callable[[], List[int]],
                deltas: "Deltas") -> Tuple[Parsed, Handle]:

@@ -48,15 +48,13 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .affinity import Affinity, route_of
 from .errors import ApiError
 from .parse import parse_json, read_body
-from .security import Guard, ServeOptions
+from .security import ServeOptions, install_door
 
 _log = logging.getLogger("minikv_compile.serve.replicas")
 
@@ -339,20 +337,7 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
     app = FastAPI(title="minikv_compile data-parallel front", docs_url=None, redoc_url=None,
                   openapi_url=None, lifespan=lifespan)
     counts = {"invalid": 0}
-    if options.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
-                           allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(Guard, options=options, counts=counts)  # the last added runs first
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return err.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, err: StarletteHTTPException):
-        return ApiError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)
-                        ).response()
+    install_door(app, options, counts)
 
     async def lost(r: Replica, e: Exception) -> ApiError:
         """The error of a request whose replica stopped answering: it died (say so), or the

@@ -125,3 +125,27 @@ class Guard:
                 return ApiError(415, f"Content-Type: expected application/json, got "
                                      f"{headers.get('content-type')!r}", "Content-Type")
         return None
+
+
+def install_door(app, options: "ServeOptions", counts: dict) -> None:
+    """Put ``app`` (the server's, or the data-parallel front's) behind the door ``options``
+    describes: CORS for ``options.allowed_origins``, ``Guard`` before it (it counts 4xx answers
+    into ``counts["invalid"]``), and OpenAI's error body for ``ApiError`` and Starlette's own
+    HTTP errors (an unknown route, a wrong method)."""
+    from fastapi.middleware.cors import CORSMiddleware
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    if options.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guard, options=options, counts=counts)  # the last added runs first
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, err: ApiError):
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, err: StarletteHTTPException):
+        return ApiError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)
+                        ).response()
