@@ -5,7 +5,9 @@ Chunks of T tokens, each one pass of the model's layers: ``minikv::cache_begin_s
 slot alone (every layer: a full ring is flushed into the region, the counters take row 0's
 token), then per layer the chunk's q/k/v at its logical positions, its K/V written into ring
 rows ``lens[1] - 1 .. lens[1] - 2 + T`` (and the host copy with recall), ``minikv::tail_attention``
-(each row over the compressed cache, the ring and the rows before it), o_proj and MLP; after
+(each row over the compressed cache, the ring and the rows before it; with recall,
+``ops.tail_attention_recall``: the K quantized positions the chunk attends to most, per KV head,
+read from the host copy first), o_proj and MLP; after
 the last layer every layer's ring counter takes the other T - 1 tokens. T is the room left in
 the fullest ring (layers keep different counts under a pyramid budget), so a chunk never
 crosses a flush: the ring is flushed between chunks, as a decode step flushes between tokens.
@@ -23,7 +25,7 @@ length T >= 2 (T = 1 is specialized by the compiler: a second graph). Eager, the
 from __future__ import annotations
 
 import contextlib
-from typing import Generator, List, Tuple
+from typing import Generator, List, Optional, Tuple
 
 import torch
 
@@ -51,6 +53,11 @@ class TailPrefill:
         self.chunk_lengths: set = set()
         self._kinds: set = set()  # chunk kinds run so far (T == 1 or not), see ``_limits``
         self._views: dict = {}  # per slot, see ``_slot_views``
+        # with recall: the chunk's recalled rows (1, H_kv, K, D), one pair for every layer
+        ring = cache.layers[0].k_ring
+        self._recall_rows = None if cache.recall is None else tuple(
+            torch.zeros(1, ring.shape[1], cache.recall.top_k, ring.shape[3], dtype=ring.dtype,
+                        device=ring.device) for _ in range(2))
         self._layer = (torch.compile(self.layer, fullgraph=True, backend=self._backend)
                        if compile else self.layer)
 
@@ -78,7 +85,7 @@ class TailPrefill:
         adapter, cache = self.adapter, self.cache
         n, dev = ids.shape[0], ids.device
         R = self.longest_chunk
-        live, views, slot_lens, ring_counts = self._slot_views(slot)
+        live, views, slot_lens, ring_counts, hosts = self._slot_views(slot)
         # per layer (quantized tokens, ring tokens) of the slot: read once, then kept here
         counts = torch.stack(slot_lens).tolist()
         done = 0
@@ -97,7 +104,7 @@ class TailPrefill:
                     torch._dynamo.maybe_mark_dynamic(t, 1)
             with self._limits(T):
                 for i, (weights, kv, first) in enumerate(zip(self.weights, views, firsts)):
-                    h, k, v = self._layer(weights, kv, first, h, cos, sin)
+                    h, k, v = self._layer(weights, kv, first, h, cos, sin, hosts[i])
                     if cache.recall is not None:  # host row = the token's quantized position
                         store = cache.recall.stores[i]
                         n_quant, first = starts[i]
@@ -115,8 +122,10 @@ class TailPrefill:
     def _slot_views(self, slot: int) -> tuple:
         """Slot ``slot``'s live mask ``(slot + 1,)`` bool, its rows of every layer's buffers
         (``(1, ...)`` views, written in place), of every layer's ``lens`` (``(2,)``) and ring
-        counter (``()``); made on the slot's first tail and kept (~300 views, ~1 ms of CPU a
-        call; the buffers are allocated once, ``CacheLayout.table`` holds their pointers)."""
+        counter (``()``), and per layer the recall's arguments (its host rows ``(1, H_kv, T_cap,
+        D)``, views of the pinned store, and the recall rows) or None without recall; made on
+        the slot's first tail and kept (~300 views, ~1 ms of CPU a call; the buffers are
+        allocated once, ``CacheLayout.table`` holds their pointers)."""
         if slot not in self._views:
             layers = self.cache.layers
             live = torch.zeros(slot + 1, dtype=torch.bool, device=layers[0].lens.device)
@@ -126,7 +135,10 @@ class TailPrefill:
                 [LayerBuffers(*(t[slot: slot + 1] if t.numel() else t for t in layer))
                  for layer in layers],
                 [layer.lens[slot] for layer in layers],
-                [layer.lens[slot, 1] for layer in layers])
+                [layer.lens[slot, 1] for layer in layers],
+                [None] * len(layers) if self.cache.recall is None else
+                [(store.k[slot: slot + 1], store.v[slot: slot + 1], *self._recall_rows)
+                 for store in self.cache.recall.stores])
         return self._views[slot]
 
     def _limits(self, T: int):
@@ -154,12 +166,13 @@ class TailPrefill:
         return starts
 
     def layer(self, weights, kv: LayerBuffers, first: torch.Tensor, h: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+              cos: torch.Tensor, sin: torch.Tensor, recall: Optional[tuple]) -> tuple:
         """One layer of a chunk, the same code for every layer (no layer index in it).
 
         weights: the layer's ``adapter.layer_weights``; kv: the slot's rows of its buffers
         (``(1, ...)`` views; the ring written); first: ``()`` int64 on the device, the ring row
-        of the chunk's first token; h ``(1, T, hidden)``; cos, sin ``(1, T, D)``. Returns the
+        of the chunk's first token; h ``(1, T, hidden)``; cos, sin ``(1, T, D)``; recall: None,
+        or ``(host_k, host_v, recall_k, recall_v)`` of ``ops.tail_attention_recall``. Returns the
         layer's ``h`` and the chunk's ``k, v (1, H_kv, T, D)`` (for the host copy with recall).
         """
         a, T = self.adapter, h.shape[1]
@@ -168,6 +181,9 @@ class TailPrefill:
         rows = first + torch.arange(T, device=h.device)                         # (T,)
         kv.k_ring.index_copy_(2, rows, k)
         kv.v_ring.index_copy_(2, rows, v)
-        o = ops.tail_attention(q.transpose(1, 2), *kv, a.scale, self.cache.bits,
-                               self.cache.group_size)                           # (1, T, H_q, D)
+        bits, group = self.cache.bits, self.cache.group_size
+        if recall is None:
+            o = ops.tail_attention(q.transpose(1, 2), *kv, a.scale, bits, group)  # (1, T, H_q, D)
+        else:
+            o = ops.tail_attention_recall(q.transpose(1, 2), *kv, *recall, a.scale, bits, group)
         return a.finish_layer(weights, h, o.reshape(1, T, -1)), k, v

@@ -9,6 +9,7 @@ from .attention_prefill import causal_attention, selective_attention
 from .attention_decode import decode_attention
 from .attention_decode_recall import decode_attention_recall
 from .attention_tail import tail_attention
+from .attention_tail_recall import tail_attention_recall
 from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
@@ -25,6 +26,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_recall",
     "tail_attention",
+    "tail_attention_recall",
     "CacheLayout",
     "LayerBuffers",
     "cache_begin_step",

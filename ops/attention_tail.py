@@ -46,6 +46,7 @@ from .attention_decode import (_HEAD_DIMS, _LOG2E, MAX_SPLITS, _check_inputs,
                                _decode_attention_combine_kernel, _dequant_last, _load_keys_t,
                                _load_rows, _load_values, _region_ref, _round_to)
 from .cache_layout import ring_length, value_group
+from . import recall as rc
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,14 +80,15 @@ def _attend_rows(q, k_t, v, valid, m_i, l_i, acc, qk_scale, ELEM: tl.constexpr,
 @triton.jit
 def _tail_attention_split_kernel(
     q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr, lens_ptr,
+    bm_ptr, rk_ptr, rv_ptr, ridx_ptr,
     m_ptr, l_ptr, acc_ptr,
     qk_scale,
     stride_qb, stride_qt, stride_qh, stride_qd,
-    ROWS, H_KV, T_CAP, RING_ROWS, NUM_SPLITS,
+    ROWS, H_KV, T_CAP, RING_ROWS, NUM_SPLITS, K_REC,
     GQA: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, G: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr,
+    RECALL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b * H_kv + h, mb, s): query rows ``m = mb * BLOCK_M + arange(BLOCK_M)`` of KV
     group h of slot b, ``m = t * GQA + g`` for chunk row t and query head h * GQA + g (the
@@ -94,7 +96,11 @@ def _tail_attention_split_kernel(
     share of the slot's valid quantized tokens (seen by every row), split ``NUM_SPLITS`` the
     ring (row t sees its first ``lens[b, 1] + t`` tokens). Writes the partials ``(m, l, acc)``
     of its rows to ``(B * ROWS, H_q, S)`` / ``(B * ROWS, H_q, S, D)`` fp32, S = NUM_SPLITS + 1,
-    which ``_decode_attention_combine_kernel`` merges."""
+    which ``_decode_attention_combine_kernel`` merges. RECALL (``minikv::tail_attention_recall``):
+    the quantized splits skip the positions that ``ridx`` names (a bitmap of the plane's
+    positions, built by each split for its range, as decode attention's recall does) and the
+    ring's program first attends the recall rows ``rk``/``rv`` (``(B, H_kv, K_REC, D)``, full
+    precision, seen by every row)."""
     gdc.launch_dependents_then_wait(PDL)  # nothing is read or written before this
     bh = tl.program_id(0)
     b = bh // H_KV
@@ -118,12 +124,18 @@ def _tail_attention_split_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     elem_ty = kr_ptr.dtype.element_ty
+    # (read only with RECALL) the plane's recall bitmap scratch and its K_REC recall indices
+    bm_plane = bm_ptr + plane * tl.cdiv(T_CAP, 32)
+    rec_plane = plane * K_REC
 
     if split < NUM_SPLITS:
         # -- quantized region: this split's block-aligned share of [0, n_quant), every row
         split_len = tl.cdiv(tl.cdiv(n_quant, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, n_quant)
+        if RECALL:
+            rc.mark_recalled(bm_plane, ridx_ptr + rec_plane, K_REC, lo, hi)
+            tl.debug_barrier()  # every thread's words written before any thread reads them
         if BITS == 16:
             k_plane = k_ptr + plane * T_CAP * D
             v_plane = v_ptr + plane * T_CAP * D
@@ -137,7 +149,7 @@ def _tail_attention_split_kernel(
             vz_plane = vz_ptr + plane * (T_CAP * (D // GV))
         for start in range(lo, hi, BLOCK_N):
             tokens = start + tl.arange(0, BLOCK_N)
-            valid = tokens < hi
+            valid = rc.kept(bm_plane, tokens, hi, RECALL)  # tokens < hi, less the recalled
             if BITS == 16:
                 k_t, v = _load_rows(k_plane, v_plane, tokens, valid, D)
             else:
@@ -153,6 +165,15 @@ def _tail_attention_split_kernel(
             m_i, l_i, acc = _attend_rows(q, k_t, v, valid[None, :], m_i, l_i, acc, qk_scale,
                                          elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
     else:
+        if RECALL:
+            # -- first the recall rows: full-precision K/V of quantized positions, every row
+            for start in range(0, K_REC, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                pos = tl.load(ridx_ptr + rec_plane + j, mask=j < K_REC, other=-1)
+                ok = (pos >= 0) & (pos < n_quant)
+                k_t, v = _load_rows(rk_ptr + rec_plane * D, rv_ptr + rec_plane * D, j, ok, D)
+                m_i, l_i, acc = _attend_rows(q, k_t, v, ok[None, :], m_i, l_i, acc, qk_scale,
+                                             elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
         # -- residual ring, causal: row t sees ring tokens [0, n_ring + t)
         seen = tl.minimum(n_ring + t, RING_ROWS)                           # (BLOCK_M,)
         hi = tl.minimum(n_ring + tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M - 1,
@@ -219,12 +240,14 @@ def _tail_plan(dtype: torch.dtype, bits: int, group_size: int, head_dim: int, ba
 def _tail_attention_triton(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
     scale: float, bits: int, group_size: int, plan: Optional[_TailPlan] = None,
+    recall: Optional[tuple] = None,
 ) -> torch.Tensor:
     """The CUDA implementation of :func:`tail_attention` (inputs already validated; also
-    callable on CPU tensors under TRITON_INTERPRET=1). Two launches: the split kernel, grid
-    ``(B * H_kv, ceil(T * GQA / BLOCK_M), NUM_SPLITS + 1)``, then decode attention's combine
-    over the ``B * T`` rows. ``plan``: ``_tail_plan``'s by default (tests and the benchmark
-    pass others)."""
+    callable on CPU tensors under TRITON_INTERPRET=1), and with ``recall = (recall_k, recall_v,
+    recall_idx)`` of :func:`.attention_tail_recall.tail_attention_recall`'s attention. Two
+    launches: the split kernel, grid ``(B * H_kv, ceil(T * GQA / BLOCK_M), NUM_SPLITS + 1)``,
+    then decode attention's combine over the ``B * T`` rows. ``plan``: ``_tail_plan``'s by
+    default (tests and the benchmark pass others)."""
     batch, rows, h_q, d = q.shape
     h_kv, ring_rows = k_ring.shape[1], k_ring.shape[2]
     gqa = h_q // h_kv
@@ -258,15 +281,24 @@ def _tail_attention_triton(
         dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
     pdl = gdc.supported(q.device)
 
+    if recall is None:  # never read (RECALL off): stand-ins
+        bitmap, recall_k, recall_v, recall_idx = lens, k_ring, v_ring, lens
+    else:
+        recall_k, recall_v, recall_idx = recall
+        bitmap = torch.empty(batch * h_kv * triton.cdiv(capacity, 32), dtype=torch.int32,
+                             device=q.device)
     grid = (batch * h_kv, triton.cdiv(rows * gqa, plan.block_m), n_slots)
     _tail_attention_split_kernel[grid](
         q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+        bitmap, recall_k, recall_v, recall_idx,
         m, l, acc,
         scale * _LOG2E, *q.stride(),
         rows, h_kv, capacity, ring_rows, plan.num_splits,
+        0 if recall is None else recall_idx.shape[2],
         GQA=gqa, BLOCK_M=plan.block_m, D=d,
         BITS=bits, G=group_size, GV=value_group(group_size, d), BLOCK_N=plan.block_n,
-        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand, PDL=pdl,
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
+        RECALL=recall is not None, PDL=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl,
     )
     # (the combine's lse_ref, update and their strides belong to its RECALL mode: never read)
@@ -287,11 +319,14 @@ def _tail_attention_triton(
 
 def tail_attention_ref(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
-    scale: float, bits: int, group_size: int,
+    scale: float, bits: int, group_size: int, recall: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Reference for :func:`tail_attention`: per slot, the valid quantized region dequantized and
     the ring up to the last row's token in fp32, one fp32 softmax per (row, head) with the ring
-    tokens after a row's own masked out; the output is cast to q's dtype."""
+    tokens after a row's own masked out; the output is cast to q's dtype. With ``recall =
+    (recall_k, recall_v, recall_idx)`` (``tail_attention_recall``'s attention), every position
+    ``0 <= recall_idx[b, h, j] < lens[b, 0]`` of the region takes ``recall_k[b, h, j]`` /
+    ``recall_v[b, h, j]`` first."""
     batch, rows, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     gqa = h_q // h_kv
@@ -299,6 +334,11 @@ def tail_attention_ref(
     for b, (n_quant, n_ring) in enumerate(lens[:batch].tolist()):
         k, v = _region_ref(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, b, n_quant, bits,
                            group_size)                                   # (H_kv, n_quant, D)
+        if recall is not None:
+            recall_k, recall_v, recall_idx = recall
+            for h, j in ((recall_idx[b] >= 0) & (recall_idx[b] < n_quant)).nonzero().tolist():
+                t = int(recall_idx[b, h, j])
+                k[h, t], v[h, t] = recall_k[b, h, j].float(), recall_v[b, h, j].float()
         seen = n_ring + rows - 1                                           # the last row's ring
         k = torch.cat([k, k_ring[b, :, :seen].float()], dim=1)             # (H_kv, T_b, D)
         v = torch.cat([v, v_ring[b, :, :seen].float()], dim=1)

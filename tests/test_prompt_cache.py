@@ -153,7 +153,7 @@ def test_compressed_tail_joins_the_cache_as_decode_steps_do(engine, request, tmp
     assert cm.generate([DOC + QUESTION], past_key_values=loaded,
                        max_new_tokens=12).sequences[0] == answer
     if engine == "accurate":
-        return  # the tail attends without recall, the decode steps with it: not comparable
+        return  # the tail ranks its recall per chunk, a decode step by the step before's mass
     # the tail's 45 tokens in chunks (two flushes of the 32-token ring) give the log-probs
     # of the same tokens fed one decode step at a time
     tail_path = cm.teacher_force([DOC + QUESTION], [answer], past_key_values=cache)[0]
@@ -170,6 +170,21 @@ def test_compressed_tail_joins_the_cache_as_decode_steps_do(engine, request, tmp
     torch.testing.assert_close(
         got, _decode_path_logprobs(cm, DOC, QUESTION + answer + turn, second),
         rtol=1e-4, atol=1e-4)
+
+
+def test_tail_recalling_every_position_gives_the_full_caches_log_probs(model, full):
+    """Recall in the tail prefill: with K covering every quantized position (and so every
+    decode step's recall too), a 2-bit cache's tail and answer after a cached document get the
+    16-bit cache's log-probabilities: the tail attends to the host rows, not the codes (without
+    its recall, these log-probabilities differ by up to 0.21)."""
+    every = minikv_compile(model, MiniKVConfig(bits=2, heavy_budget=1.0, recent_budget=1.0,
+                                               recall_top_k=256, **RING, max_batch_size=2))
+    answer = prompt_of(12, 3)
+    got = every.teacher_force([DOC + QUESTION], [answer],
+                              past_key_values=every.cache_prompt([DOC]))[0]
+    want = full.teacher_force([DOC + QUESTION], [answer],
+                              past_key_values=full.cache_prompt([DOC]))[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_saved_file_holds_the_metadata_and_only_the_valid_rows(full, minikv, tmp_path):

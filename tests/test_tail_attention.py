@@ -365,28 +365,31 @@ def test_launch_plan():
 
 
 def test_tail_kernels_compile_for_sm90():
-    # The 8B shape's default launch (bf16, bits 2) and the fp32 and bits-16 paths, for an
-    # H100/H200, without a GPU (tests/aot.py says why).
+    # The 8B shape's default launch (bf16, bits 2) with and without recall, and the fp32 and
+    # bits-16 paths, for an H100/H200, without a GPU (tests/aot.py says why).
     compile_for_sm90("""
 from minikv_compile.ops import attention_tail as a
 ptrs = ["q_ptr", "k_ptr", "ks_ptr", "kz_ptr", "v_ptr", "vs_ptr", "vz_ptr", "kr_ptr", "vr_ptr",
-        "lens_ptr", "m_ptr", "l_ptr", "acc_ptr"]
-for dt, tdt, bits, block_m, block_n, warps in (("bf16", tl.bfloat16, 2, 128, 64, 8),
-                                               ("fp32", tl.float32, 16, 32, 16, 8)):
+        "lens_ptr", "bm_ptr", "rk_ptr", "rv_ptr", "ridx_ptr", "m_ptr", "l_ptr", "acc_ptr"]
+for dt, tdt, bits, block_m, block_n, warps, recall in (
+        ("bf16", tl.bfloat16, 2, 128, 64, 8, False), ("bf16", tl.bfloat16, 2, 128, 64, 8, True),
+        ("fp32", tl.float32, 16, 32, 16, 8, False)):
     codes = "*i32" if bits != 16 else "*" + dt
     types = dict(q_ptr="*" + dt, k_ptr=codes, ks_ptr="*fp16", kz_ptr="*fp16", v_ptr=codes,
                  vs_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*" + dt, vr_ptr="*" + dt,
-                 lens_ptr="*i32")
+                 lens_ptr="*i32", bm_ptr="*i32", rk_ptr="*" + dt, rv_ptr="*" + dt,
+                 ridx_ptr="*i32")
     sig = {p: types.get(p, "*fp32") for p in ptrs}
     sig.update({"qk_scale": "fp32", **{n: "i32" for n in (
         "stride_qb", "stride_qt", "stride_qh", "stride_qd", "ROWS", "H_KV", "T_CAP", "RING_ROWS",
-        "NUM_SPLITS")}})
+        "NUM_SPLITS", "K_REC")}})
     triton.compile(ASTSource(fn=a._tail_attention_split_kernel, signature=dict(sig, **{
         k: "constexpr" for k in ("GQA", "BLOCK_M", "D", "BITS", "G", "GV", "BLOCK_N",
-                                 "DOT_DTYPE", "INPUT_PRECISION", "BF16_BY_HAND", "PDL")}),
+                                 "DOT_DTYPE", "INPUT_PRECISION", "BF16_BY_HAND", "RECALL",
+                                 "PDL")}),
         constexprs=dict(GQA=4, BLOCK_M=block_m, D=128, BITS=bits, G=16, GV=16, BLOCK_N=block_n,
                         DOT_DTYPE=tdt, INPUT_PRECISION="ieee" if dt == "fp32" else "tf32",
-                        BF16_BY_HAND=False, PDL=True)),
+                        BF16_BY_HAND=False, RECALL=recall, PDL=True)),
         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=2))
 """)
 

@@ -25,6 +25,8 @@ head, the ring causal). At exit the script prints two checks: the relative error
 region against the host rows (about 0.1-0.3 if the rows are aligned; ~1.4 if the host row of a
 position were another token's) and, for ``topk``, the share of the region's attention mass that
 the K chosen positions hold. The product is untouched: the patch lives in this process only.
+Since the product's tail recalls (``ops.tail_attention_recall``, the ``topk`` rule at the
+config's ``recall_top_k``), ``baseline`` runs that; the runs of ``tail_recall_cpu/`` predate it.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def attend(q, kv, scale, bits, group_size, host_k, host_v, how: str, top_k: int)
 def patch(how: str, top_k: int) -> None:
     """``TailPrefill.layer`` replaced by the product's code with ``attend`` for the op."""
 
-    def layer(self, weights, kv, first, h, cos, sin):
+    def layer(self, weights, kv, first, h, cos, sin, recall=None):
         a, T = self.adapter, h.shape[1]
         q, k, v = a.qkv(weights, h, cos, sin)
         rows = first + torch.arange(T, device=h.device)

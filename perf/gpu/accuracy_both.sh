@@ -26,8 +26,10 @@ else
   EXTEND="--extend"
 fi
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
-METHODS=full,default,preset_accurate,preset_specache,preset_minikv,preset_kivi
-METHODS=$METHODS,$(python -c "from minikv_compile.perf.accuracy.methods import MAIN_METHODS as M; print(','.join(m for m in M if m != 'full'))")
+if [ -z "${METHODS:-}" ]; then  # METHODS=a,b,...: those alone
+  METHODS=full,default,preset_accurate,preset_specache,preset_minikv,preset_kivi
+  METHODS=$METHODS,$(python -c "from minikv_compile.perf.accuracy.methods import MAIN_METHODS as M; print(','.join(m for m in M if m != 'full'))")
+fi
 timeout $((BUDGET + 80)) python -m minikv_compile.perf.accuracy --model smollm2 --mode both \
   --methods "$METHODS" $EXTEND --out /tmp/acc --budget-seconds "$BUDGET" > "$OUT/acc_$STEP.log" 2>&1
 echo "rc $?"

@@ -1,0 +1,243 @@
+"""minikv::tail_recall_select and minikv::tail_attention_recall (recall in the tail prefill):
+the ranking against an independent fp64 ranking, the attention against an fp64 oracle over the
+region with the recalled positions' host rows put in, the public op end to end (rank, gather,
+attend), the Triton kernel under the interpreter, the registered ops (opcheck) and bad input.
+
+Caches come from test_decode_attention's builder through test_tail_attention's (the contract's
+quantization written out); the host rows are random model-dtype rows, unrelated to the codes,
+so that a position's recall visibly changes the output.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import pytest
+import torch
+
+from test_decode_attention import DTYPES, ULP, Case
+from test_tail_attention import assert_within_2x, make_tail_case, seen0, tail_fp64
+
+from minikv_compile.ops import tail_attention, tail_attention_recall
+from minikv_compile.ops.attention_tail import _tail_attention_triton, _tail_plan
+from minikv_compile.ops.attention_tail_recall import tail_recall_select_ref
+
+
+def fp64_mass(q: torch.Tensor, case: Case, n_quant: Sequence[int], n_seen0: Sequence[int],
+              scale: float) -> List[torch.Tensor]:
+    """Per slot ``(H_kv, n_quant)`` float64: the softmax probabilities of every row and query
+    head of a KV group over its keys (row r: the first n_seen0 + r tokens), summed per position
+    of the quantized region."""
+    batch, rows, h_q, d = q.shape
+    out = []
+    for b in range(batch):
+        keys = case.keys[b].cpu()
+        h_kv = keys.shape[0]
+        mass = torch.zeros(h_kv, n_quant[b], dtype=torch.float64)
+        for r in range(rows):
+            qr = q[b, r].double().cpu().view(h_kv, h_q // h_kv, d)
+            probs = torch.softmax(qr @ keys[:, :n_seen0[b] + r].transpose(1, 2) * scale, dim=-1)
+            mass += probs[:, :, :n_quant[b]].sum(1)
+        out.append(mass)
+    return out
+
+
+def with_recall(case: Case, idx: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
+                n_quant: Sequence[int]) -> Case:
+    """The case's fp64 truth with every named position below n_quant holding its host row."""
+    keys, values = [k.clone() for k in case.keys], [v.clone() for v in case.values]
+    for b in range(len(keys)):
+        for h in range(idx.shape[1]):
+            for t in idx[b, h].tolist():
+                if 0 <= t < n_quant[b]:
+                    keys[b][h, t] = host_k[b, h, t].double()
+                    values[b][h, t] = host_v[b, h, t].double()
+    return Case(case.bufs, keys, values, case.bits, case.group_size)
+
+
+def recall_case(shape, bits, dtype, group_size=16, seed=0):
+    torch.manual_seed(seed)
+    batch, b_max, h_kv, gqa, d, capacity, ring, rows, n_quant, n_ring = shape
+    case, bad = make_tail_case(batch, b_max, h_kv, d, capacity, ring, bits, group_size, dtype,
+                               rows, n_quant, n_ring)
+    q = (2 * torch.randn(batch, rows, h_kv * gqa, d)).to(dtype)  # sharper attention
+    host_k = torch.randn(b_max, h_kv, capacity, d).to(dtype)
+    host_v = torch.randn(b_max, h_kv, capacity, d).to(dtype)
+    return case, bad, q, host_k, host_v, d ** -0.5
+
+
+# (batch, b_max, h_kv, gqa, d, capacity, ring, rows T, n_quant per slot, n_ring per slot)
+T5 = (2, 3, 2, 3, 16, 64, 32, 5, [48, 0], [1, 28])
+T9 = (2, 2, 2, 2, 32, 128, 32, 9, [128, 64], [12, 1])
+
+
+@pytest.mark.parametrize("shape", [T5, T9], ids=["T5", "T9"])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("k", [1, 8, 200])
+def test_select_is_the_top_k_by_fp64_mass(shape, bits, k):
+    case, bad, q, _, _, scale = recall_case(shape, bits, torch.float32)
+    n_quant, n_ring = shape[8], shape[9]
+    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], case.bufs[8], scale, bits, 16,
+                                 k)
+    assert idx.shape == (shape[0], shape[2], k) and idx.dtype == torch.int32
+    masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
+    for b, mass in enumerate(masses):
+        n = min(k, n_quant[b])
+        assert (idx[b, :, n:] == -1).all()                       # fewer held than k: -1 after
+        for h in range(mass.shape[0]):
+            got = idx[b, h, :n].long()
+            assert len(set(got.tolist())) == n and (got >= 0).all() and (got < n_quant[b]).all()
+            # the chosen positions' fp64 masses are the top n, in decreasing order (up to fp32)
+            want = torch.topk(mass[h], n).values
+            torch.testing.assert_close(mass[h][got], want, rtol=1e-5, atol=1e-9)
+    # nothing past the last row's token, and no slot >= batch, is read
+    assert torch.equal(tail_recall_select_ref(q, *bad[:3], bad[6], bad[8], scale, bits, 16, k),
+                       idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_public_op_ranks_gathers_and_attends(dtype, bits):
+    case, _, q, host_k, host_v, scale = recall_case(T9, bits, dtype)
+    n_quant, n_ring = T9[8], T9[9]
+    K = 8
+    recall_k = torch.zeros(2, 2, K, 32, dtype=dtype)
+    recall_v = torch.zeros_like(recall_k)
+    out = tail_attention_recall(q, *case.bufs, host_k[:2], host_v[:2], recall_k, recall_v,
+                                scale, bits, 16)
+    assert out.dtype == dtype and out.shape == q.shape
+    # the oracle's own ranking (fp64, from the 2-bit keys), its host rows, its attention
+    masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
+    idx = torch.stack([torch.topk(m, K).indices for m in masses])          # (B, H_kv, K)
+    truth = with_recall(case, idx, host_k, host_v, n_quant)
+    torch.testing.assert_close(out.double(), tail_fp64(q, truth, seen0(n_quant, n_ring), scale),
+                               rtol=ULP[dtype], atol=1e-5)
+    # the recall buffers hold the host rows of the chosen positions
+    for b in range(2):
+        for h in range(2):
+            torch.testing.assert_close(recall_k[b, h].sort(0).values,
+                                       host_k[b, h, idx[b, h]].sort(0).values, rtol=0, atol=0)
+    # recall changes the answer: without it, the plain tail attention
+    plain = tail_attention(q, *case.bufs, scale, bits, 16)
+    assert (plain.float() - out.float()).abs().max() > 1e-2
+
+
+def _fixed_idx(shape, K: int) -> torch.Tensor:
+    """Recall indices with -1 rows, a position past n_quant (ignored) and spread positions."""
+    batch, _, h_kv = shape[0], shape[1], shape[2]
+    n_quant = shape[8]
+    idx = torch.full((batch, h_kv, K), -1, dtype=torch.int32)
+    for b in range(batch):
+        for h in range(h_kv):
+            pos = torch.randperm(max(n_quant[b], 1))[:K - 2]
+            idx[b, h, :len(pos)] = pos.to(torch.int32) if n_quant[b] else -1
+            idx[b, h, -1] = n_quant[b] + 3                              # past the region
+    return idx
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_reference_attention_with_given_rows(bits):
+    case, bad, q, host_k, host_v, scale = recall_case(T5, bits, torch.float32)
+    K = 6
+    idx = _fixed_idx(T5, K)
+    rk = torch.stack([host_k[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2)
+                      for h in range(2)]).view(2, 2, K, 16)
+    rv = torch.stack([host_v[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2)
+                      for h in range(2)]).view(2, 2, K, 16)
+    out = torch.ops.minikv.tail_attention_recall(q, *case.bufs, rk, rv, idx, scale, bits, 16)
+    truth = with_recall(case, idx, host_k, host_v, T5[8])
+    torch.testing.assert_close(out.double(), tail_fp64(q, truth, seen0(T5[8], T5[9]), scale),
+                               rtol=ULP[torch.float32], atol=1e-5)
+    assert torch.equal(torch.ops.minikv.tail_attention_recall(q, *bad, rk, rv, idx, scale, bits,
+                                                              16), out)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits,dtype", [(2, torch.float16), (2, torch.bfloat16),
+                                        (4, torch.float32)])
+def test_triton_matches_the_oracle(bits, dtype):
+    case, bad, q, host_k, host_v, scale = recall_case(T5, bits, dtype)
+    K = 6
+    idx = _fixed_idx(T5, K)
+    gather = [host_k[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2) for h in range(2)]
+    rk = torch.stack(gather).view(2, 2, K, 16)
+    rv = torch.stack([host_v[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2)
+                      for h in range(2)]).view(2, 2, K, 16)
+    plan = _tail_plan(dtype, bits, 16, 16, 2, 5, 6, 2, 64, 1)._replace(
+        num_splits=3, block_m=16, block_n=16)
+    out = _tail_attention_triton(q, *case.bufs, scale, bits, 16, plan, recall=(rk, rv, idx))
+    truth = with_recall(case, idx, host_k, host_v, T5[8])
+    assert_within_2x(out, q, truth, seen0(T5[8], T5[9]), scale)
+    assert torch.equal(_tail_attention_triton(q, *bad, scale, bits, 16, plan,
+                                              recall=(rk, rv, idx)), out)
+
+
+@pytest.mark.parametrize("op,args", [
+    ("tail_recall_select", "select"), ("tail_attention_recall", "attention")])
+def test_opcheck(op, args):
+    case, _, q, host_k, host_v, scale = recall_case(T5, 2, torch.float32)
+    if args == "select":
+        inputs = (q, *case.bufs[:3], case.bufs[6], case.bufs[8], scale, 2, 16, 4)
+    else:
+        idx = _fixed_idx(T5, 4)
+        rk = torch.randn(3, 2, 4, 16)
+        inputs = (q, *case.bufs, rk, torch.randn_like(rk), idx, scale, 2, 16)
+    torch.library.opcheck(getattr(torch.ops.minikv, op), inputs)
+
+
+def _public_args(**over):
+    case, _, q, host_k, host_v, scale = recall_case(T5, 2, torch.float16)
+    rk = torch.zeros(3, 2, 4, 16, dtype=torch.float16)
+    args = dict(q=q, bufs=case.bufs, host_k=host_k, host_v=host_v, recall_k=rk,
+                recall_v=rk.clone(), scale=scale, bits=2)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(bits=16), "bits: expected 1, 2 or 4"),
+    (dict(host_k=torch.zeros(3, 2, 64, 16)), "host_k: expected dtype"),
+    (dict(host_v=torch.zeros(3, 2, 32, 16, dtype=torch.float16)), "host_v: expected shape"),
+    (dict(recall_k=torch.zeros(3, 2, 0, 16, dtype=torch.float16),
+          recall_v=torch.zeros(3, 2, 0, 16, dtype=torch.float16)), "expected K >= 1"),
+    (dict(recall_v=torch.zeros(3, 2, 5, 16, dtype=torch.float16)), "recall_v: expected shape"),
+    (dict(host_k=torch.zeros(1, 2, 64, 16, dtype=torch.float16),
+          host_v=torch.zeros(1, 2, 64, 16, dtype=torch.float16)), "recall_k: expected shape"),
+], ids=["bits16", "host-dtype", "host-v-shape", "k0", "recall-v-shape", "host-slots"])
+def test_bad_inputs_raise(over, message):
+    a = _public_args(**over)
+    with pytest.raises(ValueError, match=message):
+        tail_attention_recall(a["q"], *a["bufs"], a["host_k"], a["host_v"], a["recall_k"],
+                              a["recall_v"], a["scale"], a["bits"], 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_llama_size(dtype):
+    """Llama-3.1-8B attention (32 query / 8 KV heads, D 128), a 23-token chunk over up to 4k
+    quantized tokens, K = 64, the host rows pinned: the public op (ranking, the gather from
+    host memory, the kernel under RECALL) against the fp64 oracle with the op's own choice of
+    rows (the ranking is checked on the CPU), and the chosen rows against the fp64 ranking."""
+    torch.manual_seed(0)
+    n_quant, n_ring, K = [4096, 1008], [1, 30], 64
+    case, _ = make_tail_case(2, 3, 8, 128, 4096, 129, 2, 16, dtype, 23, n_quant, n_ring,
+                             device="cuda", outliers=True)
+    q = (2 * torch.randn(2, 23, 32, 128, device="cuda")).to(dtype)
+    host_k = torch.randn(3, 8, 4096, 128).to(dtype).pin_memory()
+    host_v = torch.randn(3, 8, 4096, 128).to(dtype).pin_memory()
+    recall_k = torch.zeros(3, 8, K, 128, dtype=dtype, device="cuda")
+    recall_v = torch.zeros_like(recall_k)
+    out = tail_attention_recall(q, *case.bufs, host_k, host_v, recall_k, recall_v,
+                                128 ** -0.5, 2, 16)
+    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], case.bufs[8], 128 ** -0.5,
+                                 2, 16, K).cpu()
+    truth = with_recall(case, idx, host_k, host_v, n_quant)
+    assert_within_2x(out, q, truth, seen0(n_quant, n_ring), 128 ** -0.5)
+    for b in range(2):
+        for h in range(8):
+            got = recall_k[b, h].cpu()
+            torch.testing.assert_close(got, host_k[b, h, idx[b, h].long()], rtol=0, atol=0)
+    masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), 128 ** -0.5)
+    for b, mass in enumerate(masses):
+        for h in range(8):
+            want = torch.topk(mass[h], K).values
+            torch.testing.assert_close(mass[h][idx[b, h].long()], want, rtol=1e-3, atol=1e-7)
