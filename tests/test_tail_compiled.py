@@ -1,7 +1,8 @@
 """The compiled tail prefill (``graphs/tail.py``, ``TailPrefill``): its layer compiled with
 ``torch.compile(fullgraph=True)`` gives the eager layer's logits and cache, and tails of new
 lengths do not recompile (one graph for every layer and every chunk of T >= 2 tokens). CPU,
-fp32, a tiny random Llama, one engine (one compile); the same on CUDA for the GPU run.
+fp32, a tiny random Llama with recall (its tail recalls per chunk), one engine (one compile);
+on CUDA for the GPU run, the 16-bit cache.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ DOC = prompt_of(90, 1)
 def engine():
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny shapes: intra-op threads only contend
-    yield minikv_compile(tiny(), MiniKVConfig(**CFG, compile=True))
+    # with recall: the layer's recall arguments (the slot's host views) are graph inputs too
+    yield minikv_compile(tiny(), MiniKVConfig(**CFG, recall_top_k=16, compile=True))
     torch.set_num_threads(n)
 
 
@@ -56,10 +58,13 @@ def test_compiled_tail_equals_eager_and_does_not_recompile(engine):
         want, want_bufs, chunks = _run(eager, rt, snapshot, ids, slot)
         got, got_bufs, _ = _run(compiled, rt, snapshot, ids, slot)
         assert chunks >= 2  # (the ring is flushed between them)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # K rows differ by ~1e-6 (inductor's fused fp32 against eager), and a flush can round a
+        # group's fp16 zero one ulp (2e-3) apart: the recalled tail's logits move by up to
+        # 6.4e-5 here (the same rows chosen; 1.5e-6 for this engine without recall)
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
         for g, w in zip(got_bufs, want_bufs):
-            if g.is_floating_point():
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            if g.is_floating_point():  # K/V rows, scales and zeros (fp16: one ulp)
+                torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-5)
             else:  # counters and codes: exact
                 assert torch.equal(g, w)
         assert compiled.compiles == 1, (f"tail of {n} tokens in slot {slot}: "
