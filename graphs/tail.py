@@ -81,7 +81,9 @@ class TailPrefill:
         runtime checks a snapshot's capacity before restoring it). One host sync per call (the
         counters, read at the start; each chunk's are then known on the host, so the CPU
         launches chunk ``j + 1`` while the GPU runs chunk ``j``) and one host-to-device copy
-        per chunk (each layer's first ring row)."""
+        per chunk (each layer's first ring row). With recall, also each layer's copy of the
+        chunk's K/V to its host rows, which waits for the GPU (a strided pinned destination is
+        copied through a pageable buffer), and the ranking reads the counters known here."""
         adapter, cache = self.adapter, self.cache
         n, dev = ids.shape[0], ids.device
         R = self.longest_chunk
@@ -99,12 +101,17 @@ class TailPrefill:
             cos, sin = adapter.rope(h, positions)                               # (1, T, D)
             firsts = torch.tensor([first for _, first in starts], dtype=torch.int64
                                   ).to(dev, non_blocking=True).unbind(0)
+            # with recall, each layer's lens as the host knows them, for the ranking
+            if cache.recall is not None:
+                host_lens = torch.tensor([[[n_quant, first + 1]] for n_quant, first in starts],
+                                         dtype=torch.int32).unbind(0)             # L x (1, 2)
             if self._compiled and T > 1:  # one graph for every T >= 2
                 for t in (h, cos, sin):
                     torch._dynamo.maybe_mark_dynamic(t, 1)
             with self._limits(T):
                 for i, (weights, kv, first) in enumerate(zip(self.weights, views, firsts)):
-                    h, k, v = self._layer(weights, kv, first, h, cos, sin, hosts[i])
+                    recall = None if cache.recall is None else (host_lens[i], *hosts[i])
+                    h, k, v = self._layer(weights, kv, first, h, cos, sin, recall)
                     if cache.recall is not None:  # host row = the token's quantized position
                         store = cache.recall.stores[i]
                         n_quant, first = starts[i]
@@ -172,7 +179,8 @@ class TailPrefill:
         weights: the layer's ``adapter.layer_weights``; kv: the slot's rows of its buffers
         (``(1, ...)`` views; the ring written); first: ``()`` int64 on the device, the ring row
         of the chunk's first token; h ``(1, T, hidden)``; cos, sin ``(1, T, D)``; recall: None,
-        or ``(host_k, host_v, recall_k, recall_v)`` of ``ops.tail_attention_recall``. Returns the
+        or ``(lens_host, host_k, host_v, recall_k, recall_v)`` of ``ops.tail_attention_recall``
+        (the slot's lens after this chunk's flush, on the host). Returns the
         layer's ``h`` and the chunk's ``k, v (1, H_kv, T, D)`` (for the host copy with recall).
         """
         a, T = self.adapter, h.shape[1]

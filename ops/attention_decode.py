@@ -971,15 +971,24 @@ def _launch(q, bufs, recall, out, scale: float, bits: int, group_size: int,
 # ----------------------------------------------------------------------------------------------
 
 
+def _region_keys_ref(k_cache, k_scale, k_zero, b: int, n_quant: int, bits: int,
+                     group_size: int) -> torch.Tensor:
+    """Slot b's first ``n_quant`` quantized keys in fp32: (H_kv, n_quant, D) (at bits 16 of an
+    fp32 cache, a view of it)."""
+    if bits == 16:
+        return k_cache[b, :, :n_quant].float()
+    rows, groups = n_quant // codes_per_word(bits), n_quant // group_size
+    return dequantize_keys_ref(k_cache[b:b + 1, :, :rows], k_scale[b:b + 1, :, :groups],
+                               k_zero[b:b + 1, :, :groups], bits, group_size, torch.float32)[0]
+
+
 def _region_ref(k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, b: int, n_quant: int,
                 bits: int, group_size: int):
-    """Slot b's first ``n_quant`` quantized tokens in fp32: k, v (H_kv, n_quant, D)."""
+    """Slot b's first ``n_quant`` quantized tokens in fp32: k, v (H_kv, n_quant, D) (at bits 16
+    of an fp32 cache, views of it)."""
+    k = _region_keys_ref(k_cache, k_scale, k_zero, b, n_quant, bits, group_size)
     if bits == 16:
-        return k_cache[b, :, :n_quant].float(), v_cache[b, :, :n_quant].float()
-    rows = n_quant // codes_per_word(bits)
-    groups = n_quant // group_size
-    k = dequantize_keys_ref(k_cache[b:b + 1, :, :rows], k_scale[b:b + 1, :, :groups],
-                            k_zero[b:b + 1, :, :groups], bits, group_size, torch.float32)[0]
+        return k, v_cache[b, :, :n_quant].float()
     v = dequantize_values_ref(v_cache[b:b + 1, :, :n_quant], v_scale[b:b + 1, :, :n_quant],
                               v_zero[b:b + 1, :, :n_quant], bits,
                               value_group(group_size, k_cache.shape[3]), torch.float32)[0]

@@ -324,9 +324,10 @@ def tail_attention_ref(
     """Reference for :func:`tail_attention`: per slot, the valid quantized region dequantized and
     the ring up to the last row's token in fp32, one fp32 softmax per (row, head) with the ring
     tokens after a row's own masked out; the output is cast to q's dtype. With ``recall =
-    (recall_k, recall_v, recall_idx)`` (``tail_attention_recall``'s attention), every position
-    ``0 <= recall_idx[b, h, j] < lens[b, 0]`` of the region takes ``recall_k[b, h, j]`` /
-    ``recall_v[b, h, j]`` first."""
+    (recall_k, recall_v, recall_idx)`` (``tail_attention_recall``'s attention; a head's indices
+    distinct, as a top-k gives them: the kernel would attend a repeated index's row twice),
+    every position ``0 <= recall_idx[b, h, j] < lens[b, 0]`` of the region takes ``recall_k[b,
+    h, j]`` / ``recall_v[b, h, j]`` first."""
     batch, rows, h_q, d = q.shape
     h_kv = k_ring.shape[1]
     gqa = h_q // h_kv
@@ -336,6 +337,7 @@ def tail_attention_ref(
                            group_size)                                   # (H_kv, n_quant, D)
         if recall is not None:
             recall_k, recall_v, recall_idx = recall
+            k, v = k.clone(), v.clone()  # (views of an fp32 cache at bits 16)
             for h, j in ((recall_idx[b] >= 0) & (recall_idx[b] < n_quant)).nonzero().tolist():
                 t = int(recall_idx[b, h, j])
                 k[h, t], v[h, t] = recall_k[b, h, j].float(), recall_v[b, h, j].float()

@@ -179,12 +179,14 @@ def test_tail_recalling_every_position_gives_the_full_caches_log_probs(model, fu
     its recall, these log-probabilities differ by up to 0.21)."""
     every = minikv_compile(model, MiniKVConfig(bits=2, heavy_budget=1.0, recent_budget=1.0,
                                                recall_top_k=256, **RING, max_batch_size=2))
-    answer = prompt_of(12, 3)
-    got = every.teacher_force([DOC + QUESTION], [answer],
-                              past_key_values=every.cache_prompt([DOC]))[0]
-    want = full.teacher_force([DOC + QUESTION], [answer],
-                              past_key_values=full.cache_prompt([DOC]))[0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # two sequences: slot 1's tail reads slot 1's host rows
+    docs, tails = [DOC, prompt_of(70, 4)], [QUESTION, prompt_of(30, 5)]
+    answers = [prompt_of(12, 3), prompt_of(9, 6)]
+    prompts = [d + q for d, q in zip(docs, tails)]
+    got = every.teacher_force(prompts, answers, past_key_values=every.cache_prompt(docs))
+    want = full.teacher_force(prompts, answers, past_key_values=full.cache_prompt(docs))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 def test_saved_file_holds_the_metadata_and_only_the_valid_rows(full, minikv, tmp_path):

@@ -12,6 +12,8 @@ import torch
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs.runtime import engine_mode
 from minikv_compile.graphs.tail import TailPrefill
+from minikv_compile.ops import attention_tail_recall
+from minikv_compile.ops.attention_tail_recall import tail_recall_select_ref
 from test_engine import prompt_of, tiny
 
 # ring 32; a 90-token doc leaves ring rows behind, so tails cross flushes in chunks of the room
@@ -45,26 +47,45 @@ def _run(tail: TailPrefill, rt, snapshot, ids: torch.Tensor, slot: int):
     return logits, buffers, chunks
 
 
-def test_compiled_tail_equals_eager_and_does_not_recompile(engine):
+def test_compiled_tail_equals_eager_and_does_not_recompile(engine, monkeypatch):
     rt = engine.runtime
     snapshot = engine.cache_prompt([DOC]).sequences[0]
     eager = TailPrefill(rt.adapter, rt.cache, compile=False)
     compiled = rt.tail
     assert compiled.compiles == 0
+    # every ranking's host counts (and the device's, of its layer and slot) and chosen rows
+    ranked, layers, at = [], len(rt.cache.layers), {}
+
+    def select(q, k_cache, k_scale, k_zero, k_ring, lens_host, *rest):
+        idx = tail_recall_select_ref(q, k_cache, k_scale, k_zero, k_ring, lens_host, *rest)
+        device = rt.cache.layers[len(ranked) % layers].lens[at["slot"]].tolist()
+        ranked.append((lens_host.clone(), idx.clone(), device))
+        return idx
+
+    monkeypatch.setattr(attention_tail_recall, "tail_recall_select_ref", select)
     # 45 tokens: chunks of the ring's room then of a whole ring; 20 and 61: other lengths, the
     # last in the other slot (other views of the buffers)
     for i, (n, slot) in enumerate([(45, 0), (20, 0), (61, 1)]):
-        ids = torch.tensor(prompt_of(n, 10 + i))
+        ids, at["slot"] = torch.tensor(prompt_of(n, 10 + i)), slot
+        ranked.clear()
         want, want_bufs, chunks = _run(eager, rt, snapshot, ids, slot)
+        eager_ranked = list(ranked)
+        ranked.clear()
         got, got_bufs, _ = _run(compiled, rt, snapshot, ids, slot)
         assert chunks >= 2  # (the ring is flushed between them)
+        assert len(eager_ranked) == len(ranked) == chunks * layers
+        for (lens_e, idx_e, dev_e), (lens_c, idx_c, dev_c) in zip(eager_ranked, ranked):
+            assert lens_e.tolist() == [dev_e] and lens_c.tolist() == [dev_c] == [dev_e]
+            assert torch.equal(idx_e, idx_c)  # the same rows recalled
         # K rows differ by ~1e-6 (inductor's fused fp32 against eager), and a flush can round a
         # group's fp16 zero one ulp (2e-3) apart: the recalled tail's logits move by up to
-        # 6.4e-5 here (the same rows chosen; 1.5e-6 for this engine without recall)
+        # 6.4e-5 here (1.5e-6 for this engine without recall)
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
         for g, w in zip(got_bufs, want_bufs):
-            if g.is_floating_point():  # K/V rows, scales and zeros (fp16: one ulp)
+            if g.dtype == torch.float16:  # scales and zeros: an ulp
                 torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-5)
+            elif g.is_floating_point():  # K/V rows
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
             else:  # counters and codes: exact
                 assert torch.equal(g, w)
         assert compiled.compiles == 1, (f"tail of {n} tokens in slot {slot}: "

@@ -68,16 +68,17 @@ def recall_case(shape, bits, dtype, group_size=16, seed=0):
 # (batch, b_max, h_kv, gqa, d, capacity, ring, rows T, n_quant per slot, n_ring per slot)
 T5 = (2, 3, 2, 3, 16, 64, 32, 5, [48, 0], [1, 28])
 T9 = (2, 2, 2, 2, 32, 128, 32, 9, [128, 64], [12, 1])
+T1 = (2, 2, 2, 3, 16, 64, 32, 1, [64, 16], [9, 1])
 
 
-@pytest.mark.parametrize("shape", [T5, T9], ids=["T5", "T9"])
+@pytest.mark.parametrize("shape", [T5, T9, T1], ids=["T5", "T9", "T1"])
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("k", [1, 8, 200])
 def test_select_is_the_top_k_by_fp64_mass(shape, bits, k):
     case, bad, q, _, _, scale = recall_case(shape, bits, torch.float32)
     n_quant, n_ring = shape[8], shape[9]
-    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], case.bufs[8], scale, bits, 16,
-                                 k)
+    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], case.bufs[8].cpu(), scale,
+                                 bits, 16, k)
     assert idx.shape == (shape[0], shape[2], k) and idx.dtype == torch.int32
     masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
     for b, mass in enumerate(masses):
@@ -90,8 +91,8 @@ def test_select_is_the_top_k_by_fp64_mass(shape, bits, k):
             want = torch.topk(mass[h], n).values
             torch.testing.assert_close(mass[h][got], want, rtol=1e-5, atol=1e-9)
     # nothing past the last row's token, and no slot >= batch, is read
-    assert torch.equal(tail_recall_select_ref(q, *bad[:3], bad[6], bad[8], scale, bits, 16, k),
-                       idx)
+    assert torch.equal(tail_recall_select_ref(q, *bad[:3], bad[6], bad[8].cpu(), scale, bits, 16,
+                                              k), idx)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -102,8 +103,8 @@ def test_public_op_ranks_gathers_and_attends(dtype, bits):
     K = 8
     recall_k = torch.zeros(2, 2, K, 32, dtype=dtype)
     recall_v = torch.zeros_like(recall_k)
-    out = tail_attention_recall(q, *case.bufs, host_k[:2], host_v[:2], recall_k, recall_v,
-                                scale, bits, 16)
+    out = tail_attention_recall(q, *case.bufs, case.bufs[8].cpu(), host_k[:2], host_v[:2],
+                                recall_k, recall_v, scale, bits, 16)
     assert out.dtype == dtype and out.shape == q.shape
     # the oracle's own ranking (fp64, from the 2-bit keys), its host rows, its attention
     masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
@@ -111,38 +112,47 @@ def test_public_op_ranks_gathers_and_attends(dtype, bits):
     truth = with_recall(case, idx, host_k, host_v, n_quant)
     torch.testing.assert_close(out.double(), tail_fp64(q, truth, seen0(n_quant, n_ring), scale),
                                rtol=ULP[dtype], atol=1e-5)
-    # the recall buffers hold the host rows of the chosen positions
+    # the recall buffers hold the host rows of the chosen positions (in the op's order)
     for b in range(2):
         for h in range(2):
-            torch.testing.assert_close(recall_k[b, h].sort(0).values,
-                                       host_k[b, h, idx[b, h]].sort(0).values, rtol=0, atol=0)
+            for got, host in ((recall_k, host_k), (recall_v, host_v)):
+                same = (got[b, h][:, None] == host[b, h, idx[b, h]][None]).all(-1)  # (K, K)
+                assert same.any(1).all() and same.any(0).all()
     # recall changes the answer: without it, the plain tail attention
     plain = tail_attention(q, *case.bufs, scale, bits, 16)
     assert (plain.float() - out.float()).abs().max() > 1e-2
 
 
 def _fixed_idx(shape, K: int) -> torch.Tensor:
-    """Recall indices with -1 rows, a position past n_quant (ignored) and spread positions."""
-    batch, _, h_kv = shape[0], shape[1], shape[2]
-    n_quant = shape[8]
+    """Distinct recall indices per head: the word boundaries 31, 32 and 63 where the slot holds
+    them, spread positions, -1 rows and one position past n_quant (ignored)."""
+    batch, h_kv, n_quant = shape[0], shape[2], shape[8]
     idx = torch.full((batch, h_kv, K), -1, dtype=torch.int32)
     for b in range(batch):
         for h in range(h_kv):
-            pos = torch.randperm(max(n_quant[b], 1))[:K - 2]
-            idx[b, h, :len(pos)] = pos.to(torch.int32) if n_quant[b] else -1
+            edges = [t for t in (31, 32, 63) if t < n_quant[b]]
+            rest = [t for t in torch.randperm(n_quant[b]).tolist() if t not in edges]
+            pos = (edges + rest)[:K - 2]
+            idx[b, h, :len(pos)] = torch.tensor(pos, dtype=torch.int32)
             idx[b, h, -1] = n_quant[b] + 3                              # past the region
     return idx
+
+
+def _rows(host: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The recall buffer of ``idx (B, H_kv, K)``: host rows, zeros where ``idx`` is outside the
+    host's capacity (as the gather gives them)."""
+    t = idx.long()
+    ok = (t >= 0) & (t < host.shape[2])
+    rows = torch.gather(host[:idx.shape[0]], 2, t.clamp(0, host.shape[2] - 1)[..., None]
+                        .expand(*t.shape, host.shape[3]))
+    return torch.where(ok[..., None], rows, torch.zeros_like(rows))
 
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_reference_attention_with_given_rows(bits):
     case, bad, q, host_k, host_v, scale = recall_case(T5, bits, torch.float32)
-    K = 6
-    idx = _fixed_idx(T5, K)
-    rk = torch.stack([host_k[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2)
-                      for h in range(2)]).view(2, 2, K, 16)
-    rv = torch.stack([host_v[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2)
-                      for h in range(2)]).view(2, 2, K, 16)
+    idx = _fixed_idx(T5, 6)
+    rk, rv = _rows(host_k, idx), _rows(host_v, idx)
     out = torch.ops.minikv.tail_attention_recall(q, *case.bufs, rk, rv, idx, scale, bits, 16)
     truth = with_recall(case, idx, host_k, host_v, T5[8])
     torch.testing.assert_close(out.double(), tail_fp64(q, truth, seen0(T5[8], T5[9]), scale),
@@ -152,21 +162,22 @@ def test_reference_attention_with_given_rows(bits):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("bits,dtype", [(2, torch.float16), (2, torch.bfloat16),
-                                        (4, torch.float32)])
-def test_triton_matches_the_oracle(bits, dtype):
-    case, bad, q, host_k, host_v, scale = recall_case(T5, bits, dtype)
-    K = 6
-    idx = _fixed_idx(T5, K)
-    gather = [host_k[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2) for h in range(2)]
-    rk = torch.stack(gather).view(2, 2, K, 16)
-    rv = torch.stack([host_v[b, h, idx[b, h].clamp(0, 63).long()] for b in range(2)
-                      for h in range(2)]).view(2, 2, K, 16)
-    plan = _tail_plan(dtype, bits, 16, 16, 2, 5, 6, 2, 64, 1)._replace(
+@pytest.mark.parametrize("shape,K,bits,dtype", [
+    (T5, 6, 2, torch.float16), (T5, 6, 2, torch.bfloat16), (T5, 6, 4, torch.float32),
+    (T5, 40, 2, torch.float16), (T1, 20, 2, torch.float32)],
+    ids=["T5-K6-2-fp16", "T5-K6-2-bf16", "T5-K6-4-fp32", "T5-K40-2-fp16", "T1-K20-2-fp32"])
+def test_triton_matches_the_oracle(shape, K, bits, dtype):
+    """Three splits sharing bitmap words, K below and above a block of 16 recall rows, one
+    query row; a slot holding nothing quantized (T5's second)."""
+    case, bad, q, host_k, host_v, scale = recall_case(shape, bits, dtype)
+    idx = _fixed_idx(shape, K)
+    rk, rv = _rows(host_k, idx), _rows(host_v, idx)
+    batch, _, h_kv, gqa, d, capacity, _, rows = shape[:8]
+    plan = _tail_plan(dtype, bits, 16, d, batch, rows, h_kv * gqa, h_kv, capacity, 1)._replace(
         num_splits=3, block_m=16, block_n=16)
     out = _tail_attention_triton(q, *case.bufs, scale, bits, 16, plan, recall=(rk, rv, idx))
-    truth = with_recall(case, idx, host_k, host_v, T5[8])
-    assert_within_2x(out, q, truth, seen0(T5[8], T5[9]), scale)
+    truth = with_recall(case, idx, host_k, host_v, shape[8])
+    assert_within_2x(out, q, truth, seen0(shape[8], shape[9]), scale)
     assert torch.equal(_tail_attention_triton(q, *bad, scale, bits, 16, plan,
                                               recall=(rk, rv, idx)), out)
 
@@ -176,7 +187,7 @@ def test_triton_matches_the_oracle(bits, dtype):
 def test_opcheck(op, args):
     case, _, q, host_k, host_v, scale = recall_case(T5, 2, torch.float32)
     if args == "select":
-        inputs = (q, *case.bufs[:3], case.bufs[6], case.bufs[8], scale, 2, 16, 4)
+        inputs = (q, *case.bufs[:3], case.bufs[6], case.bufs[8].cpu(), scale, 2, 16, 4)
     else:
         idx = _fixed_idx(T5, 4)
         rk = torch.randn(3, 2, 4, 16)
@@ -187,8 +198,8 @@ def test_opcheck(op, args):
 def _public_args(**over):
     case, _, q, host_k, host_v, scale = recall_case(T5, 2, torch.float16)
     rk = torch.zeros(3, 2, 4, 16, dtype=torch.float16)
-    args = dict(q=q, bufs=case.bufs, host_k=host_k, host_v=host_v, recall_k=rk,
-                recall_v=rk.clone(), scale=scale, bits=2)
+    args = dict(q=q, bufs=case.bufs, lens_host=case.bufs[8].cpu(), host_k=host_k, host_v=host_v,
+                recall_k=rk, recall_v=rk.clone(), scale=scale, bits=2)
     args.update(over)
     return args
 
@@ -202,12 +213,20 @@ def _public_args(**over):
     (dict(recall_v=torch.zeros(3, 2, 5, 16, dtype=torch.float16)), "recall_v: expected shape"),
     (dict(host_k=torch.zeros(1, 2, 64, 16, dtype=torch.float16),
           host_v=torch.zeros(1, 2, 64, 16, dtype=torch.float16)), "recall_k: expected shape"),
-], ids=["bits16", "host-dtype", "host-v-shape", "k0", "recall-v-shape", "host-slots"])
+    (dict(host_k=torch.zeros(1, 2, 64, 16, dtype=torch.float16),
+          host_v=torch.zeros(1, 2, 64, 16, dtype=torch.float16),
+          recall_k=torch.zeros(1, 2, 4, 16, dtype=torch.float16),
+          recall_v=torch.zeros(1, 2, 4, 16, dtype=torch.float16)),
+     r"host_k: expected at least B=2 slots \(q.shape\[0\]\), got shape \(1, 2, 64, 16\)"),
+    (dict(lens_host=torch.zeros(1, 2, dtype=torch.int32)), "lens_host: expected at least B=2"),
+    (dict(lens_host=torch.zeros(3, 2, dtype=torch.int64)), "lens_host: expected dtype"),
+], ids=["bits16", "host-dtype", "host-v-shape", "k0", "recall-v-shape", "recall-slots",
+        "host-slots", "lens-slots", "lens-dtype"])
 def test_bad_inputs_raise(over, message):
     a = _public_args(**over)
     with pytest.raises(ValueError, match=message):
-        tail_attention_recall(a["q"], *a["bufs"], a["host_k"], a["host_v"], a["recall_k"],
-                              a["recall_v"], a["scale"], a["bits"], 16)
+        tail_attention_recall(a["q"], *a["bufs"], a["lens_host"], a["host_k"], a["host_v"],
+                              a["recall_k"], a["recall_v"], a["scale"], a["bits"], 16)
 
 
 @pytest.mark.gpu
@@ -226,10 +245,11 @@ def test_gpu_llama_size(dtype):
     host_v = torch.randn(3, 8, 4096, 128).to(dtype).pin_memory()
     recall_k = torch.zeros(3, 8, K, 128, dtype=dtype, device="cuda")
     recall_v = torch.zeros_like(recall_k)
-    out = tail_attention_recall(q, *case.bufs, host_k, host_v, recall_k, recall_v,
+    lens_host = case.bufs[8].cpu()
+    out = tail_attention_recall(q, *case.bufs, lens_host, host_k, host_v, recall_k, recall_v,
                                 128 ** -0.5, 2, 16)
-    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], case.bufs[8], 128 ** -0.5,
-                                 2, 16, K).cpu()
+    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], lens_host, 128 ** -0.5, 2, 16,
+                                 K).cpu()
     truth = with_recall(case, idx, host_k, host_v, n_quant)
     assert_within_2x(out, q, truth, seen0(n_quant, n_ring), 128 ** -0.5)
     for b in range(2):

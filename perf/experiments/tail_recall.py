@@ -9,8 +9,8 @@ replaced, for a configuration with recall (``recall_top_k > 0``: the host copy e
 only (``--device cpu``: the engine does not compile the tail there), fp32 as the reference op.
 ``--tail``:
 
-- ``baseline``: nothing patched (the product's tail: the question's rows attend to the 2-bit
-  region with no recalled rows).
+- ``baseline``: nothing patched (the product's tail: when these runs were made, the question's
+  rows attended to the 2-bit region with no recalled rows; see the note below).
 - ``oracle``: every quantized position takes its full-precision K/V from recall's host copy
   (``cache.recall.stores[i].k/v[slot, :, :n_quant]``, the rows the prefill, the ring flushes and
   the tail itself write in quantized order): the upper bound of any recall in the tail.

@@ -7,7 +7,9 @@
 # the start; a part with less than its minimum left is skipped and says so:
 #   test     the N-rank NCCL test (tests/test_tensor_parallel.py, 4 GPUs: 4 ranks)
 #   tp4      bench_tp, Llama-3.1-70B shape over 4 ranks, 1 x 32k and 8 x 4k against the floor
-#   hf       HF tp_plan="auto" + StaticCache over the same 4 GPUs, 1 x 32k (HF_CASES)
+#            (at 1bced43 on 4 x H100 both rows were written before its 210 s limit ended it)
+#   hf       HF tp_plan="auto" + StaticCache over the same 4 GPUs, 1 x 32k (HF_CASES; its
+#            warm-up alone took 129 s on 4 x H100)
 #   account  perf/experiments/tp_account.py over 4 ranks at 1 x 32k (ACCOUNT_CASES): the step
 #            with its collectives as no-ops, the collectives alone, kernels and GPU idle a step
 #   131k     bench_tp over 4 ranks at 1 x 131000 (the model's 131072 positions less the tokens)
@@ -55,9 +57,9 @@ for part in $PARTS; do
             --rootdir $ROOT $ROOT/tests/test_tensor_parallel.py -k nccl_ranks
           cat /tmp/pytest-of-*/pytest-*/test_gpu_nccl_ranks*/progress*.txt >> $L 2>/dev/null
           grep -E "passed|failed|error" $L | tail -2 ;;
-    tp4) run tp4 210 120 $T $NGPU $B --cases 1x32768,8x4096 --out $R/tp4.json
+    tp4) run tp4 260 120 $T $NGPU $B --cases 1x32768,8x4096 --out $R/tp4.json
          grep "ms/token" $L | tail -2 ;;
-    hf) run hf 300 180 $T $NGPU $B --cases ${HF_CASES:-1x32768} --methods hf-static \
+    hf) run hf 360 180 $T $NGPU $B --cases ${HF_CASES:-1x32768} --methods hf-static \
           --out $R/tp4_hf.json
         grep "hf-static.*ms/token" $L | tail -2 ;;
     account) run account 150 80 $T $NGPU $ROOT/perf/experiments/tp_account.py \
