@@ -81,9 +81,8 @@ class TailPrefill:
         runtime checks a snapshot's capacity before restoring it). One host sync per call (the
         counters, read at the start; each chunk's are then known on the host, so the CPU
         launches chunk ``j + 1`` while the GPU runs chunk ``j``) and one host-to-device copy
-        per chunk (each layer's first ring row). With recall, also each layer's copy of the
-        chunk's K/V to its host rows, which waits for the GPU (a strided pinned destination is
-        copied through a pageable buffer), and the ranking reads the counters known here."""
+        per chunk (each layer's first ring row). With recall, each layer's chunk K/V go to its
+        host rows by a kernel on the stream, and the ranking reads the counters known here."""
         adapter, cache = self.adapter, self.cache
         n, dev = ids.shape[0], ids.device
         R = self.longest_chunk
@@ -113,11 +112,9 @@ class TailPrefill:
                     recall = None if cache.recall is None else (host_lens[i], *hosts[i])
                     h, k, v = self._layer(weights, kv, first, h, cos, sin, recall)
                     if cache.recall is not None:  # host row = the token's quantized position
-                        store = cache.recall.stores[i]
-                        n_quant, first = starts[i]
-                        rows = slice(n_quant + first, n_quant + first + T)
-                        store.k[slot, :, rows].copy_(k[0], non_blocking=True)
-                        store.v[slot, :, rows].copy_(v[0], non_blocking=True)
+                        (host_k, host_v, *_), (n_quant, ring_row) = hosts[i], starts[i]
+                        ops.recall_store_rows(host_k[0], host_v[0], k[0], v[0],
+                                              n_quant + ring_row)
             torch._foreach_add_(ring_counts, T - 1)  # the chunk's other T - 1 tokens
             # the device's counters now: what cache_begin_step flushed to, plus the chunk
             counts = [(n_quant, n_ring + T) for n_quant, n_ring in starts]

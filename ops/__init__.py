@@ -13,7 +13,7 @@ from .attention_tail_recall import tail_attention_recall
 from .cache_layout import CacheLayout, LayerBuffers
 from .cache_update import cache_begin_step, cache_write_prefill, cache_write_ring
 from .linear import fused_linear, rms_norm
-from .recall import HostStore, recall_gather, recall_store, recall_topk
+from .recall import HostStore, recall_gather, recall_store, recall_store_rows, recall_topk
 from .rotation import hadamard_heads
 
 __all__ = [
@@ -34,6 +34,6 @@ __all__ = [
     "cache_write_prefill",
     "fused_linear",
     "rms_norm",
-    "HostStore", "recall_gather", "recall_store", "recall_topk",
+    "HostStore", "recall_gather", "recall_store", "recall_store_rows", "recall_topk",
     "hadamard_heads",
 ]

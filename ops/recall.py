@@ -33,6 +33,8 @@ The ops here:
   with no host synchronization and no copy issued from Python.
 * ``minikv::recall_store``: each slot's newest ring token to the host row it takes in the
   quantized order (the host copy grows as tokens are generated, not at flushes).
+* ``minikv::recall_store_rows``: a tail prefill chunk's T tokens of one slot to their host rows,
+  stored by a kernel into the pinned rows (stream-ordered, no wait for the GPU).
 * :func:`recall_topk`: the positions to recall next, the top-k by ``mass`` per (slot, layer,
   KV head), every layer in one call at the step's end, in plain torch ops (``torch.topk``) that
   the compiled step fuses, with no host sync; :func:`recall_topk_ref` is its rule on attention
@@ -129,6 +131,33 @@ def _recall_store_kernel(k_ring, v_ring, lens, ring_index, host_k, host_v, H, T_
         dst = ((b * H + h[:, None]) * T_cap + t) * D + d[None, :]
         tl.store(host_k + dst, tl.load(k_ring + src, mask=mask), mask=mask)
         tl.store(host_v + dst, tl.load(v_ring + src, mask=mask), mask=mask)
+
+
+@triton.jit
+def _recall_store_rows_kernel(k, v, host_k, host_v, start, T, T_cap, D,
+                              stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
+                              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (h, j): rows ``j * BLOCK_T ..`` of head h of ``k, v (H, T, D)`` (any strides) ->
+    host rows ``start + t`` of ``host_k, host_v (H, T_cap, D)``, contiguous, possibly host
+    memory."""
+    h = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    mask = (t < T)[:, None] & (d < D)[None, :]
+    dst = ((h * T_cap + start + t) * D)[:, None] + d[None, :]
+    tl.store(host_k + dst, tl.load(k + h * stride_kh + t[:, None] * stride_kt
+                                   + d[None, :] * stride_kd, mask=mask), mask=mask)
+    tl.store(host_v + dst, tl.load(v + h * stride_vh + t[:, None] * stride_vt
+                                   + d[None, :] * stride_vd, mask=mask), mask=mask)
+
+
+def _recall_store_rows_triton(k, v, host_k, host_v, start) -> None:
+    H, T, D = k.shape
+    block_d = triton.next_power_of_2(D)
+    block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_d))
+    _recall_store_rows_kernel[(H, triton.cdiv(T, block_t))](
+        k, v, host_k, host_v, start, T, host_k.shape[1], D, *k.stride(), *v.stride(),
+        BLOCK_T=block_t, BLOCK_D=block_d)
 
 
 def _recall_store_triton(k_ring, v_ring, lens, ring_index, host_k, host_v) -> None:
@@ -242,6 +271,13 @@ def recall_store_ref(k_ring, v_ring, lens, ring_index, host_k, host_v) -> None:
             host_v[b, :, t] = v_ring[b, :, i].to(host_v.device)
 
 
+def recall_store_rows_ref(k, v, host_k, host_v, start: int) -> None:
+    """Reference for :func:`recall_store_rows` (the op's arguments; tensors on any devices)."""
+    rows = slice(start, start + k.shape[1])
+    host_k[:, rows] = k.to(host_k.device)
+    host_v[:, rows] = v.to(host_v.device)
+
+
 def mass_codes(mass: torch.Tensor) -> torch.Tensor:
     """fp32 masses (any shape; -inf = not held, 0 and below 2^-23.75 = the lowest code) to the
     uint8 codes the attention writes (``MASS_STEPS`` codes a doubling, mass 1 at ``MASS_ZERO``)."""
@@ -310,6 +346,20 @@ def _(k_ring, v_ring, lens, ring_index, host_k, host_v):
 
 
 _recall_store_op.register_kernel("cuda")(_recall_store_triton)
+
+
+@torch.library.custom_op("minikv::recall_store_rows", mutates_args=("host_k", "host_v"))
+def _recall_store_rows_op(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor,
+                          host_v: torch.Tensor, start: int) -> None:
+    recall_store_rows_ref(k, v, host_k, host_v, start)
+
+
+@_recall_store_rows_op.register_fake
+def _(k, v, host_k, host_v, start):
+    return None
+
+
+_recall_store_rows_op.register_kernel("cuda")(_recall_store_rows_triton)
 
 
 def _recall_topk_ops(mass: torch.Tensor, k: int, block: int = 1) -> torch.Tensor:
@@ -500,3 +550,33 @@ def recall_store(store: HostStore, k_ring: torch.Tensor, v_ring: torch.Tensor, l
         raise ValueError(f"ring_index: expected 1 <= B <= max_batch_size={Bmax} entries, got "
                          f"shape {tuple(ring_index.shape)}")
     torch.ops.minikv.recall_store(k_ring, v_ring, lens, ring_index, store.k, store.v)
+
+
+def recall_store_rows(host_k: torch.Tensor, host_v: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, start: int) -> None:
+    """Copy T consecutive tokens of one slot to their host rows: ``host_k[:, start + t] = k[:,
+    t]`` (and v) for ``t < T`` (the tail prefill's chunk, whose ring rows take quantized
+    positions ``start ..`` once flushed). On CUDA one launch storing into the pinned rows in
+    place, ordered on the stream like any kernel (a later gather on the stream reads them); a
+    ``copy_`` into the strided rows would wait for the GPU.
+
+    Args:
+        host_k, host_v: ``(H_kv, T_cap, D)``, CPU, contiguous (one slot's plane of a
+            :class:`HostStore`, ``store.k[slot]``; pinned when k is on CUDA, which a pageable
+            tensor would fail in the launch).
+        k, v: ``(H_kv, T, D)`` in the store's dtype, any strides, on the store's device.
+        start: the first host row, ``0 <= start <= T_cap - T``.
+
+    Raises:
+        ValueError: a shape, dtype, device or ``start`` inconsistent with the above.
+    """
+    check_tensor("host_k", host_k, ndim=3, dtypes=FLOAT_DTYPES, device="cpu", contiguous=True)
+    H, T_cap, D = host_k.shape
+    check_tensor("host_v", host_v, shape=(H, T_cap, D), dtypes=(host_k.dtype,), device="cpu",
+                 contiguous=True)
+    check_tensor("k", k, shape=(H, None, D), dtypes=(host_k.dtype,))
+    check_tensor("v", v, shape=tuple(k.shape), dtypes=(host_k.dtype,), device=k.device)
+    if not 0 <= start <= T_cap - k.shape[1]:
+        raise ValueError(f"start: expected 0 <= start <= T_cap - T = {T_cap - k.shape[1]}, got "
+                         f"{start}")
+    torch.ops.minikv.recall_store_rows(k, v, host_k, host_v, int(start))

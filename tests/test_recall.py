@@ -24,9 +24,10 @@ from minikv_compile.ops.attention_decode import (FRAGMENTS, _decode_attention_tr
 from minikv_compile.ops.attention_decode_recall import (_decode_attention_recall_triton,
                                                         decode_attention_recall_ref)
 from minikv_compile.ops.quant import quantize_keys_ref, quantize_values_ref
-from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_triton,
-                                       mass_codes, mass_values, recall_gather_ref,
-                                       recall_topk_ref)
+from minikv_compile.ops.recall import (_recall_gather_triton, _recall_store_rows_triton,
+                                       _recall_store_triton, mass_codes, mass_values,
+                                       recall_gather_ref, recall_store_rows,
+                                       recall_store_rows_ref, recall_topk_ref)
 from aot import compile_for_sm90
 from test_decode_attention import Case, make_case, poisoned
 
@@ -147,6 +148,49 @@ def test_store_opcheck_and_bad_inputs():
     ]:
         with pytest.raises(ValueError, match=message):
             recall_store(*args)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,t_cap,rows,d,start", [
+    (2, 64, 5, 16, 7),      # a short chunk inside the plane
+    (3, 48, 17, 24, 31),    # H, D not powers of two; the chunk ends at T_cap
+])
+def test_store_rows_match_by_hand(dtype, h, t_cap, rows, d, start):
+    """A chunk's T rows land at host rows start .. start + T - 1 of every head, from a strided
+    source (a transposed (T, H, D) chunk, as the layer's k is); nothing else moves."""
+    torch.manual_seed(0)
+    host_k, host_v = (torch.randn(h, t_cap, d).to(dtype) for _ in range(2))
+    k, v = (torch.randn(rows, h, d).to(dtype).transpose(0, 1) for _ in range(2))  # (H, T, D)
+    want_k, want_v = host_k.clone(), host_v.clone()
+    for head in range(h):
+        for i in range(rows):
+            want_k[head, start + i], want_v[head, start + i] = k[head, i], v[head, i]
+    for run in (_recall_store_rows_triton, recall_store_rows_ref):
+        got_k, got_v = host_k.clone(), host_v.clone()
+        run(k, v, got_k, got_v, start)
+        _assert_same(got_k, want_k)
+        _assert_same(got_v, want_v)
+    recall_store_rows(host_k, host_v, k, v, start)  # the public op (the reference on the CPU)
+    _assert_same(host_k, want_k)
+    _assert_same(host_v, want_v)
+
+
+def test_store_rows_opcheck_and_bad_inputs():
+    host_k, host_v = torch.zeros(2, 32, 16), torch.zeros(2, 32, 16)
+    k, v = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    torch.library.opcheck(torch.ops.minikv.recall_store_rows.default, (k, v, host_k, host_v, 3))
+    for args, message in [
+        ((host_k, host_v, k, v, 28), r"start: expected 0 <= start <= T_cap - T = 27, got 28"),
+        ((host_k, host_v, k, v, -1), "start: expected 0 <= start"),
+        ((host_k, host_v, k.half(), v, 0), "k: expected dtype"),
+        ((host_k, host_v, k, v[:, :4], 0), "v: expected shape"),
+        ((host_k, host_v, k[:1], v[:1], 0), "k: expected shape"),
+        ((host_k[:, :, :8], host_v, k, v, 0), "host_k: expected a contiguous tensor"),
+        ((host_k, host_v[:1], k, v, 0), "host_v: expected shape"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            recall_store_rows(*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -841,6 +885,10 @@ build(r._recall_gather_kernel, {"host_k": "*bf16", "host_v": "*bf16", "idx": "*i
 build(r._recall_store_kernel, {"k_ring": "*bf16", "v_ring": "*bf16", "lens": "*i32",
       "ring_index": "*i32", "host_k": "*bf16", "host_v": "*bf16", "H": "i32", "T_cap": "i32",
       "D": "i32"}, dict(ROWS=129, BLOCK_H=8, BLOCK_D=128))
+build(r._recall_store_rows_kernel, {"k": "*bf16", "v": "*bf16", "host_k": "*bf16",
+      "host_v": "*bf16", "start": "i32", "T": "i32", "T_cap": "i32", "D": "i32",
+      "stride_kh": "i32", "stride_kt": "i32", "stride_kd": "i32", "stride_vh": "i32",
+      "stride_vt": "i32", "stride_vd": "i32"}, dict(BLOCK_T=32, BLOCK_D=128))
 """)
 
 
@@ -1267,3 +1315,26 @@ def test_gpu_recall_step_replays_in_a_cuda_graph(compiled):
         expected = [eager_step()] + [t.clone() for t in state]
         for a, b in zip(got, expected):
             _assert_same(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_store_rows_then_gather_on_the_stream():
+    """A chunk's rows stored into slot 1's pinned plane by the kernel, then gathered back by
+    the next launch on the same stream, with no synchronization between them: the gather sees
+    them (stream order), and nothing else of the store moved."""
+    store = HostStore.allocate(max_batch_size=3, num_kv_heads=8, capacity=512, head_dim=128,
+                               dtype=torch.bfloat16, device="cuda")
+    store.k.normal_(), store.v.normal_()
+    before_k, before_v = store.k.clone(), store.v.clone()
+    k, v = (torch.randn(100, 8, 128, device="cuda").bfloat16().transpose(0, 1) for _ in range(2))
+    recall_store_rows(store.k[1], store.v[1], k, v, 300)
+    idx = (300 + torch.arange(100, dtype=torch.int32, device="cuda")).expand(1, 8, 100)
+    rk = torch.zeros(1, 8, 100, 128, dtype=torch.bfloat16, device="cuda")
+    rv = torch.zeros_like(rk)
+    torch.ops.minikv.recall_gather(store.k[1:2], store.v[1:2], idx.contiguous(), rk, rv)
+    torch.cuda.synchronize()
+    _assert_same(rk[0].cpu(), k.cpu())
+    _assert_same(rv[0].cpu(), v.cpu())
+    before_k[1, :, 300:400], before_v[1, :, 300:400] = k.cpu(), v.cpu()
+    _assert_same(store.k, before_k)
+    _assert_same(store.v, before_v)
