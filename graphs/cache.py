@@ -207,7 +207,12 @@ class StaticKVCache:
     def restore(self, slot: int, snap: "SlotSnapshot") -> None:
         """Slot ``slot`` takes ``snap``'s state (checked by ``check_snapshot``), everything else
         of the slot emptied (recall's state: nothing recalled); other slots are untouched.
-        Queued behind the device's work (the counters are filled with Python ints)."""
+        Queued behind the device's work (the counters are filled with Python ints), except the
+        host copy with recall: the CPU writes it at once, so first the device's work ends (a
+        tail prefill cut short may still be storing its chunk's rows into this slot's host
+        rows; the tail that follows a restore syncs at its start anyway)."""
+        if snap.host is not None and self.layers[0].lens.is_cuda:
+            torch.cuda.synchronize(self.layers[0].lens.device)
         self.empty_slots(slot, slot + 1)
         for i, (layer, tensors, (n_quant, n_ring)) in enumerate(
                 zip(self.layers, snap.layers, snap.lens)):
