@@ -3,9 +3,11 @@
 each tail chunk, the rest of generate), then torch.profiler over one whole call: its CPU and
 CUDA time, kernel launches, and the tail layer's compiles (``TailPrefill.compiles``, which tails
 of other lengths must not raise). ``--eager`` runs the tail's layers eagerly (as before the
-compiled tail) for a side-by-side figure.
+compiled tail) for a side-by-side figure; ``--preset NAME`` takes a ``MiniKVConfig.preset`` instead
+of the default config (``accurate``: the tail's recall, issue 47).
 
     python perf/experiments/ttft_profile.py [--context 32768] [--question 256] [--eager]
+        [--preset accurate]
 """
 import argparse
 import time
@@ -20,6 +22,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--context", type=int, default=32768)
 p.add_argument("--question", type=int, default=256)
 p.add_argument("--eager", action="store_true", help="the tail's layers eager")
+p.add_argument("--preset", default=None, help="a MiniKVConfig.preset name (default: the default)")
 a = p.parse_args()
 dev = torch.device("cuda")
 model = H.build_model("llama3.1-8b", dev, torch.bfloat16)
@@ -29,8 +32,9 @@ longest = a.question + max(EXTRAS)  # tail lengths, which must not recompile)
 # capacity is the kept count of max_prompt_len (about half of it) plus max_new_tokens: so room
 # for the longest tail needs max_prompt_len >= context + 2 x tail (+ a margin for the rounding
 # to whole groups and any layer keeping more than half).
-cm = minikv_compile(model, MiniKVConfig(max_batch_size=1, max_new_tokens=4,
-                                        max_prompt_len=a.context + 2 * longest + 256))
+fields = dict(max_batch_size=1, max_new_tokens=4, max_prompt_len=a.context + 2 * longest + 256)
+cm = minikv_compile(model, MiniKVConfig.preset(a.preset, **fields) if a.preset
+                    else MiniKVConfig(**fields))
 g = torch.Generator().manual_seed(0)
 doc = torch.randint(3, 1000, (a.context,), generator=g).tolist()
 q = torch.randint(3, 1000, (a.question,), generator=g).tolist()
