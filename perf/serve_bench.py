@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,9 @@ _WEIGHTS = {"single": 1.0, "sweep": 4.0, "half": 1.5, "long": 1.5, "offline": 3.
 ENGINE_COUNTERS = {"steps": "minikv_decode_steps_total",
                    "replays": "minikv_cuda_graph_replays_total",
                    "compiles": "minikv_compiled_graphs_total", "captures": "minikv_cuda_graphs"}
+# Behind a data-parallel front, each replica's share of them (its samples labelled replica="i").
+REPLICA_COUNTERS = {"tokens": "minikv_completion_tokens_total",
+                    "steps": "minikv_decode_steps_total"}
 
 # "full" is the issue's load on the Llama-3.1-8B shape; "tiny" a CPU plumbing run (tests).
 PRESETS: Dict[str, Dict[str, object]] = {
@@ -329,13 +333,23 @@ class Worker:
         return int(sum(values.get(name, 0.0) for name in
                        ("minikv_slots_in_use", "minikv_queue_depth", "hf_requests_in_flight")))
 
-    def counters(self) -> Optional[Dict[str, int]]:
-        """The engine's counters (``ENGINE_COUNTERS``); None for a server without them (HF's)
-        or one that does not answer."""
+    def counters(self) -> Optional[Dict[str, object]]:
+        """The engine's counters (``ENGINE_COUNTERS``) and, behind a data-parallel front,
+        ``"replicas"``: each replica's ``REPLICA_COUNTERS`` by index; None for a server without
+        them (HF's) or one that does not answer."""
         values = self.metrics()
         if values is None or not all(name in values for name in ENGINE_COUNTERS.values()):
             return None
-        return {key: int(values[name]) for key, name in ENGINE_COUNTERS.items()}
+        out: Dict[str, object] = {key: int(values[name]) for key, name in ENGINE_COUNTERS.items()}
+        replicas: Dict[int, Dict[str, int]] = {}
+        for key, name in REPLICA_COUNTERS.items():
+            for sample, value in values.items():
+                m = re.fullmatch(re.escape(name) + r'\{replica="(\d+)"\}', sample)
+                if m:
+                    replicas.setdefault(int(m.group(1)), {})[key] = int(value)
+        if replicas:
+            out["replicas"] = replicas
+        return out
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         end = time.perf_counter() + timeout
@@ -537,6 +551,11 @@ class _Context:
             if before is not None and after is not None:
                 # what the phase cost the engine: every step replayed, nothing compiled or captured
                 part["engine"] = {key: after[key] - before[key] for key in ENGINE_COUNTERS}
+                if "replicas" in before and "replicas" in after:  # each replica's share
+                    part["replicas"] = {
+                        str(i): {k: now[k] - before["replicas"].get(i, {}).get(k, 0)
+                                 for k in REPLICA_COUNTERS if k in now}
+                        for i, now in sorted(after["replicas"].items())}
         except _Skip as e:
             part.update(status="skipped", reason=str(e))
             self.say(f"phase {phase} skipped: {e}")

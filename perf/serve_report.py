@@ -351,6 +351,15 @@ def render(data: Dict[str, object], by_model, plot_message: str) -> str:
                              "captures"],
                             [[b, ph, e["steps"], e["replays"], e["compiles"], e["captures"]]
                              for b, ph, e in engine])
+        shares = [(b, ph, p["replicas"]) for (b, ph), p in _ordered(parts) if p.get("replicas")]
+        if shares:
+            lines += ["Behind the data-parallel front, each replica's share of the phase (tokens "
+                      "generated / decode steps, replica 0 first): how evenly the front "
+                      "routed.", ""]
+            lines += _table(["backend", "phase", "tokens", "decode steps"],
+                            [[b, ph, " / ".join(str(r.get("tokens", "–")) for r in s.values()),
+                              " / ".join(str(r.get("steps", "–")) for r in s.values())]
+                             for b, ph, s in shares])
         pngs = [f for f in data.get("plots", []) if f.startswith(f"serve-{model}-")]
         if pngs:
             lines += [f"![{f}]({f})" for f in pngs] + [""]

@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from minikv_compile.perf.__main__ import main  # noqa: E402
-from minikv_compile.perf.serve_bench import BACKENDS, PHASES, PRESETS  # noqa: E402
+from minikv_compile.perf.serve_bench import BACKENDS, PHASES, PRESETS, Worker  # noqa: E402
 from minikv_compile.perf.serve_load import (Outcome, Workload, percentile,  # noqa: E402
                                             poisson_arrivals)
 from minikv_compile.perf.serve_report import SCHEMA, PartStore, targets  # noqa: E402
@@ -257,3 +257,33 @@ def test_offline_target_uses_the_steady_state_when_a_run_was_cut():
     row = targets({"minikv": {"offline": ours}, "hf": {"offline": hf}}, "llama3.1-8b")[-1]
     assert row["value"] == pytest.approx(8.0) and row["status"] == "missed"
     assert "second half" in row["detail"]
+
+
+def test_engine_counters_and_each_replicas_share_from_the_fronts_metrics(tiny_run, tmp_path,
+                                                                        monkeypatch):
+    """Behind a data-parallel front the counters keep the sums and add each replica's tokens and
+    steps (its samples labelled replica="i"); serve.md shows the phase's shares per replica."""
+    samples = {"minikv_decode_steps_total": 30.0, "minikv_cuda_graph_replays_total": 30.0,
+               "minikv_compiled_graphs_total": 2.0, "minikv_cuda_graphs": 4.0,
+               'minikv_decode_steps_total{replica="0"}': 20.0,
+               'minikv_decode_steps_total{replica="1"}': 10.0,
+               'minikv_completion_tokens_total{replica="1"}': 40.0,
+               'minikv_completion_tokens_total{replica="0"}': 70.0,
+               'minikv_requests_total{outcome="stop",replica="0"}': 3.0}
+    worker = object.__new__(Worker)
+    monkeypatch.setattr(worker, "metrics", lambda: samples)
+    assert worker.counters() == {"steps": 30, "replays": 30, "compiles": 2, "captures": 4,
+                                 "replicas": {0: {"steps": 20, "tokens": 70},
+                                              1: {"steps": 10, "tokens": 40}}}
+    one = {k: v for k, v in samples.items() if "replica" not in k}
+    monkeypatch.setattr(worker, "metrics", lambda: one)
+    assert "replicas" not in worker.counters()  # a single server: the sums alone
+    # the report's table of shares, from a part that has them
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run, out)
+    store = PartStore(out)
+    part = store.load("tiny", "minikv", "sweep")
+    part["replicas"] = {"0": {"tokens": 70, "steps": 20}, "1": {"tokens": 40, "steps": 10}}
+    assert store.save(part)
+    assert main(["report", "--out", str(out)]) == 0
+    assert "| minikv | sweep | 70 / 40 | 20 / 10 |" in (out / "serve.md").read_text()
