@@ -156,7 +156,8 @@ class StaticKVCache:
         """A copy of what slot ``slot`` holds (every layer's valid rows: the codes, scales and
         zeros of its quantized tokens, its ring tokens, the host copy with recall), holding the
         K/V of ``tokens``; ``logits (V,)`` fp32 of the last of them, or None. One host sync
-        (the counters); the slot is not changed."""
+        (the counters; it also orders the host copy's reads after the stream's pending stores,
+        a tail prefill's chunk rows among them); the slot is not changed."""
         counts = torch.stack([layer.lens[slot] for layer in self.layers]).tolist()
         P = 1 if self.bits == 16 else codes_per_word(self.bits)
         layers, host = [], [] if self.recall is not None else None

@@ -133,7 +133,9 @@ def _recall_store_kernel(k_ring, v_ring, lens, ring_index, host_k, host_v, H, T_
         tl.store(host_v + dst, tl.load(v_ring + src, mask=mask), mask=mask)
 
 
-@triton.jit
+# start is not specialized: its values (1, multiples of 16 after a flush) would each compile a
+# variant on the serving path that the tail warm-up (every chunk length) does not run
+@triton.jit(do_not_specialize=["start"])
 def _recall_store_rows_kernel(k, v, host_k, host_v, start, T, T_cap, D,
                               stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
                               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -141,7 +143,7 @@ def _recall_store_rows_kernel(k, v, host_k, host_v, start, T, T_cap, D,
     host rows ``start + t`` of ``host_k, host_v (H, T_cap, D)``, contiguous, possibly host
     memory."""
     h = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # (t * stride: int64)
     d = tl.arange(0, BLOCK_D)
     mask = (t < T)[:, None] & (d < D)[None, :]
     dst = ((h * T_cap + start + t) * D)[:, None] + d[None, :]

@@ -157,11 +157,14 @@ def test_store_opcheck_and_bad_inputs():
     (3, 48, 17, 24, 31),    # H, D not powers of two; the chunk ends at T_cap
 ])
 def test_store_rows_match_by_hand(dtype, h, t_cap, rows, d, start):
-    """A chunk's T rows land at host rows start .. start + T - 1 of every head, from a strided
-    source (a transposed (T, H, D) chunk, as the layer's k is); nothing else moves."""
+    """A chunk's T rows land at host rows start .. start + T - 1 of every head, from strided
+    sources with different strides (k a transposed (T, H, D) chunk, as RoPE's output is; v a
+    view of a wider (T, 3H, D) buffer, as the qkv projection's); nothing else moves."""
     torch.manual_seed(0)
     host_k, host_v = (torch.randn(h, t_cap, d).to(dtype) for _ in range(2))
-    k, v = (torch.randn(rows, h, d).to(dtype).transpose(0, 1) for _ in range(2))  # (H, T, D)
+    k = torch.randn(rows, h, d).to(dtype).transpose(0, 1)                   # (H, T, D)
+    v = torch.randn(rows, 3 * h, d).to(dtype)[:, h: 2 * h].transpose(0, 1)  # (H, T, D)
+    assert k.stride() != v.stride()
     want_k, want_v = host_k.clone(), host_v.clone()
     for head in range(h):
         for i in range(rows):
