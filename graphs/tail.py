@@ -82,7 +82,7 @@ class TailPrefill:
         counters, read at the start; each chunk's are then known on the host, so the CPU
         launches chunk ``j + 1`` while the GPU runs chunk ``j``) and one host-to-device copy
         per chunk (each layer's first ring row). With recall, each layer's chunk K/V go to its
-        host rows by a kernel on the stream, and the ranking reads the counters known here."""
+        host rows by a kernel on the stream."""
         adapter, cache = self.adapter, self.cache
         n, dev = ids.shape[0], ids.device
         R = self.longest_chunk
@@ -100,17 +100,12 @@ class TailPrefill:
             cos, sin = adapter.rope(h, positions)                               # (1, T, D)
             firsts = torch.tensor([first for _, first in starts], dtype=torch.int64
                                   ).to(dev, non_blocking=True).unbind(0)
-            # with recall, each layer's lens as the host knows them, for the ranking
-            if cache.recall is not None:
-                host_lens = torch.tensor([[[n_quant, first + 1]] for n_quant, first in starts],
-                                         dtype=torch.int32).unbind(0)             # L x (1, 2)
             if self._compiled and T > 1:  # one graph for every T >= 2
                 for t in (h, cos, sin):
                     torch._dynamo.maybe_mark_dynamic(t, 1)
             with self._limits(T):
                 for i, (weights, kv, first) in enumerate(zip(self.weights, views, firsts)):
-                    recall = None if cache.recall is None else (host_lens[i], *hosts[i])
-                    h, k, v = self._layer(weights, kv, first, h, cos, sin, recall)
+                    h, k, v = self._layer(weights, kv, first, h, cos, sin, hosts[i])
                     if cache.recall is not None:  # host row = the token's quantized position
                         (host_k, host_v, *_), (n_quant, ring_row) = hosts[i], starts[i]
                         ops.recall_store_rows(host_k[0], host_v[0], k[0], v[0],
@@ -176,8 +171,7 @@ class TailPrefill:
         weights: the layer's ``adapter.layer_weights``; kv: the slot's rows of its buffers
         (``(1, ...)`` views; the ring written); first: ``()`` int64 on the device, the ring row
         of the chunk's first token; h ``(1, T, hidden)``; cos, sin ``(1, T, D)``; recall: None,
-        or ``(lens_host, host_k, host_v, recall_k, recall_v)`` of ``ops.tail_attention_recall``
-        (the slot's lens after this chunk's flush, on the host). Returns the
+        or ``(host_k, host_v, recall_k, recall_v)`` of ``ops.tail_attention_recall``. Returns the
         layer's ``h`` and the chunk's ``k, v (1, H_kv, T, D)`` (for the host copy with recall).
         """
         a, T = self.adapter, h.shape[1]

@@ -237,17 +237,25 @@ def _tail_plan(dtype: torch.dtype, bits: int, group_size: int, head_dim: int, ba
     return _TailPlan(max(1, min(want, useful, 64)), block_m, block_n, warps, 2)
 
 
-def _tail_attention_triton(
+def _dot_mode(dtype: torch.dtype) -> tuple:
+    """(DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND) of the tail's kernels for a model dtype. As
+    decode attention's launcher: the interpreter (triton 3.9) mishandles bf16 (its tl.dot
+    multiplies the raw bits, its casts truncate), so there bf16 values are rounded by hand and
+    kept in fp32; fp32 models keep exact fp32 products."""
+    bf16_by_hand = os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16
+    if dtype == torch.float32 or bf16_by_hand:
+        return tl.float32, "ieee", bf16_by_hand
+    return (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32", False
+
+
+def _tail_partials(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
     scale: float, bits: int, group_size: int, plan: Optional[_TailPlan] = None,
     recall: Optional[tuple] = None,
-) -> torch.Tensor:
-    """The CUDA implementation of :func:`tail_attention` (inputs already validated; also
-    callable on CPU tensors under TRITON_INTERPRET=1), and with ``recall = (recall_k, recall_v,
-    recall_idx)`` of :func:`.attention_tail_recall.tail_attention_recall`'s attention. Two
-    launches: the split kernel, grid ``(B * H_kv, ceil(T * GQA / BLOCK_M), NUM_SPLITS + 1)``,
-    then decode attention's combine over the ``B * T`` rows. ``plan``: ``_tail_plan``'s by
-    default (tests and the benchmark pass others)."""
+) -> tuple:
+    """The split launch, grid ``(B * H_kv, ceil(T * GQA / BLOCK_M), NUM_SPLITS + 1)``: each
+    row's partials ``m, l (B * T, H_q, S)`` (log2 domain) and ``acc (B * T, H_q, S, D)`` fp32,
+    S = NUM_SPLITS + 1, and the plan (``_tail_plan``'s by default)."""
     batch, rows, h_q, d = q.shape
     h_kv, ring_rows = k_ring.shape[1], k_ring.shape[2]
     gqa = h_q // h_kv
@@ -268,19 +276,8 @@ def _tail_attention_triton(
     m = torch.empty(batch * rows, h_q, n_slots, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(batch * rows, h_q, n_slots, d, dtype=torch.float32, device=q.device)
-    out = q.new_empty(q.shape)                                            # (B, T, H_q, D)
-
-    # As decode attention's launcher: the interpreter (triton 3.9) mishandles bf16 (its tl.dot
-    # multiplies the raw bits, its casts truncate), so there bf16 values are rounded by hand and
-    # kept in fp32; fp32 models keep exact fp32 products.
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    bf16_by_hand = interpret and q.dtype == torch.bfloat16
-    if q.dtype == torch.float32 or bf16_by_hand:
-        dot_dtype, precision = tl.float32, "ieee"
-    else:
-        dot_dtype, precision = (tl.float16 if q.dtype == torch.float16 else tl.bfloat16), "tf32"
+    dot_dtype, precision, bf16_by_hand = _dot_mode(q.dtype)
     pdl = gdc.supported(q.device)
-
     if recall is None:  # never read (RECALL off): stand-ins
         bitmap, recall_k, recall_v, recall_idx = lens, k_ring, v_ring, lens
     else:
@@ -301,13 +298,34 @@ def _tail_attention_triton(
         RECALL=recall is not None, PDL=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl,
     )
+    return m, l, acc, plan
+
+
+def _tail_attention_triton(
+    q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
+    scale: float, bits: int, group_size: int, plan: Optional[_TailPlan] = None,
+    recall: Optional[tuple] = None,
+) -> torch.Tensor:
+    """The CUDA implementation of :func:`tail_attention` (inputs already validated; also
+    callable on CPU tensors under TRITON_INTERPRET=1), and with ``recall = (recall_k, recall_v,
+    recall_idx)`` of :func:`.attention_tail_recall.tail_attention_recall`'s attention. Two
+    launches: the split kernel (``_tail_partials``), then decode attention's combine over the
+    ``B * T`` rows. ``plan``: ``_tail_plan``'s by default (tests and the benchmark pass
+    others)."""
+    batch, rows, h_q, d = q.shape
+    m, l, acc, plan = _tail_partials(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero,
+                                     k_ring, v_ring, lens, scale, bits, group_size, plan, recall)
+    n_slots = plan.num_splits + 1
+    out = q.new_empty(q.shape)                                            # (B, T, H_q, D)
+    pdl = gdc.supported(q.device)
     # (the combine's lse_ref, update and their strides belong to its RECALL mode: never read)
     block_d = min(d, 32)
     out_rows = out.view(batch * rows, h_q, d)
     _decode_attention_combine_kernel[(batch * rows * h_q, d // block_d)](
         m, l, acc, out_rows, m, lens, lens, h_q, *out_rows.stride(), 0, 0, n_slots,
-        D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots), BF16_BY_HAND=bf16_by_hand,
-        ROWS=1, RECALL=False, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_slots),
+        BF16_BY_HAND=_dot_mode(q.dtype)[2], ROWS=1, RECALL=False, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
     return out
 

@@ -14,12 +14,14 @@ from typing import List, Sequence
 import pytest
 import torch
 
+from aot import compile_for_sm90
 from test_decode_attention import DTYPES, ULP, Case
 from test_tail_attention import assert_within_2x, make_tail_case, seen0, tail_fp64
 
 from minikv_compile.ops import tail_attention, tail_attention_recall
 from minikv_compile.ops.attention_tail import _tail_attention_triton, _tail_plan
-from minikv_compile.ops.attention_tail_recall import tail_recall_select_ref
+from minikv_compile.ops.attention_tail_recall import (_tail_recall_select_triton,
+                                                     tail_recall_select_ref)
 
 
 def fp64_mass(q: torch.Tensor, case: Case, n_quant: Sequence[int], n_seen0: Sequence[int],
@@ -77,8 +79,7 @@ T1 = (2, 2, 2, 3, 16, 64, 32, 1, [64, 16], [9, 1])
 def test_select_is_the_top_k_by_fp64_mass(shape, bits, k):
     case, bad, q, _, _, scale = recall_case(shape, bits, torch.float32)
     n_quant, n_ring = shape[8], shape[9]
-    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], case.bufs[8].cpu(), scale,
-                                 bits, 16, k)
+    idx = tail_recall_select_ref(q, *case.bufs, scale, bits, 16, k)
     assert idx.shape == (shape[0], shape[2], k) and idx.dtype == torch.int32
     masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
     for b, mass in enumerate(masses):
@@ -91,8 +92,34 @@ def test_select_is_the_top_k_by_fp64_mass(shape, bits, k):
             want = torch.topk(mass[h], n).values
             torch.testing.assert_close(mass[h][got], want, rtol=1e-5, atol=1e-9)
     # nothing past the last row's token, and no slot >= batch, is read
-    assert torch.equal(tail_recall_select_ref(q, *bad[:3], bad[6], bad[8].cpu(), scale, bits, 16,
-                                              k), idx)
+    assert torch.equal(tail_recall_select_ref(q, *bad, scale, bits, 16, k), idx)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("shape,bits,dtype,k", [
+    (T5, 2, torch.float32, 8), (T9, 4, torch.float32, 200), (T1, 2, torch.float32, 20),
+    (T9, 2, torch.float16, 8), (T5, 4, torch.bfloat16, 8)],
+    ids=["T5-2-fp32-k8", "T9-4-fp32-k200", "T1-2-fp32-k20", "T9-2-fp16-k8", "T5-4-bf16-k8"])
+def test_triton_select_is_the_top_k_by_fp64_mass(shape, bits, dtype, k):
+    """The CUDA ranking (the tail kernel's partials for each row's log-sum-exp, the mass kernel,
+    one top-k over the capacity) under the interpreter: the chosen positions' fp64 masses are
+    the top ones (fp32 to its rounding; fp16/bf16 dots to 2%), -1 past the slot's tokens."""
+    case, bad, q, _, _, scale = recall_case(shape, bits, dtype)
+    n_quant, n_ring = shape[8], shape[9]
+    idx = _tail_recall_select_triton(q, *case.bufs, scale, bits, 16, k)
+    assert idx.shape == (shape[0], shape[2], k) and idx.dtype == torch.int32
+    rtol = 1e-4 if dtype == torch.float32 else 2e-2
+    masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
+    for b, mass in enumerate(masses):
+        n = min(k, n_quant[b])
+        assert (idx[b, :, n:] == -1).all()
+        for h in range(mass.shape[0]):
+            got = idx[b, h, :n].long()
+            assert len(set(got.tolist())) == n and (got >= 0).all() and (got < n_quant[b]).all()
+            torch.testing.assert_close(mass[h][got].sort().values,
+                                       torch.topk(mass[h], n).values.sort().values,
+                                       rtol=rtol, atol=1e-9)
+    assert torch.equal(_tail_recall_select_triton(q, *bad, scale, bits, 16, k), idx)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -103,8 +130,8 @@ def test_public_op_ranks_gathers_and_attends(dtype, bits):
     K = 8
     recall_k = torch.zeros(2, 2, K, 32, dtype=dtype)
     recall_v = torch.zeros_like(recall_k)
-    out = tail_attention_recall(q, *case.bufs, case.bufs[8].cpu(), host_k[:2], host_v[:2],
-                                recall_k, recall_v, scale, bits, 16)
+    out = tail_attention_recall(q, *case.bufs, host_k[:2], host_v[:2], recall_k, recall_v,
+                                scale, bits, 16)
     assert out.dtype == dtype and out.shape == q.shape
     # the oracle's own ranking (fp64, from the 2-bit keys), its host rows, its attention
     masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
@@ -187,7 +214,7 @@ def test_triton_matches_the_oracle(shape, K, bits, dtype):
 def test_opcheck(op, args):
     case, _, q, host_k, host_v, scale = recall_case(T5, 2, torch.float32)
     if args == "select":
-        inputs = (q, *case.bufs[:3], case.bufs[6], case.bufs[8].cpu(), scale, 2, 16, 4)
+        inputs = (q, *case.bufs, scale, 2, 16, 4)
     else:
         idx = _fixed_idx(T5, 4)
         rk = torch.randn(3, 2, 4, 16)
@@ -198,8 +225,8 @@ def test_opcheck(op, args):
 def _public_args(**over):
     case, _, q, host_k, host_v, scale = recall_case(T5, 2, torch.float16)
     rk = torch.zeros(3, 2, 4, 16, dtype=torch.float16)
-    args = dict(q=q, bufs=case.bufs, lens_host=case.bufs[8].cpu(), host_k=host_k, host_v=host_v,
-                recall_k=rk, recall_v=rk.clone(), scale=scale, bits=2)
+    args = dict(q=q, bufs=case.bufs, host_k=host_k, host_v=host_v, recall_k=rk,
+                recall_v=rk.clone(), scale=scale, bits=2)
     args.update(over)
     return args
 
@@ -218,24 +245,41 @@ def _public_args(**over):
           recall_k=torch.zeros(1, 2, 4, 16, dtype=torch.float16),
           recall_v=torch.zeros(1, 2, 4, 16, dtype=torch.float16)),
      r"host_k: expected at least B=2 slots \(q.shape\[0\]\), got shape \(1, 2, 64, 16\)"),
-    (dict(lens_host=torch.zeros(1, 2, dtype=torch.int32)), "lens_host: expected at least B=2"),
-    (dict(lens_host=torch.zeros(3, 2, dtype=torch.int64)), "lens_host: expected dtype"),
 ], ids=["bits16", "host-dtype", "host-v-shape", "k0", "recall-v-shape", "recall-slots",
-        "host-slots", "lens-slots", "lens-dtype"])
+        "host-slots"])
 def test_bad_inputs_raise(over, message):
     a = _public_args(**over)
     with pytest.raises(ValueError, match=message):
-        tail_attention_recall(a["q"], *a["bufs"], a["lens_host"], a["host_k"], a["host_v"],
-                              a["recall_k"], a["recall_v"], a["scale"], a["bits"], 16)
+        tail_attention_recall(a["q"], *a["bufs"], a["host_k"], a["host_v"], a["recall_k"],
+                              a["recall_v"], a["scale"], a["bits"], 16)
+
+
+def test_mass_kernel_compiles_for_sm90():
+    # The ranking's mass kernel at the 8B shape's "accurate" launch (bf16, bits 2, group 64)
+    # and at fp32, for an H100/H200, without a GPU (tests/aot.py says why).
+    compile_for_sm90("""
+from minikv_compile.ops import attention_tail_recall as r
+for dt, tdt, bits, g, block_m, block_n in (("bf16", tl.bfloat16, 2, 64, 64, 64),
+                                            ("fp32", tl.float32, 4, 16, 32, 32)):
+    sig = {"q_ptr": "*" + dt, "k_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
+           "lens_ptr": "*i32", "lse2_ptr": "*fp32", "mass_ptr": "*fp32", "qk_scale": "fp32",
+           **{n: "i32" for n in ("stride_qb", "stride_qt", "stride_qh", "stride_qd", "ROWS",
+                                 "H_KV", "T_CAP")}}
+    build(r._tail_mass_kernel, sig, dict(GQA=4, BLOCK_M=block_m, D=128, BITS=bits, G=g,
+                                          BLOCK_N=block_n, DOT_DTYPE=tdt,
+                                          INPUT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                                          BF16_BY_HAND=False))
+""")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_llama_size(dtype):
     """Llama-3.1-8B attention (32 query / 8 KV heads, D 128), a 23-token chunk over up to 4k
-    quantized tokens, K = 64, the host rows pinned: the public op (ranking, the gather from
-    host memory, the kernel under RECALL) against the fp64 oracle with the op's own choice of
-    rows (the ranking is checked on the CPU), and the chosen rows against the fp64 ranking."""
+    quantized tokens, K = 64, the host rows pinned: the public op (the Triton ranking, the
+    gather from host memory, the kernel under RECALL) against the fp64 oracle with the op's own
+    choice of rows, and those rows' fp64 masses against the top ones (the ranking's dots in the
+    model dtype: 2%, as under the interpreter)."""
     torch.manual_seed(0)
     n_quant, n_ring, K = [4096, 1008], [1, 30], 64
     case, _ = make_tail_case(2, 3, 8, 128, 4096, 129, 2, 16, dtype, 23, n_quant, n_ring,
@@ -245,11 +289,10 @@ def test_gpu_llama_size(dtype):
     host_v = torch.randn(3, 8, 4096, 128).to(dtype).pin_memory()
     recall_k = torch.zeros(3, 8, K, 128, dtype=dtype, device="cuda")
     recall_v = torch.zeros_like(recall_k)
-    lens_host = case.bufs[8].cpu()
-    out = tail_attention_recall(q, *case.bufs, lens_host, host_k, host_v, recall_k, recall_v,
+    out = tail_attention_recall(q, *case.bufs, host_k, host_v, recall_k, recall_v,
                                 128 ** -0.5, 2, 16)
-    idx = tail_recall_select_ref(q, *case.bufs[:3], case.bufs[6], lens_host, 128 ** -0.5, 2, 16,
-                                 K).cpu()
+    # the rows the op recalled (its Triton ranking), checked against the fp64 masses below
+    idx = torch.ops.minikv.tail_recall_select(q, *case.bufs, 128 ** -0.5, 2, 16, K).cpu()
     truth = with_recall(case, idx, host_k, host_v, n_quant)
     assert_within_2x(out, q, truth, seen0(n_quant, n_ring), 128 ** -0.5)
     for b in range(2):
@@ -259,5 +302,6 @@ def test_gpu_llama_size(dtype):
     masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), 128 ** -0.5)
     for b, mass in enumerate(masses):
         for h in range(8):
-            want = torch.topk(mass[h], K).values
-            torch.testing.assert_close(mass[h][idx[b, h].long()], want, rtol=1e-3, atol=1e-7)
+            want = torch.topk(mass[h], K).values.sort().values
+            torch.testing.assert_close(mass[h][idx[b, h].long()].sort().values, want,
+                                       rtol=2e-2, atol=1e-7)
