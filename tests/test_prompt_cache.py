@@ -172,21 +172,27 @@ def test_compressed_tail_joins_the_cache_as_decode_steps_do(engine, request, tmp
         rtol=1e-4, atol=1e-4)
 
 
-def test_tail_recalling_every_position_gives_the_full_caches_log_probs(model, full):
-    """Recall in the tail prefill: with K covering every quantized position (and so every
-    decode step's recall too), a 2-bit cache's tail and answer after a cached document get the
-    16-bit cache's log-probabilities: the tail attends to the host rows, not the codes (without
-    its recall, these log-probabilities differ by up to 0.21)."""
+def _every_position_against_full(model, full):
+    """Teacher-forced log-probs of two sequences (a document each, cached, then a tail and an
+    answer; slot 1's tail reads slot 1's host rows) through a 2-bit cache whose recall covers
+    every quantized position, and through ``full``: (got, want) per sequence."""
     every = minikv_compile(model, MiniKVConfig(bits=2, heavy_budget=1.0, recent_budget=1.0,
                                                recall_top_k=256, **RING, max_batch_size=2))
-    # two sequences: slot 1's tail reads slot 1's host rows
     docs, tails = [DOC, prompt_of(70, 4)], [QUESTION, prompt_of(30, 5)]
     answers = [prompt_of(12, 3), prompt_of(9, 6)]
     prompts = [d + q for d, q in zip(docs, tails)]
     got = every.teacher_force(prompts, answers, past_key_values=every.cache_prompt(docs))
     want = full.teacher_force(prompts, answers, past_key_values=full.cache_prompt(docs))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    return list(zip(got, want))
+
+
+def test_tail_recalling_every_position_gives_the_full_caches_log_probs(model, full):
+    """Recall in the tail prefill: with K covering every quantized position (and so every
+    decode step's recall too), a 2-bit cache's tail and answer after a cached document get the
+    16-bit cache's log-probabilities: the tail attends to the host rows, not the codes (without
+    its recall, these log-probabilities differ by up to 0.21)."""
+    for got, want in _every_position_against_full(model, full):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_saved_file_holds_the_metadata_and_only_the_valid_rows(full, minikv, tmp_path):
@@ -340,13 +346,7 @@ def test_gpu_tail_recalling_every_position_gives_the_full_caches_log_probs():
     path against the decode path above; without the tail's recall the two sequences are 0.08
     and 0.14 apart on average in fp32 on the CPU, past the mean's bound)."""
     model = tiny(dtype=torch.bfloat16, device="cuda")
-    every = minikv_compile(model, MiniKVConfig(bits=2, heavy_budget=1.0, recent_budget=1.0,
-                                               recall_top_k=256, **RING, max_batch_size=2))
     full = minikv_compile(model, MiniKVConfig(**FULL, **RING, max_batch_size=2))
-    docs, tails = [DOC, prompt_of(70, 4)], [QUESTION, prompt_of(30, 5)]
-    answers = [prompt_of(12, 3), prompt_of(9, 6)]
-    prompts = [d + q for d, q in zip(docs, tails)]
-    got = every.teacher_force(prompts, answers, past_key_values=every.cache_prompt(docs))
-    want = full.teacher_force(prompts, answers, past_key_values=full.cache_prompt(docs))
-    for g, w in zip(got, want):
-        assert (g - w).abs().mean() < 0.05 and (g - w).abs().max() < 0.3, (g - w).abs().max()
+    for got, want in _every_position_against_full(model, full):
+        diff = (got - want).abs()
+        assert diff.mean() < 0.05 and diff.max() < 0.3, diff
