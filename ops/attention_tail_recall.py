@@ -73,7 +73,8 @@ def _tail_mass_kernel(
     mass = tl.zeros((BLOCK_N,), tl.float32)
     if start < n_quant:
         P: tl.constexpr = 32 // BITS
-        kw, ks, kz = _load_keys_t(k_ptr + plane * (T_CAP // P * D), ks_ptr + plane * (T_CAP // G * D),
+        kw, ks, kz = _load_keys_t(k_ptr + plane * (T_CAP // P * D),
+                                  ks_ptr + plane * (T_CAP // G * D),
                                   kz_ptr + plane * (T_CAP // G * D), start, n_quant, D, BITS, G,
                                   BLOCK_N)
         k_t = _round_to(_dequant_last(kw, ks, kz, BITS, G), q_ptr.dtype.element_ty,
@@ -97,25 +98,33 @@ def _tail_mass_kernel(
 
 def _tail_recall_select_triton(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
                                v_ring, lens, scale: float, bits: int, group_size: int,
-                               k: int) -> torch.Tensor:
+                               k: int, plan=None) -> torch.Tensor:
     """The CUDA implementation of ``minikv::tail_recall_select`` (inputs validated; also
     callable on CPU tensors under TRITON_INTERPRET=1). The rows' log-sum-exp from the tail
-    kernel's partials, the mass kernel over the capacity, one top-k; no host sync."""
+    kernel's partials (``plan``: its launch, ``_tail_plan``'s by default), the mass kernel over
+    the capacity, one top-k; no host sync. Bits 1, 2 or 4 (the mass kernel reads codes)."""
+    if bits == 16:
+        raise ValueError("bits: expected 1, 2 or 4 (the ranking's kernel reads codes; a 16-bit "
+                         "cache has nothing to recall), got 16")
     batch, rows, h_q, d = q.shape
     h_kv, capacity = k_ring.shape[1], v_cache.shape[2]
     m, l, _, _ = _tail_partials(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring,
-                                v_ring, lens, scale, bits, group_size)
+                                v_ring, lens, scale, bits, group_size, plan)
     top = m.amax(-1, keepdim=True)                                         # (B * T, H_q, 1)
     lse2 = (top.squeeze(-1) + torch.log2((l * torch.exp2(m - top)).sum(-1))).contiguous()
     mass = torch.empty(batch, h_kv, capacity, dtype=torch.float32, device=q.device)
     dot_dtype, precision, bf16_by_hand = _dot_mode(q.dtype)
+    # tiles: a whole number of key groups; (D, BLOCK_N) keys dequantized once a program, 8
+    # warps where they are 16k values or more (not tuned: not measured yet)
     block_n = max(32 if q.dtype == torch.float32 else 64, group_size)
     block_m = 32 if q.dtype == torch.float32 else 64
+    warps = 8 if block_n * d >= 16384 else 4
     _tail_mass_kernel[(batch * h_kv, triton.cdiv(capacity, block_n))](
         q, k_cache, k_scale, k_zero, lens, lse2, mass, scale * _LOG2E, *q.stride(),
         rows, h_kv, capacity,
         GQA=h_q // h_kv, BLOCK_M=block_m, D=d, BITS=bits, G=group_size, BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand, num_warps=4)
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, BF16_BY_HAND=bf16_by_hand,
+        num_warps=warps)
     top = torch.topk(mass, min(k, capacity), dim=-1)
     idx = torch.where(top.values >= 0, top.indices, -1).to(torch.int32)    # (B, H_kv, <= k)
     if idx.shape[-1] < k:

@@ -95,18 +95,31 @@ def test_select_is_the_top_k_by_fp64_mass(shape, bits, k):
     assert torch.equal(tail_recall_select_ref(q, *bad, scale, bits, 16, k), idx)
 
 
+T20 = (2, 2, 2, 4, 32, 256, 32, 20, [192, 64], [3, 10])  # 80 (row, head) pairs a KV group
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("shape,bits,dtype,k", [
-    (T5, 2, torch.float32, 8), (T9, 4, torch.float32, 200), (T1, 2, torch.float32, 20),
-    (T9, 2, torch.float16, 8), (T5, 4, torch.bfloat16, 8)],
-    ids=["T5-2-fp32-k8", "T9-4-fp32-k200", "T1-2-fp32-k20", "T9-2-fp16-k8", "T5-4-bf16-k8"])
-def test_triton_select_is_the_top_k_by_fp64_mass(shape, bits, dtype, k):
+@pytest.mark.parametrize("shape,bits,dtype,k,splits", [
+    (T5, 2, torch.float32, 8, 1), (T9, 4, torch.float32, 200, 1), (T1, 2, torch.float32, 20, 1),
+    (T9, 2, torch.float16, 8, 1), (T5, 4, torch.bfloat16, 8, 1), (T20, 2, torch.float32, 16, 3),
+    (T20, 2, torch.float16, 16, 4)],
+    ids=["T5-2-fp32-k8", "T9-4-fp32-k200", "T1-2-fp32-k20", "T9-2-fp16-k8", "T5-4-bf16-k8",
+         "T20-2-fp32-k16-3splits", "T20-2-fp16-k16-4splits"])
+def test_triton_select_is_the_top_k_by_fp64_mass(shape, bits, dtype, k, splits):
     """The CUDA ranking (the tail kernel's partials for each row's log-sum-exp, the mass kernel,
     one top-k over the capacity) under the interpreter: the chosen positions' fp64 masses are
-    the top ones (fp32 to its rounding; fp16/bf16 dots to 2%), -1 past the slot's tokens."""
+    the top ones (fp32 to its rounding; fp16/bf16 dots to 2%), -1 past the slot's tokens. T20:
+    more (row, head) pairs than a block of them, several splits of the region merged, q
+    transposed (the tail layer passes ``q.transpose(1, 2)``)."""
     case, bad, q, _, _, scale = recall_case(shape, bits, dtype)
     n_quant, n_ring = shape[8], shape[9]
-    idx = _tail_recall_select_triton(q, *case.bufs, scale, bits, 16, k)
+    if shape is T20:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)                 # (B, T, H_q, D)
+        assert not q.is_contiguous()
+    batch, _, h_kv, gqa, d, capacity, _, rows = shape[:8]
+    plan = _tail_plan(dtype, bits, 16, d, batch, rows, h_kv * gqa, h_kv, capacity, 1)._replace(
+        num_splits=splits, block_m=16, block_n=16)
+    idx = _tail_recall_select_triton(q, *case.bufs, scale, bits, 16, k, plan)
     assert idx.shape == (shape[0], shape[2], k) and idx.dtype == torch.int32
     rtol = 1e-4 if dtype == torch.float32 else 2e-2
     masses = fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)
@@ -119,7 +132,9 @@ def test_triton_select_is_the_top_k_by_fp64_mass(shape, bits, dtype, k):
             torch.testing.assert_close(mass[h][got].sort().values,
                                        torch.topk(mass[h], n).values.sort().values,
                                        rtol=rtol, atol=1e-9)
-    assert torch.equal(_tail_recall_select_triton(q, *bad, scale, bits, 16, k), idx)
+    assert torch.equal(_tail_recall_select_triton(q, *bad, scale, bits, 16, k, plan), idx)
+    with pytest.raises(ValueError, match="bits: expected 1, 2 or 4"):
+        _tail_recall_select_triton(q, *case.bufs, scale, 16, 16, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
