@@ -335,6 +335,20 @@ def _tail_attention_triton(
 # ----------------------------------------------------------------------------------------------
 
 
+def _tail_probs_ref(qb: torch.Tensor, keys: torch.Tensor, first_row: int, seen0: int, gqa: int,
+                    scale: float) -> torch.Tensor:
+    """fp32 softmax probabilities of chunk rows ``first_row ..`` over ``keys (H_kv, T_b, D)``
+    (the region, then the ring): ``qb (H_kv, rows * gqa, D)``, row r's head g at ``r * gqa +
+    g``; chunk row r sees the first ``seen0 + r`` keys (``seen0``: row 0's, ``lens[b, 0] +
+    lens[b, 1]``). Returns ``(H_kv, rows * gqa, T_b)``."""
+    rows = qb.shape[1] // gqa
+    scores = qb @ keys.transpose(1, 2) * scale
+    last = seen0 + torch.arange(first_row, first_row + rows,
+                                device=qb.device).repeat_interleave(gqa)
+    hidden = torch.arange(keys.shape[1], device=qb.device)[None, :] >= last[:, None]
+    return torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+
+
 def tail_attention_ref(
     q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero, k_ring, v_ring, lens,
     scale: float, bits: int, group_size: int, recall: Optional[tuple] = None,
@@ -364,11 +378,7 @@ def tail_attention_ref(
         v = torch.cat([v, v_ring[b, :, :seen].float()], dim=1)
         # (T, H_q, D) -> (H_kv, T * gqa, D): row r, head h * gqa + g at r * gqa + g
         qb = q[b].float().reshape(rows, h_kv, gqa, d).transpose(0, 1).reshape(h_kv, rows * gqa, d)
-        scores = qb @ k.transpose(1, 2) * scale                            # (H_kv, T * gqa, T_b)
-        # row r sees the first n_quant + n_ring + r tokens
-        last = n_quant + n_ring + torch.arange(rows, device=q.device).repeat_interleave(gqa)
-        hidden = torch.arange(k.shape[1], device=q.device)[None, :] >= last[:, None]
-        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        probs = _tail_probs_ref(qb, k, 0, n_quant + n_ring, gqa, scale)  # (H_kv, T * gqa, T_b)
         ob = (probs @ v).view(h_kv, rows, gqa, d).transpose(0, 1)          # (T, H_kv, gqa, D)
         out[b] = ob.reshape(rows, h_q, d).to(q.dtype)
     return out

@@ -34,7 +34,7 @@ from ._checks import check_tensor
 from .attention_decode import (_LOG2E, _dequant_last, _load_keys_t, _region_keys_ref,
                                _round_to)
 from .attention_tail import (_check_tail_inputs, _dot_mode, _tail_attention_triton,
-                             _tail_partials, tail_attention_ref)
+                             _tail_partials, _tail_probs_ref, tail_attention_ref)
 
 # The reference materializes the scores a block of query rows at a time: at most this many
 # fp32 elements (256 MiB, twice that with softmax's output), whatever the chunk's length (the
@@ -157,12 +157,8 @@ def tail_recall_select_ref(q, k_cache, k_scale, k_zero, v_cache, v_scale, v_zero
         mass = torch.zeros(h_kv, n_quant, dtype=torch.float32, device=q.device)
         step = max(1, _SCORE_ELEMENTS // (h_kv * gqa * keys.shape[1]))
         for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            scores = qb[:, r0:r1].reshape(h_kv, -1, d) @ keys.transpose(1, 2) * scale
-            # row r sees the region and its first n_ring + r ring tokens
-            last = n_quant + n_ring + torch.arange(r0, r1, device=q.device).repeat_interleave(gqa)
-            hidden = torch.arange(keys.shape[1], device=q.device)[None, :] >= last[:, None]
-            probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+            probs = _tail_probs_ref(qb[:, r0:r0 + step].reshape(h_kv, -1, d), keys, r0,
+                                    n_quant + n_ring, gqa, scale)
             mass += probs[:, :, :n_quant].sum(1)
         top = torch.topk(mass, min(k, n_quant), dim=-1).indices
         out[b, :, :top.shape[1]] = top.to(torch.int32)

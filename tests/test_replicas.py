@@ -210,6 +210,11 @@ def _scope_and_hashes(path: str, body: dict):
     return scope, hashes_of(route)
 
 
+def _remember(affinity: Affinity, path: str, body: dict, replica: int) -> None:
+    scope, hashes = _scope_and_hashes(path, body)
+    affinity.remember_last(scope, len(hashes), int(hashes[-1]), replica)
+
+
 def test_affinity_keys_on_the_scope_and_the_longest_remembered_start():
     """A conversation's route text starts with its earlier turns'; a prompt's with the prompts
     it extends (text, or token ids); another salt or budget is another scope; no reuse, no
@@ -218,7 +223,7 @@ def test_affinity_keys_on_the_scope_and_the_longest_remembered_start():
     turn1 = {"messages": CONVERSATION[:1]}
     turn2 = {"messages": CONVERSATION[:3]}
     affinity = Affinity(max_entries=3)
-    affinity.remember(*_scope_and_hashes(chat, turn1), 1)
+    _remember(affinity, chat, turn1, 1)
     assert affinity.lookup(*_scope_and_hashes(chat, turn2)) == 1
     salted = {**turn2, "minikv": {"cache_salt": "tenant-b"}}
     assert affinity.lookup(*_scope_and_hashes(chat, salted)) is None
@@ -234,20 +239,20 @@ def test_affinity_keys_on_the_scope_and_the_longest_remembered_start():
     assert affinity.lookup(*_scope_and_hashes(chat, longer)) is None
     # completions: the longest remembered start wins; ids and text are apart
     done = "/v1/completions"
-    affinity.remember(*_scope_and_hashes(done, {"prompt": "w1 w2"}), 0)
-    affinity.remember(*_scope_and_hashes(done, {"prompt": "w1 w2 w3"}), 2)
+    _remember(affinity, done, {"prompt": "w1 w2"}, 0)
+    _remember(affinity, done, {"prompt": "w1 w2 w3"}, 2)
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w3 w4"})) == 2
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w4"})) == 0
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": [5, 6, 7]})) is None
     assert len(affinity) == 3
-    affinity.remember(*_scope_and_hashes(done, {"prompt": [5, 6]}), 1)  # 4 > 3: LRU out
+    _remember(affinity, done, {"prompt": [5, 6]}, 1)  # 4 > 3: LRU out
     assert len(affinity) == 3
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": [5, 6, 7]})) == 1
     assert affinity.lookup(*_scope_and_hashes(chat, turn2)) is None  # turn1's, least recent
     affinity.forget_replica(2)
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w3 w4"})) == 0
     assert len(affinity) == 2
-    # what the front keeps of a routed request: its length and last hash, as remember takes
+    # what the front keeps of a routed request: its length and last hash, as remember_last takes
     key, replica = affinity.find(*route_of(done, {"prompt": "w1 w2 w3 w4"}))
     assert replica == 0 and key == (len("w1 w2 w3 w4"), int(hashes_of("w1 w2 w3 w4")[-1]))
     affinity.remember_last(route_of(done, {"prompt": "w7"})[0], *affinity.find(

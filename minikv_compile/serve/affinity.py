@@ -121,14 +121,10 @@ class Affinity:
                     return replica
         return None
 
-    def remember(self, scope: Hashable, hashes: np.ndarray, replica: int) -> None:
-        """This route text (its prefix hashes) was sent to ``replica``: the most recent entry,
-        replacing one of the same text; the least recently used out past ``max_entries``."""
-        if len(hashes):
-            self.remember_last(scope, len(hashes), int(hashes[-1]), replica)
-
     def remember_last(self, scope: Hashable, length: int, last: int, replica: int) -> None:
-        """``remember`` by the route text's length and last prefix hash."""
+        """The route text of this length and last prefix hash (``find``'s first value) was sent
+        to ``replica``: the most recent entry, replacing one of the same text; the least
+        recently used out past ``max_entries``."""
         key = (scope, length, last)
         with self._lock:
             if key not in self._entries:

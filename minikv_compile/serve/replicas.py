@@ -542,10 +542,6 @@ def plan_replicas(argv: Sequence[str], data_parallel: int, tensor_parallel: int,
                     slots=slots, api_key=api_key)
 
 
-def _exit_quietly(signum, frame) -> None:
-    raise SystemExit(0)
-
-
 def serve_front(replicas: Replicas, host: str, port: int,
                 options: ServeOptions = ServeOptions(), *, keep_alive: float = 5.0,
                 ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None) -> int:
@@ -553,15 +549,12 @@ def serve_front(replicas: Replicas, host: str, port: int,
     one server: ``options``' door and read timeout, ``keep_alive``, TLS) until SIGTERM or
     SIGINT, then stop them. Returns 1 when every replica died (the front then stops by
     itself), else 0."""
-    import uvicorn
-
-    from .server import _protocol
+    from .server import exit_quietly, uvicorn_server
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
-    server = uvicorn.Server(uvicorn.Config(
-        create_front(replicas, options), host=host, port=port, timeout_graceful_shutdown=5,
-        timeout_keep_alive=keep_alive, http=_protocol(options.read_timeout),
-        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile))
+    server = uvicorn_server(create_front(replicas, options), host, port,
+                            read_timeout=options.read_timeout, keep_alive=keep_alive,
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     replicas.start()
 
     def every_replica_dead() -> None:  # nothing left to serve: the front stops too
@@ -572,8 +565,7 @@ def serve_front(replicas: Replicas, host: str, port: int,
             time.sleep(POLL_S)
 
     threading.Thread(target=every_replica_dead, daemon=True).start()
-    # uvicorn re-raises SIGTERM after its graceful shutdown: exit through ``finally``
-    signal.signal(signal.SIGTERM, _exit_quietly)
+    signal.signal(signal.SIGTERM, exit_quietly)
     try:
         server.run()
     finally:

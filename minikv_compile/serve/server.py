@@ -26,12 +26,9 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
     it opened (or after its last answer) is closed (the body's own limit is the app's).
     keep_alive: an idle connection is closed this many seconds after its last answer.
     ssl_keyfile, ssl_certfile: serve HTTPS with this key and certificate (PEM files)."""
-    import uvicorn
-
     engine = scheduler.engine
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=5, timeout_keep_alive=keep_alive,
-        http=_protocol(read_timeout), ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile))
+    server = uvicorn_server(app, host, port, read_timeout=read_timeout, keep_alive=keep_alive,
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     failed: List[BaseException] = []
 
     def warm_up() -> None:
@@ -50,7 +47,7 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
     threading.Thread(target=warm_up, name="minikv-warm-up", daemon=True).start()
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again through the handler
     # found before it: make that an exit through ``finally`` (status 0), not a kill.
-    signal.signal(signal.SIGTERM, _exit_quietly)
+    signal.signal(signal.SIGTERM, exit_quietly)
     try:
         server.run()
     finally:
@@ -58,7 +55,22 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
     return 1 if failed else 0
 
 
-def _exit_quietly(signum, frame) -> None:
+def uvicorn_server(app: FastAPI, host: str, port: int, *, read_timeout: float,
+                   keep_alive: float, ssl_keyfile: Optional[str] = None,
+                   ssl_certfile: Optional[str] = None):
+    """The uvicorn server of ``app`` (this server's, or the data-parallel front's): a deadline
+    on each request's header (``_protocol``), ``keep_alive``, TLS with the PEM files given, 5 s
+    of graceful shutdown."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=5, timeout_keep_alive=keep_alive,
+        http=_protocol(read_timeout), ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile))
+
+
+def exit_quietly(signum, frame) -> None:
+    """A SIGTERM handler: uvicorn re-raises the signal after its graceful shutdown; exit
+    through ``finally`` (status 0), not a kill."""
     raise SystemExit(0)
 
 

@@ -2,14 +2,16 @@
 preset's 32k prefill took 2.6x MiniKV's, 4.81 against 1.86 s on an H200)? The host copy of
 recall, the rotation, the ranking, the quantization, attention, the projections?
 
-For each preset (``--methods``), on the Llama-3.1-8B shape with random weights: one engine,
-one warm-up call, ``--repeats`` timed prefills (``generate(max_new_tokens=1)``: the first token
-comes from the prefill's logits), then one under ``torch.profiler``; its GPU kernels' time is
+For each method of the perf harness (``--methods``: ``minikv`` the paper's MiniKV,
+``kivi-g64-hadamard-specache`` the "accurate" preset), on the Llama-3.1-8B shape with random
+weights: the harness's engine runner and warm-up call, ``--repeats`` prefills as the engine
+times them (``generate`` of one token: it comes from the prefill's logits), then one under
+``torch.profiler``; its GPU kernels' time is
 summed into categories by kernel name (``CATEGORIES``, first match; ``other`` keeps the rest,
 its largest kernels listed), beside the memcpy time by direction and the host's CPU time.
 
     python perf/experiments/prefill_profile.py --out FILE.json [--prompt 32768]
-        [--methods minikv,accurate] [--repeats 3]
+        [--methods minikv,kivi-g64-hadamard-specache] [--repeats 3]
     python perf/experiments/prefill_profile.py --tiny --out FILE.json   # CPU plumbing check
 
 ``--tiny`` runs the tiny shape on the CPU (CPU operators instead of GPU kernels).
@@ -19,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 from collections import defaultdict
 
 import torch
 
-from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.perf import harness as H
+from minikv_compile.perf.argtypes import comma_list
 
 # (category, name pattern), first match wins: GPU kernel names (Triton kernels keep their
 # function names; inductor's are triton_*; cuBLAS/CUTLASS GEMMs), and ATen names on the CPU.
@@ -48,14 +49,14 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_one(cm, ids, device) -> dict:
+def profile_one(runner, prompts, device) -> dict:
     """One prefill under the profiler: per category the summed self time (GPU kernels on CUDA,
     CPU operators on the CPU), the memcpys, the host's CPU time, and the largest ``other``s."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
-        cm.generate([ids], max_new_tokens=1)
+        runner.generate(prompts, 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
     by_cat, other = defaultdict(float), defaultdict(float)
@@ -79,8 +80,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompt", type=int, default=32768)
-    ap.add_argument("--methods", default="minikv,accurate",
-                    help="comma list of MiniKVConfig.preset names, or 'default'")
+    ap.add_argument("--methods", default="minikv,kivi-g64-hadamard-specache",
+                    type=comma_list(tuple(H.ENGINE_METHODS), "methods"),
+                    help="comma list of the perf harness's engine methods")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
@@ -90,32 +92,20 @@ def main() -> int:
     dtype = torch.float32 if a.tiny else torch.bfloat16
     shape, prompt = ("tiny", min(a.prompt, 192)) if a.tiny else ("llama3.1-8b", a.prompt)
     model = H.build_model(shape, device, dtype)
-    vocab = min(1000, model.config.vocab_size)
-    ids = torch.randint(3, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    prompts = H.make_prompts(1, prompt, min(1000, model.config.vocab_size))
     rows = []
-    for method in a.methods.split(","):
-        fields = dict(max_batch_size=1, max_prompt_len=prompt, max_new_tokens=2)
-        config = (MiniKVConfig(**fields) if method == "default"
-                  else MiniKVConfig.preset(method, **fields))
-        cm = minikv_compile(model, config)
-        cm.generate([ids], max_new_tokens=1)  # warm-up: the step's compile, the first launches
-        times = []
-        for _ in range(a.repeats):
-            sync()
-            t = time.perf_counter()
-            cm.generate([ids], max_new_tokens=1)
-            sync()
-            times.append(time.perf_counter() - t)
-        row = {"method": method, "prompt": prompt, "prefill_s": times, **profile_one(cm, ids,
-                                                                                   device)}
+    for method in a.methods:
+        runner = H.EngineRunner(model, method, batch=1, prompt_len=prompt, new_tokens=2)
+        H.warm_call(runner, prompts, 1)
+        times = [runner.generate(prompts, 1).prefill_s for _ in range(a.repeats)]
+        row = {"method": method, "prompt": prompt, "prefill_s": times,
+               **profile_one(runner, prompts, device)}
         rows.append(row)
         print(f"{method}: prefill {min(times):.3f} s (best of {a.repeats}); kernels "
               f"{row['kernel_ms']:.1f} ms, host CPU {row['host_cpu_ms']:.1f} ms; " + ", ".join(
                   f"{k} {v:.1f}" for k, v in row["categories_ms"].items()), flush=True)
-        del cm
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        runner.close()
+        H.release()
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "shape": shape}
     with open(a.out, "w") as f:
