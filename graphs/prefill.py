@@ -127,8 +127,9 @@ def _attend_and_store(adapter: Adapter, cache: StaticKVCache, lc, config, layer:
                             cache.group_size, budget.prefill_ring_tokens(config, k_sel.shape[1]))
     if cache.recall is not None:
         # SpeCache's host copy: row t = the token at quantized position t (the order of k_sel;
-        # its ring tail takes the next positions when flushed). Pinned: the copy is async.
-        store, n = cache.recall.stores[layer], k_sel.shape[1]
-        store.k[slot, :, :n].copy_(k_sel, non_blocking=True)
-        store.v[slot, :, :n].copy_(v_sel, non_blocking=True)
+        # its ring tail takes the next positions when flushed), stored by a kernel on the stream:
+        # a copy_ into the slot's strided rows staged through pageable memory, 3.3 s of a 32k
+        # prefill's 5.3 (H100, 8B shape)
+        store = cache.recall.stores[layer]
+        ops.recall_store_rows(store.k[slot], store.v[slot], k_sel, v_sel, 0)
     return out

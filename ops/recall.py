@@ -33,8 +33,9 @@ The ops here:
   with no host synchronization and no copy issued from Python.
 * ``minikv::recall_store``: each slot's newest ring token to the host row it takes in the
   quantized order (the host copy grows as tokens are generated, not at flushes).
-* ``minikv::recall_store_rows``: a tail prefill chunk's T tokens of one slot to their host rows,
-  stored by a kernel into the pinned rows (stream-ordered, no wait for the GPU).
+* ``minikv::recall_store_rows``: T consecutive tokens of one slot (a prefill's kept tokens, a
+  tail prefill's chunk) to their host rows, stored by a kernel into the pinned rows
+  (stream-ordered, no wait for the GPU).
 * :func:`recall_topk`: the positions to recall next, the top-k by ``mass`` per (slot, layer,
   KV head), every layer in one call at the step's end, in plain torch ops (``torch.topk``) that
   the compiled step fuses, with no host sync; :func:`recall_topk_ref` is its rule on attention
@@ -557,10 +558,11 @@ def recall_store(store: HostStore, k_ring: torch.Tensor, v_ring: torch.Tensor, l
 def recall_store_rows(host_k: torch.Tensor, host_v: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, start: int) -> None:
     """Copy T consecutive tokens of one slot to their host rows: ``host_k[:, start + t] = k[:,
-    t]`` (and v) for ``t < T`` (the tail prefill's chunk, whose ring rows take quantized
-    positions ``start ..`` once flushed). On CUDA one launch storing into the pinned rows in
-    place, ordered on the stream like any kernel (a later gather on the stream reads them); a
-    ``copy_`` into the strided rows would wait for the GPU.
+    t]`` (and v) for ``t < T`` (a prefill's kept tokens from row 0; a tail prefill's chunk,
+    whose ring rows take quantized positions ``start ..`` once flushed). On CUDA one launch
+    storing into the pinned rows in place, ordered on the stream like any kernel (a later
+    gather on the stream reads them; a CPU reader syncs first); a ``copy_`` into the strided
+    rows would wait for the GPU and stage through pageable memory.
 
     Args:
         host_k, host_v: ``(H_kv, T_cap, D)``, CPU, contiguous (one slot's plane of a
