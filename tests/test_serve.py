@@ -237,10 +237,14 @@ PROMPTS = ["w1 w2 w3", "w5 w9 w11 w40 w3 w3 w7", "w10", "w20 w21 w22 w23 w24 w25
 # -- endpoints ---------------------------------------------------------------------------------
 
 
-def test_models_health_and_flags(client, server, model_dir):
+def test_models_health_and_flags(client, server, model_dir, ref):
     assert client.get("/health").json() == {"status": "ok"}
     cache = server.log.parent / "compiled"
-    assert f"compile cache: {cache}" in server.log.read_text() and cache.is_dir()
+    log = server.log.read_text()
+    assert f"compile cache: {cache}" in log and cache.is_dir()
+    kv = ref.engine.kv_memory().allocated_bytes  # the same model and config in this process
+    assert f"KV cache: {kv / 2**30:.2f} GiB ({kv:,} bytes) on the cpu for 4 slots of 64 + " \
+           f"{MAX_NEW} tokens\n" in log
     models_ = client.get("/v1/models").json()
     assert models_["object"] == "list"
     assert [m["id"] for m in models_["data"]] == [str(model_dir)]

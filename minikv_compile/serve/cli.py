@@ -159,6 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             follow(engine)
             leave_ranks(0)
+        _log.info("%s", _memory_line(engine))
         scheduler = Scheduler(engine, tokenizer, max_queue=args.max_queue,
                               prefill_ms=args.prefill_ms, prefill_layers=args.prefill_layers,
                               prefill_batch_tokens=args.prefill_batch_tokens,
@@ -214,6 +215,21 @@ def _door_flags(p: argparse.ArgumentParser) -> None:
                            "tokenized as control tokens, as HF's apply_chat_template does (a "
                            "user message can then forge a turn). Default: off, such text is "
                            "tokenized as text; content without it gets HF's ids either way")
+
+
+def _memory_line(engine) -> str:
+    """The cache's allocation at start-up: the device's bytes and, with recall, the pinned host
+    copy's (sized at construction, which refuses when the host cannot hold it)."""
+    mem, cfg = engine.kv_memory(), engine.config
+    line = (f"KV cache: {_gib(mem.allocated_bytes)} on the {engine.device.type} for "
+            f"{cfg.max_batch_size} slots of {cfg.max_prompt_len} + {cfg.max_new_tokens} tokens")
+    if mem.host_allocated_bytes:
+        line += f"; host copy (recall): {_gib(mem.host_allocated_bytes)} in host memory"
+    return line
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n:,} bytes)"
 
 
 def _door_options(args) -> Tuple[ServeOptions, dict]:
