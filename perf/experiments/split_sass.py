@@ -1,0 +1,87 @@
+"""How does the decode attention's split kernel compile for an H100/H200 (sm_90) per key group
+size: SASS instructions by kind (shared-memory loads and stores, barriers, local-memory spills),
+without a GPU? Issue 47, part 3: at group 64 the kernel took 935 us a step against 720 at group
+16 on the Llama-3.1-8B shape at 1 x 32k (H100, 175d4bf), while reading fewer scale bytes.
+
+    python perf/experiments/split_sass.py [--groups 16,64] [--recall]
+
+Compiles ``_decode_attention_split_kernel`` with the plan's launch for bf16, 2-bit codes, head
+dim 128, GQA 4 (``BLOCK_N`` 64, 4 warps, the 96-register cap, one stage, prefetch), disassembles
+the cubin with ``cuobjdump`` (Triton's, from its NVIDIA backend) and counts the instructions of
+the listed kinds. The counts come from the local Triton, which may differ from the GPU machine's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from minikv_compile.ops import attention_decode as a
+
+KINDS = ("LDS", "STS", "BAR", "LDSM", "LDG", "LDL", "STL", "HGMMA", "SHFL", "PRMT", "LOP3")
+_PTRS = ("q_ptr", "k_ptr", "ks_ptr", "kz_ptr", "v_ptr", "vs_ptr", "vz_ptr", "kr_ptr", "vr_ptr",
+         "lens_ptr", "m_ptr", "l_ptr", "acc_ptr", "bm_ptr", "rk_ptr", "rv_ptr", "ridx_ptr",
+         "lse_ref_ptr", "mass_ptr", "layer_ptr")
+_TYPES = dict(q_ptr="*bf16", k_ptr="*i32", ks_ptr="*fp16", kz_ptr="*fp16", v_ptr="*i32",
+              vs_ptr="*fp16", vz_ptr="*fp16", kr_ptr="*bf16", vr_ptr="*bf16", lens_ptr="*i32",
+              bm_ptr="*i32", rk_ptr="*bf16", rv_ptr="*bf16", ridx_ptr="*i32", layer_ptr="*i32",
+              mass_ptr="*u8")
+_INTS = ("stride_qb", "stride_qr", "stride_qh", "stride_qd", "stride_lb", "stride_lh", "H_KV",
+         "T_CAP", "R", "NUM_SPLITS", "K_REC", "T_MASS", "N_LAYERS", "R_FLUSH")
+
+
+def sass_of(group: int, recall: bool) -> str:
+    consts = dict(GQA=4, BLOCK_H=8, D=128, ROWS=2 if recall else 1, RECALL=recall, BITS=2,
+                  G=group, GV=min(group, 128), BLOCK_N=64, HALF2=True, DOT_DTYPE=tl.float16,
+                  INPUT_PRECISION="tf32", BF16_BY_HAND=False, INTERPRET=False, PREFETCH=True,
+                  PDL=True)
+    sig = {p: _TYPES.get(p, "*fp32") for p in _PTRS}
+    sig.update({"qk_scale": "fp32", **{n: "i32" for n in _INTS}},
+               **{k: "constexpr" for k in consts})
+    kernel = triton.compile(
+        ASTSource(fn=a._decode_attention_split_kernel, signature=sig, constexprs=consts),
+        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1, maxnreg=96))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def counts(sass: str) -> collections.Counter:
+    kinds = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", line)
+        if m:
+            kinds[m.group(1)] += 1
+    return kinds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", default="16,32,64",
+                   help="key group sizes (BLOCK_N is 64: the plan's block for groups up to 64)")
+    p.add_argument("--recall", action="store_true", help="the recall launch (two query rows)")
+    args = p.parse_args(argv)
+    os.environ["PATH"] = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                      "bin") + os.pathsep + os.environ["PATH"]
+    print(f"triton {triton.__version__}; split kernel, bits 2, bf16, D 128, GQA 4, BLOCK_N 64, "
+          f"recall {args.recall}")
+    print(f"{'group':>5} {'instructions':>12} " + " ".join(f"{k:>6}" for k in KINDS))
+    for g in map(int, args.groups.split(",")):
+        c = counts(sass_of(g, args.recall))
+        print(f"{g:>5} {sum(c.values()):>12} " + " ".join(f"{c[k]:>6}" for k in KINDS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
