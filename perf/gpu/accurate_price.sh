@@ -2,20 +2,22 @@
 # Issue 47, part 3 (the accurate cache at the plain cache's price), on one GPU in one call, from
 # the repo root:
 #   perf/gpu/accurate_price.sh SHA
-# 1. the GPU tests of the host copy's writers (tests/test_specache.py, test_prompt_cache.py);
+# 1. GPU tests ($TESTS; by default the decode attention's, whose loaders changed in session 35,
+#    and those of the host copy's writers: test_specache.py, test_prompt_cache.py);
 # 2. the Llama-3.1-8B shape's decode step and prefill at 1 x 32k and 8 x 4k, the paper's MiniKV
 #    (preset "minikv") beside "accurate" (kivi-g64-hadamard-specache) and the steps between
-#    them (KIVI-2 at group 128; group 64 + Hadamard without recall), one process, same GPU:
+#    them (KIVI-2 at the default group 16; group 64 + Hadamard without recall), one process:
 #    `python -m minikv_compile.perf engine-vs-hf`, into $OUT/engine/;
-# 3. where "accurate"'s step goes at 1 x 32k: perf/experiments/profile_decode.py (what is left
-#    of the call's 10 minutes).
+# 3. with PROFILE=1, where "accurate"'s step goes at 1 x 32k: perf/experiments/profile_decode.py
+#    with each kernel timed alone (MINIKV_PDL=0).
 # Targets for the default: step <= 1.10x MiniKV's at both shapes, 32k prefill <= 1.2x.
 set -uo pipefail
 export MINIKV_GIT_SHA=${1:?usage: perf/gpu/accurate_price.sh SHA} PYTHONUNBUFFERED=1
 METHODS=${METHODS:-minikv,kivi,kivi-g64-hadamard,kivi-g64-hadamard-specache}
 BUDGET=${BUDGET:-270}
+TESTS=${TESTS:-tests/test_decode_attention.py tests/test_specache.py tests/test_prompt_cache.py}
 ROOT=$(pwd)
-perf/gpu_check.sh "$OUT" tests/test_specache.py tests/test_prompt_cache.py | tail -3
+perf/gpu_check.sh "$OUT" $TESTS | tail -3
 export PYTHONPATH=/tmp/mk; cd /tmp/run || exit 1
 echo "=== $(date +%T) engine"
 timeout $((BUDGET + 90)) python -m minikv_compile.perf engine-vs-hf --model llama3.1-8b \
@@ -34,8 +36,10 @@ for r in rows:
     print(f"{r['method']:28} {r['batch']}x{r['prompt_len']:<6} {r['ms_per_token']:9.3f} {step:9.3f} "
           f"{r['prefill_s']:10.3f} {pre:9.3f}")
 PY
-echo "=== $(date +%T) profile"
-timeout 110 python "$ROOT/perf/experiments/profile_decode.py" --kivi --recall 64 --group-size 64 \
-  --rotation hadamard --steps 20 > "$OUT/profile_accurate.log" 2>&1
-tail -30 "$OUT/profile_accurate.log"
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "=== $(date +%T) profile"
+  MINIKV_PDL=0 timeout 110 python "$ROOT/perf/experiments/profile_decode.py" --kivi --recall 64 \
+    --group-size 64 --rotation hadamard --steps 20 --top 14 > "$OUT/profile_accurate.log" 2>&1
+  tail -16 "$OUT/profile_accurate.log"
+fi
 echo "=== $(date +%T) done"
