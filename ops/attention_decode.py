@@ -117,22 +117,21 @@ def _shift_tree(words, BITS: tl.constexpr):
 
 
 @triton.jit
-def _per_pair(x, BITS: tl.constexpr):
-    """(R, C) -> (R, C * P / 2): a word's scale or zero (the loaders give one per word) for each
-    element of ``_shift_tree``'s output, in the thread that holds the word."""
-    for level in tl.static_range(4):
-        if (1 << level) < 32 // BITS // 2:
+def _per_pair(x, G: tl.constexpr):
+    """(R, C * P / G) -> (R, C * P / 2): one scale or zero per element of ``_shift_tree``'s
+    output (a word never spans two groups: G is a multiple of P)."""
+    for level in tl.static_range(7):
+        if (1 << level) < G // 2:
             x = tl.interleave(x, x)
     return x
 
 
 @triton.jit
-def _dequant_last(words, scale, zero, BITS: tl.constexpr):
+def _dequant_last(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr):
     """Dequantize along the last axis.
 
     words: (R, C) int32, each packing P = 32 / BITS codes (code j of word c is element c * P + j,
-    at bits j * BITS); scale, zero: (R, C) fp16, those of each word's group (``_load_keys_t``,
-    ``_load_values``).
+    at bits j * BITS); scale, zero: (R, C * P / G) fp16, one per G consecutive elements.
     Returns (R, C * P) fp32: code * scale + zero.
 
     Every step keeps a word's codes in the thread that loaded it (interleave and join add their
@@ -157,8 +156,8 @@ def _dequant_last(words, scale, zero, BITS: tl.constexpr):
     lo = y.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (y >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     # -- scale/zero: one value per (word, j), like lo and hi
-    s = _per_pair(scale.to(tl.float32) * 16777216.0, BITS)
-    z = _per_pair(zero.to(tl.float32), BITS)
+    s = _per_pair(scale.to(tl.float32) * 16777216.0, G)
+    z = _per_pair(zero.to(tl.float32), G)
     lo = lo * s + z
     hi = hi * s + z
     # -- back to natural order: (R, C, H, 2) -> (R, C, 2, H), relabelling registers only
@@ -222,11 +221,12 @@ def _opaque(x):
 
 
 @triton.jit
-def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, INTERPRET: tl.constexpr):
+def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, G: tl.constexpr,
+                        INTERPRET: tl.constexpr):
     """Dequantize along the last axis to fp16, in *pair order*.
 
     words: (R, C) int32, each packing P = 32 / BITS codes (code j at bits j * BITS); scale, zero:
-    (R, C) fp16, one per word. Returns (R, C * P) fp16 whose element c * P + i holds code
+    (R, C * P / G) fp16. Returns (R, C * P) fp16 whose element c * P + i holds code
     ``_pair_order`` (i) of word c: codes j and j + P / 2 sit at bits 0 and 16 of ``word >> (j *
     BITS)``, so one packed fp16x2 register holds that pair, and keeping the pair adjacent is what
     lets it go to shared memory as is (natural order would cost a PRMT per 2 values). Callers
@@ -236,8 +236,8 @@ def _dequant_last_half2(words, scale, zero, BITS: tl.constexpr, INTERPRET: tl.co
     P: tl.constexpr = 32 // BITS
     R: tl.constexpr = words.shape[0]
     C: tl.constexpr = words.shape[1]
-    lo, hi = _code_pairs_to_half(_shift_tree(words, BITS), _per_pair(scale, BITS),
-                                 _per_pair(zero, BITS), BITS, INTERPRET)
+    lo, hi = _code_pairs_to_half(_shift_tree(words, BITS), _per_pair(scale, G),
+                                 _per_pair(zero, G), BITS, INTERPRET)
     out = tl.reshape(tl.join(lo, hi), (R, C * P))
     if not INTERPRET:
         out = _opaque(out)
@@ -287,10 +287,8 @@ def _spread_words(x, W: tl.constexpr):
 def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
                  D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):
     """The packed keys of tokens [start, start + BLOCK_N) of one (slot, KV head) plane, with the
-    packed (token) axis last, where the dequantizers unpack: words (D, BLOCK_N / P) int32, and
-    each word's scale and zero (D, BLOCK_N / P) fp16 (a group of G > P tokens is loaded once per
-    word, from the same addresses: scales shaped like the words stay in the words' threads,
-    where (D, BLOCK_N / G) went through shared memory to reach them at G 64).
+    packed (token) axis last, where the dequantizers unpack: words (D, BLOCK_N / P) int32, scale
+    and zero (D, BLOCK_N / G) fp16.
 
     k_plane: the plane's codes, (T_CAP / P, D) int32, token t in row t // P at bits
     (t % P) * BITS. ks_plane, kz_plane: its scales/zeros, (T_CAP / G, D) fp16 (one group = one
@@ -299,11 +297,13 @@ def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
     P: tl.constexpr = 32 // BITS
     offs_d = tl.arange(0, D)
     rows = start // P + tl.arange(0, BLOCK_N // P)
-    mask = (rows * P < hi)[None, :]
-    words = tl.load(k_plane + rows[None, :] * D + offs_d[:, None], mask=mask, other=0)
-    sz_offs = (rows * P // G)[None, :] * D + offs_d[:, None]
-    scale = tl.load(ks_plane + sz_offs, mask=mask, other=0.0)
-    zero = tl.load(kz_plane + sz_offs, mask=mask, other=0.0)
+    words = tl.load(k_plane + rows[None, :] * D + offs_d[:, None],
+                    mask=(rows * P < hi)[None, :], other=0)
+    groups = start // G + tl.arange(0, BLOCK_N // G)
+    sz_offs = groups[None, :] * D + offs_d[:, None]
+    sz_mask = (groups * G < hi)[None, :]
+    scale = tl.load(ks_plane + sz_offs, mask=sz_mask, other=0.0)
+    zero = tl.load(kz_plane + sz_offs, mask=sz_mask, other=0.0)
     return words, scale, zero
 
 
@@ -311,7 +311,7 @@ def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
 def _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
                  D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
     """The packed values of ``tokens`` (BLOCK_N,) of one plane: words (BLOCK_N, D / P) int32,
-    each word's scale and zero (BLOCK_N, D / P) fp16 (as ``_load_keys_t``); invalid rows read 0.
+    scale and zero (BLOCK_N, D / G) fp16; invalid rows read 0.
 
     v_plane: the plane's codes, (T_CAP, D / P) int32, channel c in column c // P at bits
     (c % P) * BITS. vs_plane, vz_plane: (T_CAP, D / G) fp16 (one group = G channels of one token).
@@ -320,7 +320,8 @@ def _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
     cols = tl.arange(0, D // P)
     words = tl.load(v_plane + tokens[:, None] * (D // P) + cols[None, :],
                     mask=valid[:, None], other=0)
-    sz_offs = tokens[:, None] * (D // G) + (cols * P // G)[None, :]
+    gcols = tl.arange(0, D // G)
+    sz_offs = tokens[:, None] * (D // G) + gcols[None, :]
     scale = tl.load(vs_plane + sz_offs, mask=valid[:, None], other=0.0)
     zero = tl.load(vz_plane + sz_offs, mask=valid[:, None], other=0.0)
     return words, scale, zero
@@ -339,11 +340,11 @@ def _softmax_step(s, valid, m_i):
 
 @triton.jit
 def _keys_step_half2(kw, ks, kz, valid, q_h, qk_scale, m_i, l_rows,
-                     BITS: tl.constexpr, INTERPRET: tl.constexpr):
+                     BITS: tl.constexpr, G: tl.constexpr, INTERPRET: tl.constexpr):
     """First half of a "half2" block: dequantize the loaded keys (``_load_keys_t``), score them
     against q_h (D, BLOCK_H) fp16 and take the online-softmax step. valid: (BLOCK_N,) in the
     keys' pair order, like the rows of s and p. Returns (m_i, alpha, p, l_rows)."""
-    k_t = _interleave_rows(_dequant_last_half2(kw, ks, kz, BITS, INTERPRET), 4)
+    k_t = _interleave_rows(_dequant_last_half2(kw, ks, kz, BITS, G, INTERPRET), 4)
     s = tl.dot(tl.trans(k_t), q_h) * qk_scale                             # (BLOCK_N, BLOCK_H)
     m_i, alpha, p = _softmax_step(s, valid, m_i)
     return m_i, alpha, p, l_rows * alpha[None, :] + p
@@ -351,11 +352,11 @@ def _keys_step_half2(kw, ks, kz, valid, q_h, qk_scale, m_i, l_rows,
 
 @triton.jit
 def _values_step_half2(vw, vs, vz, p, alpha, acc, D: tl.constexpr, BITS: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       G: tl.constexpr, INTERPRET: tl.constexpr):
     """Second half: dequantize the loaded values (``_load_values``, rows in token order) and
     accumulate p^T V into acc (D, BLOCK_H), its rows in the values' pair order."""
     P: tl.constexpr = 32 // BITS
-    v = _dequant_last_half2(vw, vs, vz, BITS, INTERPRET)                   # (BLOCK_N, D) fp16
+    v = _dequant_last_half2(vw, vs, vz, BITS, G, INTERPRET)                # (BLOCK_N, D) fp16
     if D // P >= 8:
         v = _spread_words(v, D // P)
     p_nat = _unpair_rows(p.to(tl.float16), P)
@@ -549,10 +550,10 @@ def _decode_attention_split_kernel(
                     tokens = start + order_n
                     keep = rc.kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
-                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, INTERPRET)
+                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
                     if RECALL:
                         rc.store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
-                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, INTERPRET)
+                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, GV, INTERPRET)
                     kw, ks, kz, vw, vs, vz = kw_n, ks_n, kz_n, vw_n, vs_n, vz_n
             else:
                 # Codes staged through shared memory by Triton's software pipelining (cp.async).
@@ -562,14 +563,14 @@ def _decode_attention_split_kernel(
                     tokens = start + order_n
                     keep = rc.kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
-                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, INTERPRET)
+                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
                     if RECALL:
                         rc.store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
                     # Values after the softmax: their registers are not live across it.
                     v_tokens = start + tl.arange(0, BLOCK_N)
                     vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, v_tokens,
                                               v_tokens < hi, D, BITS, GV)
-                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, INTERPRET)
+                    acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, GV, INTERPRET)
             l_i = tl.sum(l_rows, axis=0)
         else:
             q_d = q_t.to(DOT_DTYPE)
@@ -586,8 +587,8 @@ def _decode_attention_split_kernel(
                                               D, BITS, G, BLOCK_N)
                     vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
                                               D, BITS, GV)
-                    k_t = _dequant_last(kw, ks, kz, BITS)                   # (D, BLOCK_N) fp32
-                    v = _dequant_last(vw, vs, vz, BITS)                     # (BLOCK_N, D) fp32
+                    k_t = _dequant_last(kw, ks, kz, BITS, G)                # (D, BLOCK_N) fp32
+                    v = _dequant_last(vw, vs, vz, BITS, GV)                 # (BLOCK_N, D) fp32
                     k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
                     v = _round_to(v, elem_ty, BF16_BY_HAND)
                 if RECALL:

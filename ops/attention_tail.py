@@ -158,9 +158,9 @@ def _tail_attention_split_kernel(
                                           D, BITS, G, BLOCK_N)
                 vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
                                           D, BITS, GV)
-                k_t = _round_to(_dequant_last(kw, ks, kz, BITS), elem_ty,
+                k_t = _round_to(_dequant_last(kw, ks, kz, BITS, G), elem_ty,
                                 BF16_BY_HAND)                             # (D, BLOCK_N)
-                v = _round_to(_dequant_last(vw, vs, vz, BITS), elem_ty,
+                v = _round_to(_dequant_last(vw, vs, vz, BITS, GV), elem_ty,
                               BF16_BY_HAND)                               # (BLOCK_N, D)
             m_i, l_i, acc = _attend_rows(q, k_t, v, valid[None, :], m_i, l_i, acc, qk_scale,
                                          elem_ty, DOT_DTYPE, INPUT_PRECISION, BF16_BY_HAND)
