@@ -369,6 +369,15 @@ class KVMemoryReport:
         """The compressed bytes over the uncompressed cache's in the model's dtype."""
         return self.total_bytes / self.full_bytes
 
+    def allocation(self) -> str:
+        """The whole allocation in one line (a server prints it at start-up): every slot at full
+        capacity on the device, and the host copy with recall."""
+        gib = lambda n: f"{n / 2**30:.2f} GiB ({n:,} bytes)"  # noqa: E731
+        line = f"{gib(self.allocated_bytes)} on the device"
+        if self.host_allocated_bytes:
+            line += f", host copy (recall) {gib(self.host_allocated_bytes)} in host memory"
+        return line
+
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:10.2f} MiB"  # noqa: E731
         codes = sum(layer.codes for layer in self.layers)

@@ -134,9 +134,10 @@ def _recall_store_kernel(k_ring, v_ring, lens, ring_index, host_k, host_v, H, T_
         tl.store(host_v + dst, tl.load(v_ring + src, mask=mask), mask=mask)
 
 
-# start is not specialized: its values (1, multiples of 16 after a flush) would each compile a
-# variant on the serving path that the tail warm-up (every chunk length) does not run
-@triton.jit(do_not_specialize=["start"])
+# start and T are not specialized, and the block does not depend on T: their values (1, multiples
+# of 16) would each compile a variant on the serving path (a prefill's kept tokens, a tail's chunk
+# after a flush) that the warm-up does not run
+@triton.jit(do_not_specialize=["start", "T"])
 def _recall_store_rows_kernel(k, v, host_k, host_v, start, T, T_cap, D,
                               stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
                               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -157,7 +158,7 @@ def _recall_store_rows_kernel(k, v, host_k, host_v, start, T, T_cap, D,
 def _recall_store_rows_triton(k, v, host_k, host_v, start) -> None:
     H, T, D = k.shape
     block_d = triton.next_power_of_2(D)
-    block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_d))
+    block_t = max(1, 4096 // block_d)
     _recall_store_rows_kernel[(H, triton.cdiv(T, block_t))](
         k, v, host_k, host_v, start, T, host_k.shape[1], D, *k.stride(), *v.stride(),
         BLOCK_T=block_t, BLOCK_D=block_d)

@@ -243,8 +243,8 @@ def test_models_health_and_flags(client, server, model_dir, ref):
     log = server.log.read_text()
     assert f"compile cache: {cache}" in log and cache.is_dir()
     kv = ref.engine.kv_memory().allocated_bytes  # the same model and config in this process
-    assert f"KV cache: {kv / 2**30:.2f} GiB ({kv:,} bytes) on the cpu for 4 slots of 64 + " \
-           f"{MAX_NEW} tokens\n" in log
+    assert f"KV cache: 4 slots of 64 + {MAX_NEW} tokens, {kv / 2**30:.2f} GiB ({kv:,} bytes) " \
+           f"on the device\n" in log
     models_ = client.get("/v1/models").json()
     assert models_["object"] == "list"
     assert [m["id"] for m in models_["data"]] == [str(model_dir)]
@@ -618,6 +618,7 @@ def test_two_ranks_serve_what_one_process_generates(model_dir, tmp_path, ref):
     logs = srv.log.read_text(errors="replace")
     assert "[rank0]" not in logs and "[rank1]" not in logs, srv.logs()
     assert "Finished server process" in logs
+    assert "bytes) on the device (rank 0's shard; each of the 2 ranks allocates as much)" in logs
 
 
 def test_bad_flags_exit_with_the_message(model_dir, capsys):

@@ -141,10 +141,9 @@ def test_kv_memory_reports_device_and_host_bytes():
     assert report.total_bytes == sum(x.total for x in report.layers)
     assert report.recall_bytes > 0 and "host copy (SpeCache)" in str(report)
     # the server's start-up line: the whole allocation, device and host (4 slots of 112 rows)
-    from minikv_compile.serve.cli import _memory_line
     host = 4 * L * 112 * 2 * H * D * 4
-    assert _memory_line(cm).endswith(f"for 4 slots of 64 + 48 tokens; host copy (recall): "
-                                     f"{host / 2**30:.2f} GiB ({host:,} bytes) in host memory")
+    assert report.allocation().endswith(f" on the device, host copy (recall) "
+                                        f"{host / 2**30:.2f} GiB ({host:,} bytes) in host memory")
 
 
 def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch):

@@ -218,18 +218,15 @@ def _door_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _memory_line(engine) -> str:
-    """The cache's allocation at start-up: the device's bytes and, with recall, the pinned host
-    copy's (sized at construction, which refuses when the host cannot hold it)."""
-    mem, cfg = engine.kv_memory(), engine.config
-    line = (f"KV cache: {_gib(mem.allocated_bytes)} on the {engine.device.type} for "
-            f"{cfg.max_batch_size} slots of {cfg.max_prompt_len} + {cfg.max_new_tokens} tokens")
-    if mem.host_allocated_bytes:
-        line += f"; host copy (recall): {_gib(mem.host_allocated_bytes)} in host memory"
+    """The cache's allocation at start-up (``KVMemoryReport.allocation``): the device's bytes
+    and, with recall, the pinned host copy's, sized at construction (which refuses a host that
+    cannot hold it). With tensor parallel: rank 0's shard, as much again on every other rank."""
+    cfg, world = engine.config, engine.adapter.tp.world
+    line = (f"KV cache: {cfg.max_batch_size} slots of {cfg.max_prompt_len} + "
+            f"{cfg.max_new_tokens} tokens, {engine.kv_memory().allocation()}")
+    if world > 1:
+        line += f" (rank 0's shard; each of the {world} ranks allocates as much)"
     return line
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB ({n:,} bytes)"
 
 
 def _door_options(args) -> Tuple[ServeOptions, dict]:

@@ -2,8 +2,8 @@
 # Issue 47, part 3 (the accurate cache at the plain cache's price), on one GPU in one call, from
 # the repo root:
 #   perf/gpu/accurate_price.sh SHA
-# 1. GPU tests ($TESTS; by default the decode attention's, whose loaders changed in session 35,
-#    and those of the host copy's writers: test_specache.py, test_prompt_cache.py);
+# 1. GPU tests ($TESTS, empty for none; by default the decode attention's and those of the host
+#    copy's writers: test_specache.py, test_prompt_cache.py);
 # 2. the Llama-3.1-8B shape's decode step and prefill at 1 x 32k and 8 x 4k, the paper's MiniKV
 #    (preset "minikv") beside "accurate" (kivi-g64-hadamard-specache) and the steps between
 #    them (KIVI-2 at the default group 16; group 64 + Hadamard without recall), one process:
@@ -14,12 +14,13 @@
 set -uo pipefail
 export MINIKV_GIT_SHA=${1:?usage: perf/gpu/accurate_price.sh SHA} PYTHONUNBUFFERED=1
 METHODS=${METHODS:-minikv,kivi,kivi-g64-hadamard,kivi-g64-hadamard-specache}
-BUDGET=${BUDGET:-270}
-TESTS=${TESTS:-tests/test_decode_attention.py tests/test_specache.py tests/test_prompt_cache.py}
+TESTS=${TESTS-tests/test_decode_attention.py tests/test_specache.py tests/test_prompt_cache.py}
 ROOT=$(pwd)
 perf/gpu_check.sh "$OUT" $TESTS | tail -3
 export PYTHONPATH=/tmp/mk; cd /tmp/run || exit 1
-echo "=== $(date +%T) engine"
+# the engine's budget: what the call's 600 s leave after the tests, less the profile's part
+BUDGET=${BUDGET:-$((600 - SECONDS - 100 - ${PROFILE:-0} * 110))}
+echo "=== $(date +%T) engine, budget $BUDGET s"
 timeout $((BUDGET + 90)) python -m minikv_compile.perf engine-vs-hf --model llama3.1-8b \
   --methods "$METHODS" --shapes 1x32768,8x4096 --warm-tokens 8 --timed-tokens 64 \
   --budget-seconds "$BUDGET" --out "$OUT/engine" > "$OUT/engine.log" 2>&1
@@ -32,9 +33,9 @@ base = {(r["batch"], r["prompt_len"]): r for r in rows if r["method"] == "minikv
 print(f"{'method':28} {'shape':8} {'ms/token':>9} {'x minikv':>9} {'prefill s':>10} {'x minikv':>9}")
 for r in rows:
     b = base.get((r["batch"], r["prompt_len"]))
-    step, pre = (r["ms_per_token"] / b["ms_per_token"], r["prefill_s"] / b["prefill_s"]) if b else (0, 0)
-    print(f"{r['method']:28} {r['batch']}x{r['prompt_len']:<6} {r['ms_per_token']:9.3f} {step:9.3f} "
-          f"{r['prefill_s']:10.3f} {pre:9.3f}")
+    ratio = lambda key: f"{r[key] / b[key]:9.3f}" if b else f"{'n/a':>9}"  # noqa: E731
+    print(f"{r['method']:28} {r['batch']}x{r['prompt_len']:<6} {r['ms_per_token']:9.3f} "
+          f"{ratio('ms_per_token')} {r['prefill_s']:10.3f} {ratio('prefill_s')}")
 PY
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "=== $(date +%T) profile"
