@@ -287,8 +287,11 @@ def _spread_words(x, W: tl.constexpr):
 def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
                  D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr):
     """The packed keys of tokens [start, start + BLOCK_N) of one (slot, KV head) plane, with the
-    packed (token) axis last, where the dequantizers unpack: words (D, BLOCK_N / P) int32, scale
-    and zero (D, BLOCK_N / G) fp16.
+    packed (token) axis last, where the dequantizers unpack: words (D, BLOCK_N / P) int32, and
+    each word's scale and zero, (D, BLOCK_N / P) fp16 (dequantize with group P). A group of G > P
+    tokens is loaded once per word (the same addresses, cached): scales of the words' shape stay
+    in the words' threads, where (D, BLOCK_N / G) went through shared memory at every block (16
+    barriers more than group 16's in the split kernel's loop at group 64, sm_90).
 
     k_plane: the plane's codes, (T_CAP / P, D) int32, token t in row t // P at bits
     (t % P) * BITS. ks_plane, kz_plane: its scales/zeros, (T_CAP / G, D) fp16 (one group = one
@@ -297,13 +300,12 @@ def _load_keys_t(k_plane, ks_plane, kz_plane, start, hi,
     P: tl.constexpr = 32 // BITS
     offs_d = tl.arange(0, D)
     rows = start // P + tl.arange(0, BLOCK_N // P)
-    words = tl.load(k_plane + rows[None, :] * D + offs_d[:, None],
-                    mask=(rows * P < hi)[None, :], other=0)
-    groups = start // G + tl.arange(0, BLOCK_N // G)
-    sz_offs = groups[None, :] * D + offs_d[:, None]
-    sz_mask = (groups * G < hi)[None, :]
-    scale = tl.load(ks_plane + sz_offs, mask=sz_mask, other=0.0)
-    zero = tl.load(kz_plane + sz_offs, mask=sz_mask, other=0.0)
+    mask = (rows * P < hi)[None, :]
+    words = tl.load(k_plane + rows[None, :] * D + offs_d[:, None], mask=mask, other=0)
+    # rows // 1 at G == P: rows stay contiguous to the compiler (rows * P // G would hide it)
+    sz_offs = (rows // (G // P))[None, :] * D + offs_d[:, None]
+    scale = tl.load(ks_plane + sz_offs, mask=mask, other=0.0)
+    zero = tl.load(kz_plane + sz_offs, mask=mask, other=0.0)
     return words, scale, zero
 
 
@@ -340,11 +342,11 @@ def _softmax_step(s, valid, m_i):
 
 @triton.jit
 def _keys_step_half2(kw, ks, kz, valid, q_h, qk_scale, m_i, l_rows,
-                     BITS: tl.constexpr, G: tl.constexpr, INTERPRET: tl.constexpr):
+                     BITS: tl.constexpr, INTERPRET: tl.constexpr):
     """First half of a "half2" block: dequantize the loaded keys (``_load_keys_t``), score them
     against q_h (D, BLOCK_H) fp16 and take the online-softmax step. valid: (BLOCK_N,) in the
     keys' pair order, like the rows of s and p. Returns (m_i, alpha, p, l_rows)."""
-    k_t = _interleave_rows(_dequant_last_half2(kw, ks, kz, BITS, G, INTERPRET), 4)
+    k_t = _interleave_rows(_dequant_last_half2(kw, ks, kz, BITS, 32 // BITS, INTERPRET), 4)
     s = tl.dot(tl.trans(k_t), q_h) * qk_scale                             # (BLOCK_N, BLOCK_H)
     m_i, alpha, p = _softmax_step(s, valid, m_i)
     return m_i, alpha, p, l_rows * alpha[None, :] + p
@@ -550,7 +552,7 @@ def _decode_attention_split_kernel(
                     tokens = start + order_n
                     keep = rc.kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
-                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, INTERPRET)
                     if RECALL:
                         rc.store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
                     acc = _values_step_half2(vw, vs, vz, p, alpha, acc, D, BITS, GV, INTERPRET)
@@ -563,7 +565,7 @@ def _decode_attention_split_kernel(
                     tokens = start + order_n
                     keep = rc.kept(bm_plane, tokens, hi, RECALL)
                     m_i, alpha, p, l_rows = _keys_step_half2(
-                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, G, INTERPRET)
+                        kw, ks, kz, keep, q_h, qk_scale, m_i, l_rows, BITS, INTERPRET)
                     if RECALL:
                         rc.store_mass(mass_plane, tokens, keep, p, m_i, lse2, True)
                     # Values after the softmax: their registers are not live across it.
@@ -587,7 +589,7 @@ def _decode_attention_split_kernel(
                                               D, BITS, G, BLOCK_N)
                     vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
                                               D, BITS, GV)
-                    k_t = _dequant_last(kw, ks, kz, BITS, G)                # (D, BLOCK_N) fp32
+                    k_t = _dequant_last(kw, ks, kz, BITS, 32 // BITS)       # (D, BLOCK_N) fp32
                     v = _dequant_last(vw, vs, vz, BITS, GV)                 # (BLOCK_N, D) fp32
                     k_t = _round_to(k_t, elem_ty, BF16_BY_HAND)
                     v = _round_to(v, elem_ty, BF16_BY_HAND)

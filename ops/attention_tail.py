@@ -158,7 +158,7 @@ def _tail_attention_split_kernel(
                                           D, BITS, G, BLOCK_N)
                 vw, vs, vz = _load_values(v_plane, vs_plane, vz_plane, tokens, valid,
                                           D, BITS, GV)
-                k_t = _round_to(_dequant_last(kw, ks, kz, BITS, G), elem_ty,
+                k_t = _round_to(_dequant_last(kw, ks, kz, BITS, 32 // BITS), elem_ty,
                                 BF16_BY_HAND)                             # (D, BLOCK_N)
                 v = _round_to(_dequant_last(vw, vs, vz, BITS, GV), elem_ty,
                               BF16_BY_HAND)                               # (BLOCK_N, D)

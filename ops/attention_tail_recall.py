@@ -77,7 +77,7 @@ def _tail_mass_kernel(
                                   ks_ptr + plane * (T_CAP // G * D),
                                   kz_ptr + plane * (T_CAP // G * D), start, n_quant, D, BITS, G,
                                   BLOCK_N)
-        k_t = _round_to(_dequant_last(kw, ks, kz, BITS, G), q_ptr.dtype.element_ty,
+        k_t = _round_to(_dequant_last(kw, ks, kz, BITS, P), q_ptr.dtype.element_ty,
                         BF16_BY_HAND).to(DOT_DTYPE)                       # (D, BLOCK_N)
         offs_d = tl.arange(0, D)
         for m0 in range(0, ROWS * GQA, BLOCK_M):

@@ -9,8 +9,8 @@ path) by kind, shared-memory loads, barriers and local-memory spills among them?
                                                             # machine's 3.6 installed in DIR
 
 Compiles ``_decode_attention_split_kernel`` with the plan's launch for bf16, 2-bit codes, head
-dim 128, GQA 4 (``BLOCK_N`` 64, 4 warps, one stage, prefetch; ``--maxnreg 0`` for no register
-cap), disassembles the cubin with the ``cuobjdump`` of Triton's NVIDIA backend, and counts the
+dim 128, GQA 4 (``BLOCK_N`` 64 or the group, 4 warps, one stage, prefetch; ``--maxnreg 0`` for
+no register cap) and the launch's specializations (aligned pointers), disassembles the cubin with the ``cuobjdump`` of Triton's NVIDIA backend, and counts the
 instructions of the loop that holds the dots and the fp16x2 dequantization (a backward branch's
 body). Counts are static: the GPU's time is what decides (``perf/gpu/accurate_price.sh``).
 """
@@ -43,17 +43,27 @@ _INTS = ("stride_qb", "stride_qr", "stride_qh", "stride_qd", "stride_lb", "strid
          "T_CAP", "R", "NUM_SPLITS", "K_REC", "T_MASS", "N_LAYERS", "R_FLUSH")
 
 
+# What the launch specializes on (Triton's "D": 16-byte aligned pointers, ints that are multiples
+# of 16; an int equal to 1 becomes a constant): every pointer (fresh allocations), and these ints
+# on the 8B shape (q's strides, the capacity, the recall rows, the layers, the ring's flush).
+_DIVISIBLE = _PTRS + ("stride_qb", "stride_qr", "stride_qh", "T_CAP", "K_REC", "N_LAYERS",
+                      "R_FLUSH")
+
+
 def sass_of(group: int, recall: bool, maxnreg: int) -> str:
     consts = dict(GQA=4, BLOCK_H=8, D=128, ROWS=2 if recall else 1, RECALL=recall, BITS=2,
-                  G=group, GV=min(group, 128), BLOCK_N=64, HALF2=True, DOT_DTYPE=tl.float16,
-                  INPUT_PRECISION="tf32", BF16_BY_HAND=False, INTERPRET=False, PREFETCH=True,
-                  PDL=True)
+                  G=group, GV=min(group, 128), BLOCK_N=max(64, group), HALF2=True,
+                  DOT_DTYPE=tl.float16, INPUT_PRECISION="tf32", BF16_BY_HAND=False,
+                  INTERPRET=False, PREFETCH=True, PDL=True, stride_qd=1)
     sig = {p: _TYPES.get(p, "*fp32") for p in _PTRS}
     sig.update({"qk_scale": "fp32", **{n: "i32" for n in _INTS}},
                **{k: "constexpr" for k in consts})
+    names = a._decode_attention_split_kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE}
     options = dict(num_warps=4, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
     kernel = triton.compile(
-        ASTSource(fn=a._decode_attention_split_kernel, signature=sig, constexprs=consts),
+        ASTSource(fn=a._decode_attention_split_kernel, signature=sig, constexprs=consts,
+                  attrs=attrs),
         target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -82,15 +92,14 @@ def hot_loop(sass: str) -> collections.Counter:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", default="16,64",
-                   help="key group sizes (BLOCK_N is 64: the plan's block for groups up to 64)")
+    p.add_argument("--groups", default="16,64", help="key group sizes")
     p.add_argument("--recall", action="store_true", help="the recall launch (two query rows)")
     p.add_argument("--maxnreg", type=int, default=96, help="register cap (0: none)")
     args = p.parse_args(argv)
     os.environ["PATH"] = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
                                       "bin") + os.pathsep + os.environ["PATH"]
     print(f"triton {triton.__version__}; split kernel's hot loop, bits 2, bf16, D 128, GQA 4, "
-          f"BLOCK_N 64, recall {args.recall}, maxnreg {args.maxnreg or 'none'}")
+          f"BLOCK_N max(64, group), recall {args.recall}, maxnreg {args.maxnreg or 'none'}")
     print(f"{'group':>5} {'instructions':>12} " + " ".join(f"{k:>6}" for k in KINDS))
     for g in map(int, args.groups.split(",")):
         c = hot_loop(sass_of(g, args.recall, args.maxnreg))
