@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from minikv_compile.config import PRESETS as CONFIG_PRESETS
+
 from .argtypes import comma_list, nonneg_int, positive_float, positive_int
 
 MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
@@ -193,6 +195,9 @@ def add_parsers(sub) -> None:
                    help="largest max_tokens (default: the output maximum)")
     g.add_argument("--max-queue", type=positive_int, default=None,
                    help="minikv waiting requests before 429 (default 1024)")
+    g.add_argument("--preset", choices=sorted(CONFIG_PRESETS), default=None,
+                   help="minikv: MiniKVConfig.preset(NAME) instead of the library's default config "
+                        "(its parts land in --out like the default's: one folder per config)")
     g.add_argument("--prefill-ms", type=positive_float, default=None,
                    help="minikv ms of prefill between two decode steps (default 50)")
     g.add_argument("--data-parallel", type=positive_int, default=1,
@@ -282,6 +287,8 @@ class Worker:
                      "--data-parallel", str(args.data_parallel)]
         if "reuse" in args.phases:
             self.argv += ["--prefix-cache-gpu-bytes", str(args.reuse_pool_bytes)]
+        if args.preset is not None and backend == "minikv":
+            self.argv += ["--preset", args.preset]
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float) -> float:

@@ -105,13 +105,24 @@ def load(shape: str, device, dtype):
 # -- the minikv backend -----------------------------------------------------------------------
 
 
+def minikv_config(args):
+    """The engine's config: the library's default, or ``MiniKVConfig.preset(args.preset)``, with
+    the workload's capacity."""
+    from minikv_compile import MiniKVConfig
+
+    capacity = dict(max_batch_size=args.max_batch_size, max_prompt_len=args.max_prompt_len,
+                    max_new_tokens=args.max_new_tokens)
+    if args.preset is None:
+        return MiniKVConfig(**capacity)
+    return MiniKVConfig.preset(args.preset, **capacity)
+
+
 def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> int:
-    from minikv_compile import MiniKVConfig, minikv_compile
+    from minikv_compile import minikv_compile
     from minikv_compile.scheduler import Scheduler
     from minikv_compile.serve import create_app, run_server
 
-    config = MiniKVConfig(max_batch_size=args.max_batch_size, max_prompt_len=args.max_prompt_len,
-                          max_new_tokens=args.max_new_tokens)
+    config = minikv_config(args)
     t0 = time.perf_counter()
     engine = minikv_compile(model, config)
     build_s = time.perf_counter() - t0
@@ -368,6 +379,8 @@ def _exit_quietly(signum, frame) -> None:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    from minikv_compile.config import PRESETS
+
     from .argtypes import nonneg_int, positive_float, positive_int
     from .serve_bench import MODELS
 
@@ -389,6 +402,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the largest max_tokens accepted (both backends)")
     p.add_argument("--max-queue", type=positive_int, default=1024,
                    help="minikv: waiting requests at most before 429 (HF's queue is unbounded)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="minikv: MiniKVConfig.preset(NAME) instead of the library's default config")
     p.add_argument("--prefix-cache-gpu-bytes", type=nonneg_int, default=0,
                    help="minikv: device bytes of the prefix cache (0: off; phase reuse)")
     p.add_argument("--prefill-ms", type=positive_float, default=50.0,

@@ -178,6 +178,37 @@ def test_worker_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve-worker", "--backend", "tgi", "--model", "tiny", "--port", "1"])
     assert exc.value.code == 2 and "--backend" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["serve-worker", "--backend", "minikv", "--model", "tiny", "--port", "1",
+              "--preset", "fastest"])
+    assert exc.value.code == 2 and "--preset" in capsys.readouterr().err
+
+
+def test_a_preset_reaches_the_minikv_worker_and_its_config(tmp_path):
+    """``perf serve --preset NAME``: the minikv worker's command carries it (HF's does not), and
+    the worker's engine config is ``MiniKVConfig.preset(NAME)`` with the workload's capacity."""
+    import argparse
+
+    from minikv_compile import MiniKVConfig
+    from minikv_compile.perf import serve_bench, serve_worker
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    serve_bench.add_parsers(sub)
+    args = parser.parse_args(["serve", "--tiny", "--out", str(tmp_path), "--preset", "accurate"])
+    serve_bench.apply_presets(parser, args)
+    minikv, hf = (Worker(b, args, tmp_path / f"{b}.log") for b in ("minikv", "hf"))
+    assert minikv.argv[-2:] == ["--preset", "accurate"] and "--preset" not in hf.argv
+    worker_args = parser.parse_args(minikv.argv[minikv.argv.index("serve-worker"):])
+    want = MiniKVConfig.preset("accurate", max_batch_size=args.max_batch_size,
+                               max_prompt_len=args.max_prompt_len,
+                               max_new_tokens=args.max_new_tokens)
+    assert serve_worker.minikv_config(worker_args) == want
+    assert want.recall_top_k == 64 and want.rotation == "hadamard"
+    worker_args.preset = None  # without one: the library's default
+    assert serve_worker.minikv_config(worker_args) == MiniKVConfig(
+        max_batch_size=args.max_batch_size, max_prompt_len=args.max_prompt_len,
+        max_new_tokens=args.max_new_tokens)
 
 
 # -- the load generator's arithmetic ------------------------------------------------------------
