@@ -885,6 +885,14 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequen
         bench = Bench(args, argv)
     except OSError as e:
         parser.error(f"--out: cannot write reports to {args.out!r} ({e.strerror or e})")
+    if "minikv" in args.backends:  # parts are named by model, backend and phase, not config
+        other = {_preset_of(part.get("worker_argv") or []) for part in bench.store.parts()
+                 if part.get("backend") == "minikv"} - {args.preset}
+        if other:
+            name = lambda p: "the default config" if p is None else f"preset {p!r}"  # noqa: E731
+            parser.error(f"--preset: {bench.out} holds parts of this engine with "
+                         f"{', '.join(sorted(map(name, other)))}, expected {name(args.preset)} "
+                         f"(one --out folder per config)")
     previous = signal.signal(signal.SIGTERM, _interrupt)
     code = 0
     try:
@@ -899,6 +907,11 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequen
         print(f"[serve] wrote {', '.join(str(p) for p in written)}"
               + (f"; {message}" if message else ""), file=sys.stderr)
     return code
+
+
+def _preset_of(worker_argv: Sequence[str]) -> Optional[str]:
+    """The ``--preset`` a worker was started with (None: the library's default config)."""
+    return worker_argv[worker_argv.index("--preset") + 1] if "--preset" in worker_argv else None
 
 
 def _interrupt(signum, frame):

@@ -57,6 +57,10 @@ class PartStore:
     def load(self, model: str, backend: str, phase: str) -> Optional[Dict[str, object]]:
         return load(self.path(model, backend, phase), SCHEMA)
 
+    def parts(self) -> List[Dict[str, object]]:
+        """Every readable part of the folder."""
+        return [p for p in (load(f, SCHEMA) for f in sorted(self.dir.glob("*.json"))) if p]
+
     def save(self, part: Dict[str, object]) -> bool:
         """Write ``part`` (and rebuild the report without plots), unless it did not run and an
         earlier part of the same kind did: that one is kept. False when it was not written."""

@@ -184,6 +184,18 @@ def test_worker_bad_arguments_exit_2(capsys):
     assert exc.value.code == 2 and "--preset" in capsys.readouterr().err
 
 
+def test_a_folder_holds_one_config_of_the_engine(tiny_run, capsys):
+    """Parts are named by model, backend and phase: a --preset run into a folder of the default
+    config's parts (and the reverse) exits 2 before anything is overwritten."""
+    before = {p.name: p.read_bytes() for p in (tiny_run / "serve-parts").iterdir()}
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--tiny", "--out", str(tiny_run), "--preset", "accurate"])
+    assert exc.value.code == 2
+    assert (f"--preset: {tiny_run} holds parts of this engine with the default config, expected "
+            f"preset 'accurate' (one --out folder per config)") in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tiny_run / "serve-parts").iterdir()} == before
+
+
 def test_a_preset_reaches_the_minikv_worker_and_its_config(tmp_path):
     """``perf serve --preset NAME``: the minikv worker's command carries it (HF's does not), and
     the worker's engine config is ``MiniKVConfig.preset(NAME)`` with the workload's capacity."""

@@ -294,7 +294,7 @@ def test_triton_unused_capacity_and_slots_are_never_read(bits):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("bits,group_size", [(1, 32), (2, 32), (4, 64)])
+@pytest.mark.parametrize("bits,group_size", [(1, 32), (1, 64), (2, 32), (2, 64), (4, 64)])
 def test_triton_group_sizes(bits, group_size):
     case, _ = make_tail_case(2, 2, 1, 64, 128, 64, bits, group_size, torch.float32, 4,
                              [64, 128], [60, 9])

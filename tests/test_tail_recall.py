@@ -137,6 +137,32 @@ def test_triton_select_is_the_top_k_by_fp64_mass(shape, bits, dtype, k, splits):
         _tail_recall_select_triton(q, *case.bufs, scale, 16, 16, k)
 
 
+# groups over several code words (G > P: 2 words at bits 2 G 32, 2 at bits 1 G 64, 8 at bits 4
+# G 64): the key scales reach each word from the group's row
+T9G = (2, 2, 2, 2, 32, 128, 64, 9, [128, 64], [12, 1])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits,group", [(2, 64), (1, 64), (4, 64), (2, 32)])
+def test_triton_select_at_larger_key_groups(bits, group):
+    """The CUDA ranking at key groups spanning several code words, against the fp64 masses."""
+    case, bad, q, _, _, scale = recall_case(T9G, bits, torch.float32, group_size=group)
+    n_quant, n_ring = T9G[8], T9G[9]
+    batch, _, h_kv, gqa, d, capacity, _, rows = T9G[:8]
+    plan = _tail_plan(torch.float32, bits, group, d, batch, rows, h_kv * gqa, h_kv, capacity,
+                      1)._replace(num_splits=2, block_m=16, block_n=group)
+    idx = _tail_recall_select_triton(q, *case.bufs, scale, bits, group, 24, plan)
+    for b, mass in enumerate(fp64_mass(q, case, n_quant, seen0(n_quant, n_ring), scale)):
+        n = min(24, n_quant[b])
+        for h in range(mass.shape[0]):
+            got = idx[b, h, :n].long()
+            assert len(set(got.tolist())) == n and (got >= 0).all() and (got < n_quant[b]).all()
+            torch.testing.assert_close(mass[h][got].sort().values,
+                                       torch.topk(mass[h], n).values.sort().values,
+                                       rtol=1e-4, atol=1e-9)
+    assert torch.equal(_tail_recall_select_triton(q, *bad, scale, bits, group, 24, plan), idx)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [2, 4])
 def test_public_op_ranks_gathers_and_attends(dtype, bits):
