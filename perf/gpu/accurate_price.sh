@@ -13,7 +13,7 @@
 # Targets for the default: step <= 1.10x MiniKV's at both shapes, 32k prefill <= 1.2x.
 set -uo pipefail
 export MINIKV_GIT_SHA=${1:?usage: perf/gpu/accurate_price.sh SHA} PYTHONUNBUFFERED=1
-METHODS=${METHODS:-minikv,kivi,kivi-g64-hadamard,kivi-g64-hadamard-specache}
+METHODS=${METHODS:-minikv,kivi-g64-hadamard-specache,kivi-g64-hadamard,kivi}  # the ratio first
 TESTS=${TESTS-tests/test_decode_attention.py tests/test_specache.py tests/test_prompt_cache.py}
 ROOT=$(pwd)
 perf/gpu_check.sh "$OUT" $TESTS | tail -3
