@@ -19,7 +19,8 @@ ROOT=$(pwd)
 perf/gpu_check.sh "$OUT" $TESTS | tail -3
 export PYTHONPATH=/tmp/mk; cd /tmp/run || exit 1
 # the engine's budget: what the call's 600 s leave after the tests, less the profile's part
-BUDGET=${BUDGET:-$((600 - SECONDS - 100 - ${PROFILE:-0} * 110))}
+LEFT=$((600 - SECONDS - 100 - ${PROFILE:-0} * 110))
+BUDGET=${BUDGET:-$((LEFT < 60 ? 60 : LEFT))}
 echo "=== $(date +%T) engine, budget $BUDGET s"
 timeout $((BUDGET + 90)) python -m minikv_compile.perf engine-vs-hf --model llama3.1-8b \
   --methods "$METHODS" --shapes 1x32768,8x4096 --warm-tokens 8 --timed-tokens 64 \
