@@ -357,22 +357,20 @@ def _sse(obj: Any) -> str:
 def serve_hf(model, tokenizer, facts, args, environment) -> int:
     import uvicorn
 
+    from minikv_compile.serve.server import exit_quietly
+
     server = HFServer(model, tokenizer, args)
     app = hf_app(server, facts, environment, args)
     uv = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                        timeout_graceful_shutdown=5))
     threading.Thread(target=server.warm_up, name="hf-warm-up", daemon=True).start()
-    signal.signal(signal.SIGTERM, _exit_quietly)
+    signal.signal(signal.SIGTERM, exit_quietly)
     try:
         uv.run()
     finally:
         if server.manager.is_running():
             server.manager.stop(block=True, timeout=10)
     return 1 if server.failure else 0
-
-
-def _exit_quietly(signum, frame) -> None:
-    raise SystemExit(0)
 
 
 # -- the command ------------------------------------------------------------------------------
