@@ -39,7 +39,8 @@ ENGINE_ONLY = ("full", "kivi", "minikv", "minikv-pyramid")
 SPECACHE_METHODS = ("kivi-specache", "minikv-specache", "kivi-specache-b16",
                     "kivi-g64-hadamard-specache", "kivi-g64", "kivi-g64-hadamard", "kivi1-g64",
                     "kivi1-g64-hadamard-specache", "kivi-g128-hadamard",
-                    "kivi-g128-hadamard-specache")
+                    "kivi-g128-hadamard-specache", "kivi-g32-hadamard-specache",
+                    "kivi-g64-hadamard-specache128")
 MODELS = ("llama3.1-8b", "llama2-7b", "smollm2-135m", "smollm2-135m-real", "tiny")
 NO_GPU = "no CUDA device: this measurement needs a GPU (--tiny runs the plumbing on the CPU)"
 

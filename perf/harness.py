@@ -187,6 +187,10 @@ ENGINE_METHODS: Dict[str, Dict[str, object]] = {
     # keys grouped over 128 tokens (values over min(128, head dim)), with and without recall
     "kivi-g128-hadamard": {**PRESETS["kivi"], "group_size": 128, "rotation": "hadamard"},
     "kivi-g128-hadamard-specache": {**PRESETS["accurate"], "group_size": 128},
+    # issue 47's candidates for the default beside "accurate": keys over 32 tokens (18.75% of
+    # fp16's bytes by formula), or 128 positions recalled
+    "kivi-g32-hadamard-specache": {**PRESETS["accurate"], "group_size": 32},
+    "kivi-g64-hadamard-specache128": {**PRESETS["accurate"], "recall_top_k": 128},
 }
 HF_METHODS = ("hf-eager", "hf-static")
 # Prefill-only comparator (the paper's Table 3): eager attention materializes L x L scores.
@@ -210,6 +214,8 @@ METHOD_LABELS = {
     "kivi1-g64-hadamard-specache": "engine, KIVI 1 bit, group 64 + Hadamard + SpeCache (K 64)",
     "kivi-g128-hadamard": "engine, KIVI group 128 + Hadamard",
     "kivi-g128-hadamard-specache": "engine, KIVI group 128 + Hadamard + SpeCache (K 64)",
+    "kivi-g32-hadamard-specache": "engine, KIVI group 32 + Hadamard + SpeCache (K 64)",
+    "kivi-g64-hadamard-specache128": "engine, KIVI group 64 + Hadamard + SpeCache (K 128)",
 }
 
 

@@ -91,6 +91,13 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             recall_top_k=256, **_KEEP_ALL),
     _method("kivi2_g64_spec64_hadamard", "KIVI-2, group 64, Hadamard + SpeCache K 64",
             group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    # issue 47's candidates for the default: 128 positions recalled, or groups of 32 (18.75%)
+    _method("kivi2_g64_spec128_hadamard", "KIVI-2, group 64, Hadamard + SpeCache K 128",
+            group_size=64, rotation="hadamard", recall_top_k=128, **_KEEP_ALL),
+    _method("kivi2_g32_spec64_hadamard", "KIVI-2, group 32, Hadamard + SpeCache K 64",
+            group_size=32, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
+    _method("kivi2_g32_spec128_hadamard", "KIVI-2, group 32, Hadamard + SpeCache K 128",
+            group_size=32, rotation="hadamard", recall_top_k=128, **_KEEP_ALL),
     # keys grouped over 128 tokens, values over SmolLM2's whole head (64): 14.8% by formula
     _method("kivi2_g128_spec64_hadamard", "KIVI-2, group 128, Hadamard + SpeCache K 64",
             group_size=128, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
