@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 47, part 3's third ratio: time to first token in the serving benchmark's long phase
+# (half rate, every 8th prompt 32k tokens), `preset("accurate")` beside `preset("minikv")`, one
+# server after the other on one GPU, the Llama-3.1-8B shape (carry .whl: the serving wheels),
+# from the repo root:
+#   perf/gpu/long_ttft.sh SHA
+# SLOTS (default 8) for both servers: "accurate"'s pinned host copy is 4.4 GB a slot at
+# 32k + 512 tokens, 279 GB at the benchmark's default 64 slots. RATE (default 1.64 requests/s,
+# the earlier long phases' half rate on an H100) for both. Then, in what the call's 600 s leave,
+# the decode step at 8 x 4k for "accurate" and its candidates beside "minikv" (engine-vs-hf).
+set -uo pipefail
+export MINIKV_GIT_SHA=${1:?usage: perf/gpu/long_ttft.sh SHA} PYTHONUNBUFFERED=1
+SLOTS=${SLOTS:-8}; RATE=${RATE:-1.64}; BUDGET=${BUDGET:-190}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+perf/gpu_check.sh "$OUT" | tail -3
+export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
+for preset in minikv accurate; do
+  echo "=== $(date +%T) serve --preset $preset"
+  timeout $((BUDGET + 40)) python -m minikv_compile.perf serve --backends minikv --phases long \
+    --preset "$preset" --model llama3.1-8b --half-rate "$RATE" --max-batch-size "$SLOTS" \
+    --budget-seconds "$BUDGET" --startup-timeout 150 --out "$OUT/serve_$preset" \
+    > "$OUT/serve_$preset.log" 2>&1
+  echo "perf exit code $?"
+  grep -E "ready in|phase|skipped|error|Error" "$OUT/serve_$preset.log" | tail -4
+done
+python - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+rows = {}
+for preset in ("minikv", "accurate"):
+    parts = sorted(out.glob(f"serve_{preset}/serve-parts/*.long.json"))
+    if not parts:
+        print(preset, "no long-phase part"); continue
+    part = json.loads(parts[0].read_text())
+    run = (part.get("runs") or [part])[-1]
+    rows[preset] = run
+    keys = ("ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "completed", "requests")
+    print(preset, part.get("status"), part.get("startup_s"), {k: run.get(k) for k in keys},
+          "engine", json.dumps(part.get("engine"))[:300])
+if len(rows) == 2:
+    for k in ("ttft_p50_s", "ttft_p99_s"):
+        a, m = rows["accurate"].get(k), rows["minikv"].get(k)
+        if a and m:
+            print(f"{k}: accurate / minikv = {a:.3f} / {m:.3f} = {a / m:.3f}x (target <= 1.2x)")
+PY
+LEFT=$((600 - SECONDS - 40))
+if [ "$LEFT" -gt 60 ]; then
+  echo "=== $(date +%T) engine 8 x 4k, budget $LEFT s"
+  timeout $((LEFT + 20)) python -m minikv_compile.perf engine-vs-hf --model llama3.1-8b \
+    --methods minikv,kivi-g64-hadamard-specache,kivi-g64-hadamard-specache128,kivi-g64-hadamard \
+    --shapes 8x4096 --warm-tokens 8 --timed-tokens 64 --budget-seconds "$LEFT" \
+    --out "$OUT/engine" > "$OUT/engine.log" 2>&1
+  grep -E "ok ms_per_token|skipped" "$OUT/engine.log"
+fi
+echo "=== $(date +%T) done"
