@@ -668,6 +668,21 @@ def test_bad_flags_exit_with_the_message(model_dir, capsys):
     assert defaults.parse_special_tokens is False and defaults.allowed_origins == ()
 
 
+def test_preset_flag_gives_the_presets_config_with_the_field_flags_on_top(capsys):
+    from minikv_compile.serve.cli import engine_config, main, parser
+    args = parser().parse_args(["--model", "x", "--preset", "minikv", "--max-batch-size", "4",
+                                "--bits", "4"])
+    assert engine_config(args) == MiniKVConfig.preset("minikv", max_batch_size=4, bits=4)
+    assert engine_config(parser().parse_args(["--model", "x"])) == MiniKVConfig()
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--model", "x", "--preset", "fast"])
+    assert "--preset: invalid choice: 'fast'" in capsys.readouterr().err
+    # a field that the preset cannot take: the config's own error, before any model is loaded
+    with pytest.raises(SystemExit):
+        main(["--model", "no-such-dir", "--preset", "accurate", "--bits", "16"])
+    assert "recall_top_k: expected 0 with bits=16" in capsys.readouterr().err
+
+
 def test_openai_client(client, server, ref):
     import openai
     api = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)

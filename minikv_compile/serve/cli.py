@@ -14,7 +14,7 @@ import torch
 
 from minikv_compile.models.parallel import join_torchrun
 
-from ..config import MiniKVConfig
+from ..config import PRESETS, MiniKVConfig
 from ..inputs import check_int
 from ..ranks import follow
 from ..scheduler import Scheduler
@@ -85,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
                         "~/.cache/minikv_compile)")
     _door_flags(p)
     group = p.add_argument_group("MiniKVConfig", "the engine's fields (see MiniKVConfig)")
+    group.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="MiniKVConfig.preset(NAME) instead of the library's default "
+                            "config, the field flags on top ('minikv': the MiniKV paper's)")
     for f in dataclasses.fields(MiniKVConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.default is None:  # Optional[bool]: None lets the engine choose by device
@@ -116,6 +119,16 @@ def _load(model: str, device: str, dtype: torch.dtype, tensor_parallel: int):
     return hf_model.to(device).eval(), tokenizer
 
 
+def engine_config(args: argparse.Namespace) -> MiniKVConfig:
+    """The flags' config: ``--preset``'s (or the library's default) with every field flag given
+    on top."""
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(MiniKVConfig)
+              if getattr(args, f.name) is not None}
+    if args.preset is None:
+        return MiniKVConfig(**fields)
+    return MiniKVConfig.preset(args.preset, **fields)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse the flags, build the engine, listen, warm up in the background, serve."""
     from ..engine import minikv_compile
@@ -125,10 +138,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _DTYPES[args.dtype or ("bfloat16" if device == "cuda" else "float32")]
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(MiniKVConfig)
-              if getattr(args, f.name) is not None}
     try:
-        config = MiniKVConfig(**fields)
+        config = engine_config(args)
         check_int("--max-queue", args.max_queue, lo=1)
         check_int("--port", args.port, lo=0, hi=65535)
         for flag in ("prefill_batch_tokens", "prefill_batch_requests", "prefill_layers"):
