@@ -264,6 +264,47 @@ def test_extend_keeps_the_earlier_units_and_runs_only_the_missing_ones(tmp_path)
     assert "| MiniKV + snapkv k15, blocks of 16 |" in md and "in 2 processes (`--extend`)" in md
 
 
+def test_merge_takes_in_a_run_made_beside_and_runs_only_what_is_missing(tmp_path):
+    a, b = tmp_path / "gpu0", tmp_path / "gpu1"  # two processes' folders, as on two GPUs
+    common = ["--quick", "--model", "tiny", "--tasks", "needle,ppl"]
+    assert cli.main([*common, "--out", str(a), "--methods", "full"]) == 0
+    assert cli.main([*common, "--out", str(b), "--methods", "minikv"]) == 0
+    other = json.loads((b / "quick.json").read_text())
+    for u in other["units"]:
+        u["seconds"] = 1000.0 + len(u["rows"])  # a mark no new measurement carries
+    (b / "quick.json").write_text(json.dumps(other))
+    first = json.loads((a / "quick.json").read_text())
+
+    assert cli.main([*common, "--out", str(a), "--extend", "--merge", str(b / "quick.json"),
+                     "--methods", "full,minikv,snapkv_block"]) == 0
+    data = json.loads((a / "quick.json").read_text())
+    assert [m["name"] for m in data["methods"]] == ["full", "minikv", "snapkv_block"]
+    key = lambda u: (u["method"], u["task"], u["group"])  # noqa: E731
+    units = {key(u): u for u in data["units"]}
+    assert len(units) == len(data["units"])  # nothing measured twice
+    assert all(units[key(u)] == u for u in first["units"] + other["units"])  # as they were
+    assert {m for m, _, _ in units} == {"full", "minikv", "snapkv_block"}
+    assert all(u["seconds"] < 1000 for u in data["units"] if u["method"] == "snapkv_block")
+    assert data["hf_check"] == first["hf_check"] and data["finished"]
+    assert [m["source"] for m in data["merged"]] == [str(b / "quick.json")]
+    assert "run(s) made beside it (`--merge`)" in (a / "quick.md").read_text()
+
+    # a unit both runs hold is refused, not chosen between; so is an incomparable run
+    before = (a / "quick.json").read_text()
+    with pytest.raises(SystemExit, match=r"--merge: .* measured units this run holds too, e\.g\. "
+                                         r"\['minikv'"):
+        cli.main([*common, "--out", str(a), "--extend", "--merge", str(b / "quick.json"),
+                  "--methods", "full"])
+    other["environment"]["git"]["sha"] = "0" * 40
+    (b / "quick.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=r"--merge: the other run is not comparable .*"
+                                         r"git\.sha \(other '0000"):
+        cli.main([*common, "--out", str(tmp_path / "c"), "--merge", str(b / "quick.json")])
+    with pytest.raises(SystemExit, match="--merge: expected a run's JSON, found no file"):
+        cli.main([*common, "--out", str(a), "--merge", str(tmp_path / "none.json")])
+    assert (a / "quick.json").read_text() == before  # left as it was
+
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     """The JSON of one small run of the full cache that the refusals below edit."""

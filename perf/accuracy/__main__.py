@@ -64,6 +64,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="go on from the part's JSON in --out (same model, samples, settings, device, "
                         "versions and commit): its units are kept; its methods' missing units and "
                         "those of --methods run")
+    p.add_argument("--merge", action="append", default=[], metavar="JSON",
+                   help="a run of the same part made beside this one (another GPU of the host, "
+                        "its own --out; comparable as for --extend): its units join this run's "
+                        "before it runs what is still missing (repeatable)")
     p.add_argument("--out", default=None, help=f"results folder (default {DEFAULT_OUT}, or a quick-* "
                                                  "subfolder for --quick / --model tiny)")
     return p.parse_args(argv)
@@ -143,10 +147,15 @@ def _run_part(args, argv, part, plan, methods, tasks, device, dtype, compile_, g
         if not path.is_file():
             raise SystemExit(f"--extend: expected an earlier run's {path}, found none")
         previous = json.loads(path.read_text())
+    merged = []
+    for path in map(Path, args.merge):
+        if not path.is_file():
+            raise SystemExit(f"--merge: expected a run's JSON, found no file {path}")
+        merged.append((str(path), json.loads(path.read_text())))
     try:
         run = Run(part, subject, plan, methods, samples, Path(args.out), device, dtype, compile_,
                   graphs, args.budget_seconds, argv, previous,
-                  modes=MODES if args.mode == "both" else (args.mode,))
+                  modes=MODES if args.mode == "both" else (args.mode,), merged=merged)
     except NotComparable as e:
         raise SystemExit(str(e))
     run.run()

@@ -57,7 +57,10 @@ def render_markdown(data: dict) -> str:
         f"batch {data['engine']['max_batch_size']}. Status: "
         f"{'finished' if data.get('finished') else 'incomplete'} after {data.get('elapsed_s', 0):.0f} s"
         + (f" in {len(data['extended']) + 1} processes (`--extend`), the first started "
-           f"{data['extended'][0]['timestamp']}." if data.get("extended") else "."),
+           f"{data['extended'][0]['timestamp']}." if data.get("extended") else ".")
+        + (f" With the units of {len(data['merged'])} run(s) made beside it (`--merge`): "
+           + ", ".join(f"{m['source']} ({m.get('elapsed_s', 0):.0f} s)" for m in data["merged"])
+           + "." if data.get("merged") else ""),
         "",
     ]
     plan = data["plan"]

@@ -231,7 +231,7 @@ class Run:
                  samples: Dict[str, List[dict]], out_dir: Path, device: torch.device,
                  dtype: torch.dtype, compile: bool, cuda_graphs: bool, budget_s: Optional[float],
                  argv: Sequence[str], previous: Optional[dict] = None,
-                 modes: Sequence[str] = (QUESTION_LAST,)):
+                 modes: Sequence[str] = (QUESTION_LAST,), merged: Sequence[Tuple[str, dict]] = ()):
         if not modes or any(m not in MODES for m in modes):
             raise ValueError(f"modes: expected one or more of {MODES}, got {list(modes)}")
         from minikv_compile.perf.harness import Budget
@@ -269,6 +269,8 @@ class Run:
         self._carried_s = 0.0
         if previous is not None:
             self.carry(previous)
+        for source, other in merged:
+            self.merge(source, other)
         self.write()
 
     def carry(self, previous: dict) -> None:
@@ -279,34 +281,8 @@ class Run:
         10 minutes, is made of several). Anything that would make the rows of the two runs
         incomparable raises ``NotComparable``, naming it. Uncommitted edits are seen only as
         the tree's dirty flag and count of changed files."""
-        env, prev_env = self.data["environment"], previous.get("environment", {})
-        pairs = {
-            "schema": (previous.get("schema"), SCHEMA), "part": (previous.get("part"), self.part),
-            "model": (previous.get("model"), self.data["model"]),
-            "plan": (previous.get("plan"), self.data["plan"]),
-            "tasks": (sorted(previous.get("fingerprints") or {}), sorted(self.data["fingerprints"])),
-            "fingerprints": (previous.get("fingerprints"), self.data["fingerprints"]),
-            "engine": ({k: v for k, v in (previous.get("engine") or {}).items() if k != "cpu_threads"},
-                       {k: v for k, v in self.data["engine"].items() if k != "cpu_threads"}),
-            "device": ((prev_env.get("device") or {}).get("name"), env["device"].get("name")),
-            "git": ({k: v for k, v in (prev_env.get("git") or {}).items() if k != "source"},
-                    {k: v for k, v in (env.get("git") or {}).items() if k != "source"}),
-        }
-        for key in ("torch", "triton", "transformers", "python"):
-            pairs[key] = (prev_env.get(key), env[key])
-        differ = []
-        for name, (a, b) in pairs.items():
-            a, b = jsonable(a), jsonable(b)
-            if a == b:
-                continue
-            if isinstance(a, dict) and isinstance(b, dict):  # name the fields that differ
-                differ += [f"{name}.{k} (earlier {a.get(k)!r}, now {b.get(k)!r})"
-                           for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            else:
-                differ.append(f"{name} (earlier {a!r}, now {b!r})")
-        if differ:
-            raise NotComparable("--extend: the earlier run is not comparable with this one; "
-                                "differs in " + "; ".join(d[:200] for d in differ))
+        self._check_comparable(previous, "--extend")
+        prev_env = previous.get("environment", {})
         names = [m["name"] for m in previous["methods"]]
         unknown = [n for n in names if n not in METHODS]
         if unknown:
@@ -325,6 +301,71 @@ class Run:
              "elapsed_s_so_far": previous.get("elapsed_s", 0.0)}]
         self._carried_s = previous.get("elapsed_s", 0.0)
         for u in self.data["units"]:
+            self.budget.note(_kind(u["task"], u["group"], unit_mode(u)), u["seconds"])
+        self.summarize()
+
+    def _check_comparable(self, previous: dict, flag: str) -> None:
+        """Raise ``NotComparable`` naming every field in which ``previous`` (an earlier or a
+        parallel run's JSON) differs from this run: part, model, samples, engine settings,
+        device, versions, commit."""
+        env, prev_env = self.data["environment"], previous.get("environment", {})
+        pairs = {
+            "schema": (previous.get("schema"), SCHEMA), "part": (previous.get("part"), self.part),
+            "model": (previous.get("model"), self.data["model"]),
+            "plan": (previous.get("plan"), self.data["plan"]),
+            "tasks": (sorted(previous.get("fingerprints") or {}), sorted(self.data["fingerprints"])),
+            "fingerprints": (previous.get("fingerprints"), self.data["fingerprints"]),
+            "engine": ({k: v for k, v in (previous.get("engine") or {}).items() if k != "cpu_threads"},
+                       {k: v for k, v in self.data["engine"].items() if k != "cpu_threads"}),
+            "device": ((prev_env.get("device") or {}).get("name"), env["device"].get("name")),
+            "git": ({k: v for k, v in (prev_env.get("git") or {}).items() if k != "source"},
+                    {k: v for k, v in (env.get("git") or {}).items() if k != "source"}),
+        }
+        for key in ("torch", "triton", "transformers", "python"):
+            pairs[key] = (prev_env.get(key), env[key])
+        differ, theirs = [], "earlier" if flag == "--extend" else "other"
+        for name, (a, b) in pairs.items():
+            a, b = jsonable(a), jsonable(b)
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict):  # name the fields that differ
+                differ += [f"{name}.{k} ({theirs} {a.get(k)!r}, now {b.get(k)!r})"
+                           for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            else:
+                differ.append(f"{name} ({theirs} {a!r}, now {b!r})")
+        if differ:
+            raise NotComparable(f"{flag}: the {theirs} run is not comparable with this one; "
+                                "differs in "
+                                + "; ".join(d[:200] for d in differ))
+
+    def merge(self, source: str, other: dict) -> None:
+        """Take in ``other``'s units: a run of the same part made beside this one (on another
+        GPU of the host, into its own folder), comparable as for ``carry``. Its methods join
+        after this run's; a unit that both runs measured is refused, not chosen between."""
+        self._check_comparable(other, "--merge")
+        key = lambda u: (u["method"], u["task"], u["group"], unit_mode(u))  # noqa: E731
+        both = sorted({key(u) for u in other["units"]} & {key(u) for u in self.data["units"]})
+        if both:
+            raise NotComparable(f"--merge: {source} measured units this run holds too, e.g. "
+                                f"{list(both[0])} ({len(both)} in all)")
+        unknown = [m["name"] for m in other["methods"] if m["name"] not in METHODS]
+        if unknown:
+            raise NotComparable(f"--merge: {source} has methods this tree does not know: {unknown}")
+        names = [m.name for m in self.methods]
+        self.methods += [METHODS[m["name"]] for m in other["methods"] if m["name"] not in names]
+        self.data["methods"] = _method_rows(self.methods)
+        self.data["units"] = list(self.data["units"]) + list(other["units"])
+        self.data["hf_check"] = self.data["hf_check"] or other.get("hf_check")
+        for field in ("notes", "unsupported"):
+            self.data[field] = list(self.data[field]) + [x for x in other.get(field, [])
+                                                         if x not in self.data[field]]
+        self.modes = [m for m in MODES if m in set(self.modes) | set(other.get("modes", [QUESTION_LAST]))]
+        self.data["modes"] = list(self.modes)
+        self.data["merged"] = (self.data.get("merged") or []) + [
+            {"source": source, "argv": other.get("argv"),
+             "timestamp": other.get("environment", {}).get("timestamp"),
+             "elapsed_s": other.get("elapsed_s", 0.0)}]
+        for u in other["units"]:
             self.budget.note(_kind(u["task"], u["group"], unit_mode(u)), u["seconds"])
         self.summarize()
 

