@@ -272,13 +272,14 @@ def test_merge_takes_in_a_run_made_beside_and_runs_only_what_is_missing(tmp_path
     other = json.loads((b / "quick.json").read_text())
     for u in other["units"]:
         u["seconds"] = 1000.0 + len(u["rows"])  # a mark no new measurement carries
+    other["methods"].append({**other["methods"][0], "name": "h2o16"})  # given, never started
     (b / "quick.json").write_text(json.dumps(other))
     first = json.loads((a / "quick.json").read_text())
 
     assert cli.main([*common, "--out", str(a), "--extend", "--merge", str(b / "quick.json"),
                      "--methods", "full,minikv,snapkv_block"]) == 0
     data = json.loads((a / "quick.json").read_text())
-    assert [m["name"] for m in data["methods"]] == ["full", "minikv", "snapkv_block"]
+    assert [m["name"] for m in data["methods"]] == ["full", "minikv", "snapkv_block"]  # no h2o16
     key = lambda u: (u["method"], u["task"], u["group"])  # noqa: E731
     units = {key(u): u for u in data["units"]}
     assert len(units) == len(data["units"])  # nothing measured twice

@@ -151,7 +151,10 @@ def _run_part(args, argv, part, plan, methods, tasks, device, dtype, compile_, g
     for path in map(Path, args.merge):
         if not path.is_file():
             raise SystemExit(f"--merge: expected a run's JSON, found no file {path}")
-        merged.append((str(path), json.loads(path.read_text())))
+        try:
+            merged.append((str(path), json.loads(path.read_text())))
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--merge: expected a run's JSON in {path}, got unreadable JSON ({e})")
     try:
         run = Run(part, subject, plan, methods, samples, Path(args.out), device, dtype, compile_,
                   graphs, args.budget_seconds, argv, previous,

@@ -296,6 +296,7 @@ class Run:
         self.data["unsupported"] = list(previous.get("unsupported", []))
         self.modes = [m for m in MODES if m in set(self.modes) | set(previous.get("modes", [QUESTION_LAST]))]
         self.data["modes"] = list(self.modes)
+        self.data["merged"] = list(previous.get("merged") or [])
         self.data["extended"] = (previous.get("extended") or []) + [
             {"argv": previous.get("argv"), "timestamp": prev_env.get("timestamp"),
              "elapsed_s_so_far": previous.get("elapsed_s", 0.0)}]
@@ -340,19 +341,22 @@ class Run:
 
     def merge(self, source: str, other: dict) -> None:
         """Take in ``other``'s units: a run of the same part made beside this one (on another
-        GPU of the host, into its own folder), comparable as for ``carry``. Its methods join
-        after this run's; a unit that both runs measured is refused, not chosen between."""
+        GPU of the host, into its own folder), comparable as for ``carry``. Its methods with
+        units join after this run's (one it never started stays out, to be given to a run
+        again); a unit that both runs measured is refused, not chosen between."""
         self._check_comparable(other, "--merge")
         key = lambda u: (u["method"], u["task"], u["group"], unit_mode(u))  # noqa: E731
         both = sorted({key(u) for u in other["units"]} & {key(u) for u in self.data["units"]})
         if both:
             raise NotComparable(f"--merge: {source} measured units this run holds too, e.g. "
                                 f"{list(both[0])} ({len(both)} in all)")
-        unknown = [m["name"] for m in other["methods"] if m["name"] not in METHODS]
+        started = {u["method"] for u in other["units"]}
+        unknown = sorted(started - set(METHODS))
         if unknown:
             raise NotComparable(f"--merge: {source} has methods this tree does not know: {unknown}")
         names = [m.name for m in self.methods]
-        self.methods += [METHODS[m["name"]] for m in other["methods"] if m["name"] not in names]
+        self.methods += [METHODS[m["name"]] for m in other["methods"]
+                         if m["name"] in started and m["name"] not in names]
         self.data["methods"] = _method_rows(self.methods)
         self.data["units"] = list(self.data["units"]) + list(other["units"])
         self.data["hf_check"] = self.data["hf_check"] or other.get("hf_check")
@@ -513,7 +517,8 @@ class Run:
             for done, method in enumerate(todo, 1):
                 self.run_method(method)
                 if (method.name == "full" and self.plan.hf_check and self.data["hf_check"] is None
-                        and QUESTION_LAST in self.modes):
+                        and QUESTION_LAST in self.modes
+                        and all(self._measured(method, task, group) for task, group in units)):
                     self.run_hf_check()  # right away: a run cut short still has it
                 spent = self.budget.elapsed
                 print(f"[{spent:7.1f}s] {done}/{len(todo)} methods done, about "

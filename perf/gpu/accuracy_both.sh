@@ -11,8 +11,8 @@
 # and presets first, then the main table's methods; each call runs for BUDGET seconds
 # (`--budget-seconds`) and goes on from /tmp/acc/main.json. GPUS=2 (a two-GPU machine): the
 # methods still to run alternate between two processes, one a GPU (the full cache and its HF
-# check on the first), and the second's run joins the first's (`--merge`): twice the methods a
-# call for the same device time.
+# check on the first, which also finishes what /tmp/acc holds incomplete), and the second's run
+# joins the first's (`--merge`): twice the methods a call for the same device time.
 set -uo pipefail
 STEP=${1:?usage: accuracy_both.sh run|extend SHA}; SHA=${2:?usage: accuracy_both.sh run|extend SHA}
 BUDGET=${BUDGET:-470}; GPUS=${GPUS:-1}
@@ -36,41 +36,46 @@ if [ -z "${METHODS:-}" ]; then  # METHODS=a,b,...: those alone
   METHODS=$METHODS,$(python -c "from minikv_compile.perf.accuracy.methods import MAIN_METHODS as M; print(','.join(m for m in M if m != 'full'))")
 fi
 ACC="python -m minikv_compile.perf.accuracy --model smollm2 --mode both --budget-seconds $BUDGET"
-EXTEND=""; [ -f /tmp/acc/main.json ] && EXTEND="--extend"
 if [ "$GPUS" = 2 ]; then
-  # the methods /tmp/acc does not hold whole yet, alternating between the GPUs
+  LEFT=$((600 - SECONDS - 150))  # the workers' budget: the merge reloads the model after them
+  [ "$LEFT" -lt 60 ] && LEFT=60
+  [ "$LEFT" -lt "$BUDGET" ] && ACC="${ACC% *} $LEFT"
+  merge() {  # the second GPU's run joins /tmp/acc (nothing more runs), then goes
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python -m minikv_compile.perf.accuracy --model smollm2 \
+      --mode both --budget-seconds 0 --methods "$1" --extend --merge /tmp/acc1/main.json \
+      --out /tmp/acc > "$OUT/acc_${STEP}_merge$2.log" 2>&1 && rm -rf /tmp/acc1
+    echo "merge rc $?"
+  }
+  [ -f /tmp/acc1/main.json ] && merge full _left  # an earlier call's, if its merge failed
+  EXTEND=""; [ -f /tmp/acc/main.json ] && EXTEND="--extend"
+  # GPU 0 goes on from /tmp/acc (the methods it lists still incomplete, and the full cache with
+  # its HF check); those it does not list alternate between the GPUs, GPU 1 starting a run of
+  # its own, whose started methods the merge lists
   read -r M0 M1 < <(python - "$METHODS" <<'PY'
 import json, os, sys
 names = sys.argv[1].split(",")
-done = set()
+held = set()  # GPU 0's --extend runs every method /tmp/acc lists and holds incomplete
 if os.path.exists("/tmp/acc/main.json"):
-    data = json.load(open("/tmp/acc/main.json"))
-    full = {(u["task"], u["group"], u.get("mode")) for u in data["units"] if u["method"] == "full"}
-    for m in names:
-        if full and full <= {(u["task"], u["group"], u.get("mode")) for u in data["units"] if u["method"] == m}:
-            done.add(m)
-todo = [m for m in names if m not in done]
-first = [m for m in todo if m == "full"] + [m for m in todo if m != "full"][1 if "full" in todo else 0::2]
-second = [m for m in todo if m not in first]
+    held = {m["name"] for m in json.load(open("/tmp/acc/main.json"))["methods"]}
+fresh = [m for m in names if m not in held]
+first = [m for m in fresh if m == "full"]
+rest = [m for m in fresh if m != "full"]
+second = rest[0::2] if first or held else rest[1::2]
+first += [m for m in rest if m not in second]
 print(",".join(first) or "full", ",".join(second) or "-")
 PY
 )
-  echo "GPU 0: $M0"; echo "GPU 1: $M1"
-  CUDA_VISIBLE_DEVICES=0 timeout $((BUDGET + 80)) $ACC --methods "$M0" $EXTEND --out /tmp/acc \
+  echo "GPU 0: $M0 (and what /tmp/acc holds incomplete)"; echo "GPU 1: $M1"
+  CUDA_VISIBLE_DEVICES=0 timeout $((LEFT + 80)) $ACC --methods "$M0" $EXTEND --out /tmp/acc \
     > "$OUT/acc_${STEP}_gpu0.log" 2>&1 &
   if [ "$M1" != - ]; then
-    rm -rf /tmp/acc1
-    CUDA_VISIBLE_DEVICES=1 timeout $((BUDGET + 80)) $ACC --methods "$M1" --out /tmp/acc1 \
+    CUDA_VISIBLE_DEVICES=1 timeout $((LEFT + 80)) $ACC --methods "$M1" --out /tmp/acc1 \
       > "$OUT/acc_${STEP}_gpu1.log" 2>&1 &
   fi
   wait
-  if [ "$M1" != - ]; then  # the second GPU's units join the first's; nothing more runs
-    CUDA_VISIBLE_DEVICES=0 timeout 120 python -m minikv_compile.perf.accuracy --model smollm2 \
-      --mode both --budget-seconds 0 --methods "$METHODS" --extend --merge /tmp/acc1/main.json \
-      --out /tmp/acc > "$OUT/acc_${STEP}_merge.log" 2>&1 && rm -rf /tmp/acc1
-    echo "merge rc $?"
-  fi
+  [ "$M1" != - ] && merge full ""
 else
+  EXTEND=""; [ -f /tmp/acc/main.json ] && EXTEND="--extend"
   timeout $((BUDGET + 80)) $ACC --methods "$METHODS" $EXTEND --out /tmp/acc > "$OUT/acc_$STEP.log" 2>&1
   echo "rc $?"
 fi
