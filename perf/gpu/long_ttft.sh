@@ -4,14 +4,14 @@
 # after the other on one GPU, the Llama-3.1-8B shape (carry .whl: the serving wheels), from the
 # repo root, one preset a call on the same warm machine:
 #   PRESETS=accurate perf/gpu/long_ttft.sh SHA      (its server took over 150 s to start)
-#   PRESETS=minikv ENGINE=1 perf/gpu/long_ttft.sh SHA
+#   PRESETS=minikv perf/gpu/long_ttft.sh SHA
 # Each call gives its servers what the call's 600 s leave after the install (start-up, the two
 # warm-up requests and the phase count in `--budget-seconds`); the parts stay in
 # /tmp/serve_<preset>, so the last call prints the ratio of both. SLOTS (default 8) for both:
 # "accurate"'s pinned host copy is 4.4 GB a slot at 32k + 512 tokens, 279 GB at the benchmark's
 # default 64 slots. RATE (default 0.8 requests/s) for both: at 1.64 (the 64-slot server's half
-# rate) 8 slots of "minikv" queue (TTFT p50 4.36 s, 57893b8). ENGINE=1: then, in what is left,
-# the decode step at 8 x 4k for "accurate" and its candidates beside "minikv" (engine-vs-hf).
+# rate) 8 slots of "minikv" queue (TTFT p50 4.36 s, 57893b8). The decode step's ratios are
+# perf/gpu/accurate_price.sh's.
 # Only the summaries go to $OUT (a call brings back a limited number of files).
 set -uo pipefail
 export MINIKV_GIT_SHA=${1:?usage: perf/gpu/long_ttft.sh SHA} PYTHONUNBUFFERED=1
@@ -21,7 +21,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 perf/gpu_check.sh "$OUT" | tail -3
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
 N=$(echo $PRESETS | wc -w)
-BUDGET=${BUDGET:-$(((600 - SECONDS - 40 - ${ENGINE:-0} * 120) / N - 30))}
+BUDGET=${BUDGET:-$(((600 - SECONDS - 40) / N - 30))}
 for preset in $PRESETS; do
   echo "=== $(date +%T) serve --preset $preset, budget $BUDGET s"
   rm -rf "/tmp/serve_$preset"
@@ -53,13 +53,4 @@ if len(rows) == 2:
         if a and m:
             print(f"{k}: accurate / minikv = {a:.3f} / {m:.3f} = {a / m:.3f}x (target <= 1.2x)")
 PY
-LEFT=$((600 - SECONDS - 40))
-if [ "${ENGINE:-0}" = 1 ] && [ "$LEFT" -gt 60 ]; then
-  echo "=== $(date +%T) engine 8 x 4k, budget $LEFT s"
-  timeout $((LEFT + 20)) python -m minikv_compile.perf engine-vs-hf --model llama3.1-8b \
-    --methods minikv,kivi-g64-hadamard-specache,kivi-g64-hadamard-specache128,kivi-g64-hadamard \
-    --shapes 8x4096 --warm-tokens 8 --timed-tokens 64 --budget-seconds "$LEFT" \
-    --out "$OUT/engine" > "$OUT/engine.log" 2>&1
-  grep -E "ok ms_per_token|skipped" "$OUT/engine.log"
-fi
 echo "=== $(date +%T) done"
