@@ -110,7 +110,7 @@ class SlotRuntime:
         step = DecodeStep if self.cache.recall is None else RecallDecodeStep
         # Everything the compiled step's code depends on besides the source and the versions.
         identity = repr((step.__name__, adapter.config.to_json_string(), str(dtype), config,
-                         adapter.tp.rank, adapter.tp.world))
+                         adapter.tp.rank, adapter.tp.world, adapter.tp.one_shot))
         # (bucket, mode) -> its StepPlan, built by ``prepare``; the step reads it
         self.plans: dict = {}
         self.runner = GraphRunner(functools.partial(step, adapter, self.cache, self.state,

@@ -24,6 +24,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+ONE_SHOT_BYTES = 256 * 1024
+"""The largest all-reduce the one-shot kernel takes: 8 rows of the 70B shape's hidden size
+(8192) in bf16 is 128 KiB; above it every rank reading every other's whole copy stops paying
+(torch's own intra-node all-reduce switches to two-shot at 256 KiB)."""
+
+_ONE_SHOT_BUFFERS: dict = {}  # group name -> this rank's symmetric buffer, ONE_SHOT_BYTES bytes
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -32,6 +39,7 @@ class TensorParallel:
     rank: int = 0
     world: int = 1
     group: Optional[Any] = None
+    one_shot: str = ""  # the group's name where its small all-reduces are one-shot, else ""
 
     @classmethod
     def from_default_group(cls, size: int) -> "TensorParallel":
@@ -47,7 +55,8 @@ class TensorParallel:
         if world != size:
             raise ValueError(f"tensor_parallel: expected the default process group's world "
                              f"size, {world}, got {size}")
-        return cls(rank=dist.get_rank(), world=world, group=dist.group.WORLD)
+        return cls(rank=dist.get_rank(), world=world, group=dist.group.WORLD,
+                   one_shot=_reserve_one_shot(dist.group.WORLD))
 
     def split(self, name: str, n: int) -> slice:
         """This rank's share ``[r n / N, (r + 1) n / N)`` of ``n`` heads or features, or
@@ -62,6 +71,10 @@ class TensorParallel:
         """The sum of every rank's ``x`` (partial products of a row-parallel projection)."""
         if self.world == 1:
             return x
+        nbytes = x.numel() * x.element_size()
+        if (self.one_shot and x.dtype in (torch.bfloat16, torch.float32)
+                and nbytes <= ONE_SHOT_BYTES and nbytes % 16 == 0):  # (16-byte vectors)
+            return _one_shot_all_reduce(x, self.one_shot)
         return funcol.all_reduce(x, "sum", self.group)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -95,6 +108,48 @@ class TensorParallel:
         if differ:
             raise ValueError(f"{name}: expected the same arguments on every rank (rank 0's), "
                              f"got different ones on ranks {differ}")
+
+
+def _reserve_one_shot(group) -> str:
+    """Allocate and exchange (a collective: every rank calls it) this rank's symmetric buffer of
+    ``ONE_SHOT_BYTES`` for ``group`` on the current GPU, once per group, and return the group's
+    name; "" (NCCL for every all-reduce) off NCCL, without symmetric memory, or with
+    ``MINIKV_ONE_SHOT=0``. NVLink multicast stays off: the one-shot kernel reads peers' buffers
+    through their mapped addresses and needs no multicast object."""
+    if (os.environ.get("MINIKV_ONE_SHOT") == "0" or dist.get_backend(group) != "nccl"
+            or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")):
+        return ""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group_name
+    if name not in _ONE_SHOT_BUFFERS:
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        symm_mem.enable_symm_mem_for_group(name)
+        buffer = symm_mem.empty(ONE_SHOT_BYTES, dtype=torch.uint8,
+                                device=torch.device("cuda", torch.cuda.current_device()))
+        symm_mem.rendezvous(buffer, name)
+        _ONE_SHOT_BUFFERS[name] = buffer
+    return name
+
+
+@torch.library.custom_op("minikv::one_shot_all_reduce", mutates_args=())
+def _one_shot_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum over the ranks of ``group_name`` of each one's ``x`` (any shape, at most
+    ``ONE_SHOT_BYTES``, bf16 or fp32): one kernel copies ``x`` into this rank's symmetric
+    buffer, waits for every rank's copy, and adds them in rank order (the same bits on every
+    rank), then waits for every rank's reads before the buffer can be written again. Opaque to
+    the compiler: it sees neither the buffer nor its exchange."""
+    flat = x.reshape(-1)
+    if flat.storage_offset():  # the kernel takes its alignment from the buffer's offset, 0
+        flat = flat.clone()
+    buffer = _ONE_SHOT_BUFFERS[group_name].view(x.dtype)[: flat.numel()]
+    return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer, flat, "sum",
+                                                       group_name).view(x.shape)
+
+
+@_one_shot_all_reduce.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def join_torchrun(name: str, size: Optional[int], cuda: bool, timeout_s: float) -> torch.device:

@@ -618,6 +618,28 @@ def _gpu_ranks() -> int:
     return WIDE if torch.cuda.device_count() >= WIDE else RANKS
 
 
+def _sums(world: int) -> dict:
+    """``TensorParallel.all_reduce`` on this rank's bf16 rows against every rank's rows gathered
+    and added here in rank order: 1 and 8 rows of 4096 (one-shot: the same adds, so the same
+    bits) and 40 rows (over ``ONE_SHOT_BYTES``: NCCL, its own order of adds)."""
+    tp = TensorParallel.from_default_group(world)
+    out = {"one_shot": tp.one_shot}
+    for rows in (1, 8, 40):
+        gen = torch.Generator("cuda").manual_seed(100 * rows + tp.rank)
+        x = torch.randn(rows, 4096, generator=gen, device="cuda").bfloat16()
+        got = tp.all_reduce(x)
+        every = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(every, x)
+        want = every[0]
+        for other in every[1:]:
+            want = want + other
+        exact = torch.stack([e.float() for e in every]).sum(0)
+        out[rows] = {"bits": torch.equal(got, want),
+                     "off": (got.float() - exact).abs().max().item(),
+                     "bf16_off": (want.float() - exact).abs().max().item()}
+    return out
+
+
 def _nccl_ranks(rank: int, world: int, store: str, out_dir: str) -> None:
     """Rank ``rank`` on GPU ``rank``: the compiled, captured engine over ``world`` NCCL ranks;
     then, the group destroyed by every rank together (an NCCL communicator's destruction waits
@@ -633,7 +655,7 @@ def _nccl_ranks(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     targets = [prompt_of(NEW, seed=50 + i) for i in range(len(PROMPTS))]
-    out = {}
+    out = {"sums": _sums(world)}
     for name, tp, dtype in (("ranks", world, torch.bfloat16), ("alone", 1, torch.bfloat16),
                             ("fp16", 1, torch.float16)):
         if tp == 1 and dist.is_initialized():
@@ -692,6 +714,10 @@ def test_gpu_nccl_ranks_compute_what_one_gpu_does(tmp_path):
     _join_within(ctx, NCCL_DEADLINE_S, f"{world} ranks",
                  [tmp_path / f"progress{r}.txt" for r in range(world)])
     ranks = [json.loads((tmp_path / f"nccl{r}.json").read_text()) for r in range(world)]
+    for sums in (r["sums"] for r in ranks):  # the all-reduce alone, one-shot and NCCL
+        assert sums["one_shot"], "expected the one-shot all-reduce over NCCL ranks"
+        assert sums["1"]["bits"] and sums["8"]["bits"], sums
+        assert sums["40"]["off"] <= 4 * sums["40"]["bf16_off"], sums  # bf16 rounding, not a rank
     for other in ranks[1:]:
         assert other["ranks"] == ranks[0]["ranks"]  # every token and log-prob, every count
     mine, alone = ranks[0]["ranks"], ranks[0]["alone"]

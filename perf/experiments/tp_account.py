@@ -89,7 +89,7 @@ def _profile_steps(rt, steps: int) -> Dict[str, float]:
             continue
         kernels += 1
         total_us += e.device_time_total
-        if "nccl" in e.name.lower():
+        if "nccl" in e.name.lower() or "all_reduce" in e.name:  # NCCL's, or one-shot's
             nccl += 1
             nccl_us += e.device_time_total
         spans.append((e.time_range.start, e.time_range.end))
@@ -143,7 +143,7 @@ def _markdown(result: dict) -> str:
     lines = [f"# Tensor-parallel step account: {result['shape']} over {result['ranks']} "
              f"{result['env']['device']} (git {result['env']['git']})", "",
              "| case | floor: bytes + collectives alone | step | no collectives | compute over "
-             "bytes | collectives in step | over alone | kernels / step (NCCL) | GPU idle / step "
+             "bytes | collectives in step | over alone | kernels / step (collective) | GPU idle / step "
              "(real / none) |", "|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         r, n = c["real"], c["no_collectives"]
@@ -154,10 +154,13 @@ def _markdown(result: dict) -> str:
             f"{c['collectives_in_step_ms']:.2f} | {c['collectives_over_alone_ms']:+.2f} | "
             f"{r['kernels_per_step']:.0f} ({r['nccl_kernels_per_step']:.0f}) | "
             f"{r['idle_ms_per_step']:.2f} / {n['idle_ms_per_step']:.2f} |")
-    lines += ["", "ms per step, rank 0. Every rank's step and NCCL kernel time per step:", ""]
+    env = ", ".join(f"{k}={v}" for k, v in sorted(result["nccl_env"].items()))
+    lines += ["", f"ms per step, rank 0; all-reduces {result['all_reduce']}; NCCL environment: "
+              f"{env or 'default'}. Every rank's step and "
+              "collective kernel time (NCCL's and one-shot's) per step:", ""]
     for c in result["cases"]:
         lines.append(f"- {c['batch']} x {c['prompt_len']}: real "
-                     + ", ".join(f"{m['ms_per_step']:.2f} ({m['nccl_ms_per_step']:.2f} NCCL)"
+                     + ", ".join(f"{m['ms_per_step']:.2f} ({m['nccl_ms_per_step']:.2f} coll.)"
                                  for m in c["real_every_rank"])
                      + "; no collectives "
                      + ", ".join(f"{m['ms_per_step']:.2f}" for m in c["no_collectives_every_rank"]))
@@ -166,7 +169,7 @@ def _markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     from minikv_compile import engine as engine_module
-    from minikv_compile.models.parallel import join_torchrun
+    from minikv_compile.models.parallel import ONE_SHOT_BYTES, join_torchrun
     from minikv_compile.perf.argtypes import shape_list
     from minikv_compile.perf.bench_tp import sharded_model, step_collectives_ms
     from minikv_compile.perf.harness import floor_figures, model_summary
@@ -195,6 +198,9 @@ def main(argv=None) -> int:
     model = sharded_model(args.shape, tp, device, dtype)
     summary = model_summary(model)
     result = {"shape": args.shape, "ranks": tp.world, "bandwidth": bandwidth,
+              "all_reduce": (f"one-shot up to {ONE_SHOT_BYTES // 1024} KiB, NCCL above"
+                             if tp.one_shot else "NCCL"),
+              "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
               "summary_per_rank": summary, "cases": [],
               "env": {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
                       "torch": torch.__version__,

@@ -12,9 +12,14 @@
 #            warm-up alone took 129 s on 4 x H100)
 #   account  perf/experiments/tp_account.py over 4 ranks at 1 x 32k (ACCOUNT_CASES): the step
 #            with its collectives as no-ops, the collectives alone, kernels and GPU idle a step
-#   account-nopdl  the same with MINIKV_PDL=0 (not in the defaults): is the step's idle time
-#            with collectives the non-PDL kernel boundaries at each all-reduce (perf/NOTES.md,
+#   account-nccl   the same with MINIKV_ONE_SHOT=0: every all-reduce NCCL's (the A/B of the
+#            one-shot all-reduce, models/parallel.py)
+#   account-nomix  account-nccl with NCCL_GRAPH_MIXING_SUPPORT=0 (NCCL then adds no
+#            cross-stream ordering of its own to a captured collective)
+#   account-nopdl  the same as account with MINIKV_PDL=0: is the step's idle time with
+#            collectives the non-PDL kernel boundaries at each all-reduce (perf/NOTES.md,
 #            "Four GPUs: where the tensor-parallel step's idle time may come from")?
+#   (the account parts are not in the defaults but account)
 #   131k     bench_tp over 4 ranks at 1 x 131000 (the model's 131072 positions less the tokens)
 #   tp2      bench_tp over 2 of the GPUs, 1 x 32k and 8 x 4k: the 4-against-2 scaling
 # Everything lands in /tmp/r, packed after each part into $OUT/tp4.tgz; $OUT also gets run.log
@@ -65,20 +70,25 @@ for part in $PARTS; do
     hf) run hf 360 180 $T $NGPU $B --cases ${HF_CASES:-1x32768} --methods hf-static \
           --out $R/tp4_hf.json
         grep "hf-static.*ms/token" $L | tail -2 ;;
-    account) run account 150 80 $T $NGPU $ROOT/perf/experiments/tp_account.py \
-               --cases ${ACCOUNT_CASES:-1x32768} --out $R/tp4_account.json
-             cat $R/tp4_account.md 2>/dev/null ;;
-    account-nopdl) MINIKV_PDL=0 run account-nopdl 150 80 $T $NGPU \
-                     $ROOT/perf/experiments/tp_account.py --cases ${ACCOUNT_CASES:-1x32768} \
-                     --out $R/tp4_account_nopdl.json
-                   cat $R/tp4_account_nopdl.md 2>/dev/null ;;
+    account|account-nccl|account-nomix|account-nopdl)
+      case $part in  # each variant's environment, for its run alone
+        account) env=() ;;
+        account-nccl) env=(MINIKV_ONE_SHOT=0) ;;
+        account-nomix) env=(MINIKV_ONE_SHOT=0 NCCL_GRAPH_MIXING_SUPPORT=0) ;;
+        account-nopdl) env=(MINIKV_PDL=0) ;;
+      esac
+      out=$R/tp4_${part/-/_}.json
+      run $part 150 80 env "${env[@]}" $T $NGPU $ROOT/perf/experiments/tp_account.py \
+        --cases ${ACCOUNT_CASES:-1x32768} --out $out
+      cat ${out%.json}.md 2>/dev/null ;;
     131k) run 131k 180 110 $T $NGPU $B --cases 1x131000 --warm-tokens 2 --timed-tokens 16 \
             --out $R/tp4_131k.json
           grep "ms/token" $L | tail -1 ;;
     tp2) CUDA_VISIBLE_DEVICES=0,1 run tp2 180 110 $T 2 $B --cases 1x32768,8x4096 \
            --out $R/tp2.json
          grep "ms/token" $L | tail -2 ;;
-    *) echo "unknown part $part (test tp4 hf account account-nopdl 131k tp2)" | tee -a $L ;;
+    *) echo "unknown part $part (test tp4 hf account account-nccl account-nomix account-nopdl" \
+            "131k tp2)" | tee -a $L ;;
   esac
 done
 python $ROOT/perf/gpu/tp_table.py $R > $OUT/summary.md 2>> $L

@@ -2,7 +2,7 @@
 of the same case and ranks, and the same case over two ranks; then tp_account's account.
 
     python perf/gpu/tp_table.py DIR     (DIR: tp4.json, tp4_hf.json, tp4_131k.json, tp2.json,
-                                         tp4_account.json, each where its part ran)
+                                         tp4_account*.json, each where its part ran)
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ def main(folder: str) -> int:
                                                                   r["ranks"]) for o in ours):
             print(f"| {r['batch']} x {r['prompt_len']} | {r['ranks']} | HF alone "
                   f"{r['ms_per_token']:.2f} | | | | | |")
-    account = d / "tp4_account.md"
-    if account.exists():
+    for account in sorted(d.glob("tp4_account*.md")):  # the default, then each variant
         print()
         print(account.read_text())
     return 0
