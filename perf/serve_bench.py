@@ -475,6 +475,28 @@ class Bench:
             worker.stop()
 
 
+def saturation(runs: List[Dict[str, object]], lo: Optional[float],
+               stop: Optional[str]) -> Dict[str, object]:
+    """A sweep's saturation: ``lo``, its highest sustained rate (None: none), the lowest
+    unsustained rate above it, and how far the runs bound it. One window's p99 TTFT is noisy,
+    so a rate can fail below one that passed: the bound then says so rather than pick a side."""
+    failed = [r["rate"] for r in runs if not r["sustained"]]
+    hi = min((r for r in failed if lo is None or r > lo), default=None)
+    below = sorted(r for r in failed if lo is not None and r < lo)
+    if lo is None:
+        bound = "none sustained"
+    elif below:
+        bound = (f"not monotonic: {', '.join(f'{r:g}' for r in below)}/s unsustained below the "
+                 f"sustained {lo:g}/s" + (f", {hi:g}/s unsustained above" if hi else ""))
+    elif hi is not None:
+        bound = "between sustained and unsustained rates"
+    elif stop and stop.startswith("output tokens/s"):
+        bound = "throughput saturated"
+    else:
+        bound = "lower bound (no unsustained rate measured)"
+    return {"rate": lo, "first_unsustained": hi, "bound": bound, "stopped": stop}
+
+
 class _Context:
     """One backend's worker during the phases: the workload, the clock, the parts."""
 
@@ -698,17 +720,10 @@ class _Context:
                 if not fits(rate):
                     break
                 measure(rate)
-        if lo is None:
-            bound = "none sustained"
-        elif hi is not None and hi > lo:
-            bound = "between sustained and unsustained rates"
-        elif stop and stop.startswith("output tokens/s"):
-            bound = "throughput saturated"
-        else:
-            bound = "lower bound (no unsustained rate measured)"
-        self.saturation = {"rate": lo, "first_unsustained": hi, "bound": bound, "stopped": stop}
+        self.saturation = saturation(runs, lo, stop)
         part["saturation"] = self.saturation
-        self.say(f"saturation {lo if lo is None else f'{lo:.3g}/s'} ({bound}; {stop})")
+        self.say(f"saturation {lo if lo is None else f'{lo:.3g}/s'} "
+                 f"({self.saturation['bound']}; {stop})")
 
     def _half_rate(self, part) -> float:
         a = self.a

@@ -23,7 +23,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from minikv_compile.perf.__main__ import main  # noqa: E402
-from minikv_compile.perf.serve_bench import BACKENDS, PHASES, PRESETS, Worker  # noqa: E402
+from minikv_compile.perf.serve_bench import (BACKENDS, PHASES, PRESETS, Worker,  # noqa: E402
+                                             saturation)
 from minikv_compile.perf.serve_load import (Outcome, Workload, percentile,  # noqa: E402
                                             poisson_arrivals)
 from minikv_compile.perf.serve_report import SCHEMA, PartStore, targets  # noqa: E402
@@ -287,6 +288,26 @@ LOWER = "lower bound (no unsustained rate measured)"
 def test_saturation_target_respects_bounds(ours, hf, status):
     rows = targets({"minikv": {"saturation": ours}, "hf": {"saturation": hf}}, "llama3.1-8b")
     assert rows[0]["status"] == status
+
+
+def _runs(*sustained):
+    return [{"rate": rate, "sustained": ok} for rate, ok in sustained]
+
+
+@pytest.mark.parametrize("runs, lo, stop, hi, bound", [
+    (_runs((2.0, True), (4.0, False)), 2.0, None, 4.0, BETWEEN),
+    (_runs((2.0, True), (4.0, True)), 4.0, None, None, LOWER),
+    (_runs((2.0, True), (4.0, True)), 4.0, "output tokens/s stopped growing", None, FLAT),
+    (_runs((2.0, False), (1.0, False)), None, None, 1.0, "none sustained"),
+    # one window's p99 is noisy: a failure below the highest pass is named, not dropped
+    (_runs((3.28, False), (3.69, True), (4.1, False)), 3.69, None, 4.1,
+     "not monotonic: 3.28/s unsustained below the sustained 3.69/s, 4.1/s unsustained above"),
+    (_runs((3.28, False), (3.69, True)), 3.69, None, None,
+     "not monotonic: 3.28/s unsustained below the sustained 3.69/s"),
+])
+def test_saturation_bound(runs, lo, stop, hi, bound):
+    assert saturation(runs, lo, stop) == {"rate": lo, "first_unsustained": hi, "bound": bound,
+                                          "stopped": stop}
 
 
 def test_offline_target_uses_the_steady_state_when_a_run_was_cut():
