@@ -30,7 +30,8 @@ from minikv_compile.serve.affinity import (  # noqa: E402
     MAX_ROUTE, Affinity, hashes_of, route_of)
 from minikv_compile.serve.errors import ApiError  # noqa: E402
 from minikv_compile.serve.replicas import (FALLBACK_BODY_BYTES, Replica,  # noqa: E402
-                                           Replicas, create_front, merge_metrics, without_tls)
+                                           Replicas, create_front, merge_metrics,
+                                           prompt_tokens, without_tls)
 from minikv_compile.serve.security import ServeOptions  # noqa: E402
 from test_serve import (  # noqa: E402
     Server, _read_until_closed, _save_tiny_llama, self_signed_cert)
@@ -149,6 +150,29 @@ def test_the_front_picks_the_ready_replica_with_the_fewest_in_flight():
     assert replicas.status() == (503, "failed")
 
 
+def test_the_front_weighs_the_prompt_tokens_ahead_before_the_requests_in_flight():
+    replicas = Replicas([Replica(i, [], {}, 0) for i in range(3)], slots=4)
+    for r, pending, busy in zip(replicas.replicas, (32000, 0, 0), (0, 3, 2)):
+        r.state, r.pending, r.in_flight = "ready", pending, busy
+    assert replicas.pick(tokens=100).index == 2          # no prompt ahead, fewer in flight
+    replicas.replicas[2].in_flight = 4                   # full: of the others, no prompt ahead
+    assert replicas.pick(tokens=100).index == 1
+    # affinity holds while the prompt ahead of it is no more than its own beyond the least
+    assert replicas.pick(prefer=0, tokens=32000).index == 0 and replicas.yielded == 0
+    assert replicas.pick(prefer=0, tokens=31999).index == 1 and replicas.yielded == 1
+
+
+def test_prompt_tokens_counts_ids_exactly_and_text_at_four_characters():
+    assert prompt_tokens("/v1/completions", {"prompt": [5, 6, 7]}) == 3
+    assert prompt_tokens("/v1/completions", {"prompt": "abcdefghi"}) == 3
+    chat = {"messages": [{"role": "system", "content": "abcd"},
+                         {"role": "user", "content": [{"type": "text", "text": "efghi"}]}]}
+    assert prompt_tokens("/v1/chat/completions", chat) == 3
+    for junk in ([], {"prompt": 3}, {"messages": "hi"}):  # the replica answers the 400
+        assert prompt_tokens("/v1/completions", junk) == 0
+        assert prompt_tokens("/v1/chat/completions", junk) == 0
+
+
 def test_metrics_give_each_replica_and_their_sum(client):
     text = client.get("/metrics").text
     s = _samples(text)
@@ -165,6 +189,8 @@ def test_metrics_give_each_replica_and_their_sum(client):
     assert sum(routed) == 4 and min(routed) >= 1
     for i in (0, 1):
         assert s[f'minikv_replica_up{{replica="{i}"}}'] == 1
+        # every request has streamed: no prompt token is counted ahead of a replica
+        assert s[f'minikv_replica_pending_prompt_tokens{{replica="{i}"}}'] == 0
     # one HELP and TYPE per family, the sum before the replicas' samples
     assert text.count("# TYPE minikv_slots gauge") == 1
     lines = text.splitlines()

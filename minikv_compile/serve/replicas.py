@@ -4,19 +4,22 @@
 
     clients --HTTP--> front (this process: no model, no GPU)
                         |  each request to the replica that served a prompt starting it, else
-                        |  the ready one with the fewest requests in flight (the front counts
-                        |  them), over HTTP on loopback, streamed back
+                        |  the ready one with the fewest prompt tokens waiting for their first
+                        |  token, then the fewest requests in flight (the front counts both),
+                        |  over HTTP on loopback, streamed back
                         v
               replica i: python -m minikv_compile.serve <the same flags> --port P_i
                          (CUDA_VISIBLE_DEVICES: its M GPUs; under torchrun when M =
                          --tensor-parallel > 1)
 
 A replica is an ordinary server: its own scheduler, slots, queue and compiled steps. The front
-routes by load: fewest in flight is most free slots, then the shortest queue, when the replicas
-are alike (ties go round the replicas); with affinity for prefix reuse: a request whose prompt
-starts with one the front sent to replica i (same cache salt and budgets; ``affinity.py`` says
-what it keys on) goes to i, whose pool keeps that context, unless i has no free slot and
-another replica has fewer in flight (see ``Replicas.pick``). ``/health`` is 200 once every
+routes by load: among the replicas with a free slot, the one with the fewest prompt tokens it
+sent there that have not begun to stream (the prefill ahead of a new request, what its time to
+first token waits for), then the fewest in flight (ties go round the replicas); with affinity
+for prefix reuse: a request whose prompt starts with one the front sent to replica i (same
+cache salt and budgets; ``affinity.py`` says what it keys on) goes to i, whose pool keeps that
+context, unless i is full or has more prompt tokens ahead than the request's own more than the
+least loaded (see ``Replicas.pick``). ``/health`` is 200 once every
 replica is ready (503 while any is starting), and stays 200 while at least one serves after
 others died, saying which (``"degraded"``); ``/metrics`` gives every replica's samples with a
 ``replica`` label, their sum without it, and the front's own (replica up, in flight, routed,
@@ -79,6 +82,7 @@ class Replica:
     state: str = "starting"                 # starting | ready | dead
     exit_status: Optional[int] = None
     in_flight: int = 0
+    pending: int = 0                        # prompt tokens of its requests yet to stream
     routed: int = 0                         # requests sent to it
     failed: int = 0                         # of them, cut by its death
     affine: int = 0                         # of them, sent by affinity (it served their prefix)
@@ -92,7 +96,7 @@ class Replica:
     def describe(self) -> Dict[str, object]:
         return {"replica": self.index, "state": self.state, "port": self.port,
                 "pid": self.proc.pid if self.proc else None, "exit_status": self.exit_status,
-                "in_flight": self.in_flight, "routed": self.routed, "failed": self.failed,
+                "in_flight": self.in_flight, "pending": self.pending, "routed": self.routed, "failed": self.failed,
                 "affine": self.affine, "gpus": self.env.get("CUDA_VISIBLE_DEVICES")}
 
 
@@ -173,29 +177,35 @@ class Replicas:
                            "the others", r.index, r.proc.pid, r.exit_status)
         return r.state != "dead"
 
-    def pick(self, prefer: Optional[int] = None) -> Replica:
-        """Replica ``prefer`` (affinity: it served a prompt starting this one) while it is
-        ready and has a free slot (fewer than ``slots`` in flight) or is among the least
-        loaded; else the ready replica with the fewest requests in flight (ties in turn).
-        ``ApiError`` 503 when none is ready.
+    def pick(self, prefer: Optional[int] = None, tokens: int = 0) -> Replica:
+        """The replica for a request of ``tokens`` prompt tokens: replica ``prefer`` (affinity:
+        it served a prompt starting this one) while it is ready, has a free slot (fewer than
+        ``slots`` in flight, or all are full and none has fewer) and no more prompt tokens
+        ahead than the least loaded plus ``tokens``; else, among the ready replicas with a free
+        slot (all of them where none has one), the fewest prompt tokens ahead, then the fewest
+        in flight (ties in turn). ``ApiError`` 503 when none is ready.
 
-        Why a full replica yields to any less loaded one: a request queued there waits for one
-        of its streams to end (up to max_new_tokens decode steps), a miss elsewhere costs one
-        prefill of the context (a 32k-token one: 1.6 s on an H200, vs 78 ms cached) and waits
-        less or not at all; and a popular prefix must not pile a queue on one replica."""
+        Prompt tokens first: a replica prefills its admitted prompts between decode steps, so
+        a new request's first token waits for those ahead of it, and one 32k-token prompt
+        (1.6 s of prefill on an H200) there outweighs any number of short ones elsewhere.
+        Why an affine replica yields: the hit saves the prefill of its context, about
+        ``tokens``; waiting behind more than that elsewhere's surplus costs more than it saves,
+        and a request queued on a full replica waits for one of its streams to end."""
         ready = [r for r in self.replicas if r.state == "ready" and self.check(r)]
         if not ready:
             raise self.none_ready()
-        least = min(r.in_flight for r in ready)
+        fewest = min(r.in_flight for r in ready)
+        free = [r for r in ready if r.in_flight < self.slots or r.in_flight == fewest]
+        least = min((r.pending, r.in_flight) for r in free)
         if prefer is not None:
             r = self.replicas[prefer]
-            if r in ready and (r.in_flight < self.slots or r.in_flight == least):
+            if r in free and r.pending <= least[0] + tokens:
                 r.affine += 1
                 return r
             if r in ready:  # not one that died since the lookup
                 self.yielded += 1
-        ready = [r for r in ready if r.in_flight == least]
-        return ready[next(self._turn) % len(ready)]
+        free = [r for r in free if (r.pending, r.in_flight) == least]
+        return free[next(self._turn) % len(free)]
 
     def none_ready(self) -> ApiError:
         return ApiError(503, f"no replica is ready ({self.summary()})", type="server_error",
@@ -286,6 +296,31 @@ def merge_metrics(scrapes: Sequence[Tuple[int, str]]) -> List[str]:
     return lines
 
 
+def prompt_tokens(path: str, obj: object) -> int:
+    """A request's prompt length as the front can tell it without a tokenizer: a prompt of
+    token ids exactly, text (a prompt, or the chat messages' text) at 4 characters a token.
+    0 for a body the replica will refuse (it answers the 400)."""
+    if not isinstance(obj, dict):
+        return 0
+    if path.endswith("/chat/completions"):
+        messages = obj.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        chars = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):  # content parts: their text
+                chars += sum(len(p["text"]) for p in content
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return -(-chars // 4)
+    prompt = obj.get("prompt")
+    if isinstance(prompt, str):
+        return -(-len(prompt) // 4)
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
 def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
     lines: List[str] = []
 
@@ -301,6 +336,9 @@ def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
     metric("minikv_replica_in_flight", "gauge",
            "Requests the front sent to the replica that have not finished.",
            lambda r: r.in_flight)
+    metric("minikv_replica_pending_prompt_tokens", "gauge",
+           "Prompt tokens of the requests the front sent to the replica that have not begun "
+           "to stream (ids counted, text at 4 characters a token).", lambda r: r.pending)
     metric("minikv_replica_routed_total", "counter", "Requests the front sent to the replica.",
            lambda r: r.routed)
     metric("minikv_replica_failed_total", "counter",
@@ -310,7 +348,8 @@ def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
            lambda r: r.affine)
     for name, kind, help_, value in (
             ("minikv_front_affinity_yielded_total", "counter", "Requests sent away from the "
-             "replica that served their prefix, which had no free slot.", replicas.yielded),
+             "replica that served their prefix, which was full or had more prompt tokens "
+             "ahead than the request's own beyond the least loaded.", replicas.yielded),
             ("minikv_front_affinity_entries", "gauge", "Routed prompts the front remembers "
              "for affinity.", len(replicas.affinity)),
             ("minikv_front_invalid_total", "counter", "Requests answered 4xx through the front: "
@@ -362,9 +401,16 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
         last = prefer = None
         if route is not None:  # in a worker thread: up to ~2 ms a lookup, ~20 ms a 300k text
             last, prefer = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
-        r = replicas.pick(prefer)
+        tokens = prompt_tokens(path, obj)
+        r = replicas.pick(prefer, tokens)
         r.in_flight += 1
+        r.pending += tokens
         r.routed += 1
+        ahead = [tokens]  # still counted in r.pending: until its first token streams
+
+        def begun() -> None:
+            r.pending -= ahead.pop() if ahead else 0
+
         reply: Optional[httpx.Response] = None
         try:  # the client's headers go along (a replica checks its API key and origin)
             upstream = client.build_request("POST", r.url + path, content=body,
@@ -378,25 +424,37 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
                 content = await reply.aread()
                 await reply.aclose()
                 r.in_flight -= 1
+                begun()
                 return Response(content, status_code=reply.status_code, headers=mine)
         except httpx.TransportError as e:
             if reply is not None:
                 await reply.aclose()
             r.in_flight -= 1
+            begun()
             raise await lost(r, e) from None
         except BaseException:
             r.in_flight -= 1
+            begun()
             raise
 
+        # the event that carries the first token: a chat stream's first event is its role
+        first_token_event = 2 if path.endswith("/chat/completions") else 1
+
         async def relay():
+            events = 0
             try:
                 async for chunk in reply.aiter_raw():
+                    if ahead:
+                        events += chunk.count(b"data: ")
+                        if events >= first_token_event:
+                            begun()
                     yield chunk
             except httpx.TransportError as e:  # the replica died mid-stream
                 error = (await lost(r, e)).body()
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 r.in_flight -= 1
+                begun()
                 await reply.aclose()
 
         return StreamingResponse(relay(), status_code=200, headers=mine)
@@ -574,4 +632,4 @@ def serve_front(replicas: Replicas, host: str, port: int,
 
 
 __all__ = ["Replica", "Replicas", "create_front", "merge_metrics", "plan_replicas",
-           "replica_commands", "serve_front", "without_tls"]
+           "prompt_tokens", "replica_commands", "serve_front", "without_tls"]
