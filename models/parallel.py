@@ -14,7 +14,8 @@ Over NCCL on GPUs, an all-reduce of at most ``ONE_SHOT_BYTES`` (a decode step's 
 sums) is instead one kernel that reads every rank's copy through NVLink from symmetric memory
 (``minikv::one_shot_all_reduce``, torch's ``symm_mem.one_shot_all_reduce_copy``): the step runs
 two a layer, and with them the 70B shape's step over 4 H200s at 1 x 32k took 12.56 ms against
-NCCL's 14.03, the GPU idle 0.16 ms a step against 1.36 (``perf/results/h200x4/tp4_eebd8a6/``).
+NCCL's 14.03 (NVLink SHARP off, ``NCCL_NVLS_ENABLE=0``), the GPU idle 0.16 ms a step against
+1.36 (``perf/results/h200x4/tp4_eebd8a6/``).
 ``MINIKV_ONE_SHOT=0`` in the environment keeps NCCL for every all-reduce (that A/B).
 """
 from __future__ import annotations
@@ -34,10 +35,12 @@ from torch import nn
 
 ONE_SHOT_BYTES = 256 * 1024
 """The largest all-reduce the one-shot kernel takes: 16 rows of the 70B shape's hidden size
-(8192) in bf16, every decode bucket up to 16. Above it each rank reads all the others' whole
-copies; torch's own intra-node all-reduce leaves one-shot at this size too (not measured here)."""
+(8192) in bf16, every decode bucket up to 16. Each rank reads every other rank's whole copy,
+so its reads grow with the rows (N - 1 copies against a ring's 2 (N - 1) / N); torch's own
+intra-node all-reduce leaves one-shot at this size too (not measured here)."""
 
-_ONE_SHOT_BUFFERS: dict = {}  # group name -> this rank's symmetric buffer, ONE_SHOT_BYTES bytes
+# group name -> (the group, this rank's symmetric buffer of ONE_SHOT_BYTES bytes)
+_ONE_SHOT_BUFFERS: dict = {}
 
 
 @dataclass(frozen=True)
@@ -76,12 +79,13 @@ class TensorParallel:
         return slice(self.rank * share, (self.rank + 1) * share)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's ``x`` (partial products of a row-parallel projection)."""
+        """The sum of every rank's ``x`` (partial products of a row-parallel projection): the
+        one-shot kernel where the group has its buffer and ``x`` fits it, else NCCL's."""
         if self.world == 1:
             return x
         nbytes = x.numel() * x.element_size()
         if (self.one_shot and x.dtype in (torch.bfloat16, torch.float32)
-                and nbytes <= ONE_SHOT_BYTES and nbytes % 16 == 0):  # (16-byte vectors)
+                and nbytes <= ONE_SHOT_BYTES and nbytes % 16 == 0):  # (its widest vectors)
             return _one_shot_all_reduce(x, self.one_shot)
         return funcol.all_reduce(x, "sum", self.group)
 
@@ -118,40 +122,69 @@ class TensorParallel:
                              f"got different ones on ranks {differ}")
 
 
+def _uses_nccl(group) -> bool:
+    """Whether ``group``'s CUDA tensors go through NCCL (``init_process_group("nccl")``, or no
+    backend named, which pairs gloo with NCCL)."""
+    if dist.get_backend(group) == "nccl":
+        return True
+    try:
+        return type(group._get_backend(torch.device("cuda"))).__name__ == "ProcessGroupNCCL"
+    except (RuntimeError, AttributeError):  # no CUDA backend
+        return False
+
+
+def _agree(ok: bool, group, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (a collective)."""
+    every = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(every, dist.ReduceOp.MIN, group=group)
+    return bool(every.item())
+
+
 def _reserve_one_shot(group) -> str:
     """Allocate and exchange (a collective: every rank calls it) this rank's symmetric buffer of
     ``ONE_SHOT_BYTES`` for ``group`` on the current GPU, once per group, and return the group's
-    name; "" (NCCL for every all-reduce) off NCCL, without symmetric memory, with
-    ``MINIKV_ONE_SHOT=0``, or where any rank's buffer failed (GPUs without peer access: the
-    ranks agree, with a warning, for one rank on NCCL and another on one-shot would hang).
-    NVLink multicast stays off: the one-shot kernel reads peers' buffers through their mapped
-    addresses and needs no multicast object."""
-    if (os.environ.get("MINIKV_ONE_SHOT") == "0" or dist.get_backend(group) != "nccl"
-            or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")):
+    name; "" (NCCL for every all-reduce) off NCCL, or where any rank goes without: no symmetric
+    memory in this torch, ``MINIKV_ONE_SHOT=0``, an allocation or an exchange that failed (GPUs
+    without peer access), or a group of the same name made anew (its old buffer is stale). The
+    ranks agree before the exchange and after it, for one rank on NCCL and another on one-shot
+    would hang. NVLink multicast stays off: the one-shot kernel reads peers' buffers through
+    their mapped addresses and needs no multicast object."""
+    if not _uses_nccl(group):
         return ""
-    import torch.distributed._symmetric_memory as symm_mem
-
     name = group.group_name
-    if name in _ONE_SHOT_BUFFERS:
-        return name
+    known = _ONE_SHOT_BUFFERS.get(name)
     device = torch.device("cuda", torch.cuda.current_device())
     buffer, error = None, None
-    try:
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        symm_mem.enable_symm_mem_for_group(name)
-        buffer = symm_mem.empty(ONE_SHOT_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, name)
-    except Exception as e:  # noqa: BLE001 - whatever the driver raises, NCCL still works
-        error = e
-    every = torch.tensor([error is None], dtype=torch.int32, device=device)
-    dist.all_reduce(every, dist.ReduceOp.MIN, group=group)
-    if not every.item():
-        warnings.warn(f"tensor_parallel: symmetric memory unavailable on "
-                      f"{'this rank' if error else 'another rank'} ({error or 'see its warning'});"
-                      f" every all-reduce goes through NCCL")
-        return ""
-    _ONE_SHOT_BUFFERS[name] = buffer
-    return name
+    if known is not None:
+        error = None if known[0] is group else "a group of this name was made anew"
+    elif os.environ.get("MINIKV_ONE_SHOT") == "0":
+        error = "MINIKV_ONE_SHOT=0"
+    elif not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        error = "no symm_mem.one_shot_all_reduce_copy in this torch"
+    else:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        try:
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+            symm_mem.enable_symm_mem_for_group(name)
+            buffer = symm_mem.empty(ONE_SHOT_BYTES, dtype=torch.uint8, device=device)
+        except Exception as e:  # noqa: BLE001 - whatever the driver raises, NCCL still works
+            error = e
+    if _agree(error is None, group, device):  # (every rank's history is the same: if one
+        if known is not None:                  # holds its buffer, every one does)
+            return name
+        try:
+            symm_mem.rendezvous(buffer, name)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        if _agree(error is None, group, device):
+            _ONE_SHOT_BUFFERS[name] = (group, buffer)
+            return name
+    if str(error) != "MINIKV_ONE_SHOT=0":
+        reason = "another rank's failed" if error is None else error
+        warnings.warn(f"tensor_parallel: no one-shot all-reduce ({reason}); every all-reduce "
+                      f"goes through NCCL")
+    return ""
 
 
 @torch.library.custom_op("minikv::one_shot_all_reduce", mutates_args=())
@@ -164,14 +197,18 @@ def _one_shot_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     flat = x.reshape(-1)
     if flat.storage_offset():  # the kernel takes its alignment from the buffer's offset, 0
         flat = flat.clone()
-    buffer = _ONE_SHOT_BUFFERS[group_name].view(x.dtype)[: flat.numel()]
+    buffer = _ONE_SHOT_BUFFERS[group_name][1]
+    if buffer.device != x.device:
+        raise ValueError(f"one_shot_all_reduce: expected x on {buffer.device}, where the "
+                         f"group's buffer is, got {x.device}")
+    buffer = buffer.view(x.dtype)[: flat.numel()]
     return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer, flat, "sum",
                                                        group_name).view(x.shape)
 
 
 @_one_shot_all_reduce.register_fake
 def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # (contiguous, as the kernel's output)
 
 
 def join_torchrun(name: str, size: Optional[int], cuda: bool, timeout_s: float) -> torch.device:

@@ -475,25 +475,32 @@ class Bench:
             worker.stop()
 
 
+def first_unsustained(runs: List[Dict[str, object]], lo: Optional[float]) -> Optional[float]:
+    """The lowest rate of ``runs`` that was not sustained above ``lo``, the highest sustained
+    (None: any)."""
+    return min((r["rate"] for r in runs if not r["sustained"] and (lo is None or r["rate"] > lo)),
+               default=None)
+
+
 def saturation(runs: List[Dict[str, object]], lo: Optional[float],
                stop: Optional[str]) -> Dict[str, object]:
     """A sweep's saturation: ``lo``, its highest sustained rate (None: none), the lowest
     unsustained rate above it, and how far the runs bound it. One window's p99 TTFT is noisy,
-    so a rate can fail below one that passed: the bound then says so rather than pick a side."""
-    failed = [r["rate"] for r in runs if not r["sustained"]]
-    hi = min((r for r in failed if lo is None or r > lo), default=None)
-    below = sorted(r for r in failed if lo is not None and r < lo)
+    so a rate can fail at or below one that passed: the bound then says so after its kind."""
+    hi = first_unsustained(runs, lo)
     if lo is None:
         bound = "none sustained"
-    elif below:
-        bound = (f"not monotonic: {', '.join(f'{r:g}' for r in below)}/s unsustained below the "
-                 f"sustained {lo:g}/s" + (f", {hi:g}/s unsustained above" if hi else ""))
     elif hi is not None:
         bound = "between sustained and unsustained rates"
     elif stop and stop.startswith("output tokens/s"):
         bound = "throughput saturated"
     else:
         bound = "lower bound (no unsustained rate measured)"
+    below = sorted({r["rate"] for r in runs if not r["sustained"] and lo is not None
+                    and r["rate"] <= lo})
+    if below:
+        bound += (f"; not monotonic: {', '.join(f'{r:g}' for r in below)}/s unsustained at or "
+                  f"below the sustained {lo:g}/s")
     return {"rate": lo, "first_unsustained": hi, "bound": bound, "stopped": stop}
 
 
@@ -666,7 +673,6 @@ class _Context:
         runs: List[Dict[str, object]] = []
         part["runs"] = runs
         lo: Optional[float] = None   # highest sustained rate
-        hi: Optional[float] = None   # lowest unsustained rate
         stop = None
 
         def fits(rate: float) -> bool:
@@ -675,13 +681,11 @@ class _Context:
             return expect <= box_end - time.perf_counter()
 
         def measure(rate: float) -> Dict[str, object]:
-            nonlocal lo, hi
+            nonlocal lo
             row = self._poisson(rate, self._requests_for(rate), f"sweep-{len(runs)}", box_end)
             runs.append(row)
             if row["sustained"] and not row["cut_by_budget"]:
                 lo = rate if lo is None else max(lo, rate)
-            elif not row["sustained"]:
-                hi = rate if hi is None else min(hi, rate)
             return row
 
         if a.rates:
@@ -714,6 +718,7 @@ class _Context:
             else:
                 stop = stop or f"--max-rates {a.max_rates} reached"
             for _ in range(a.refine):
+                hi = first_unsustained(runs, lo)
                 if lo is None or hi is None or len(runs) >= a.max_rates + a.refine:
                     break
                 rate = math.sqrt(lo * hi)

@@ -154,12 +154,13 @@ def test_the_front_weighs_the_prompt_tokens_ahead_before_the_requests_in_flight(
     replicas = Replicas([Replica(i, [], {}, 0) for i in range(3)], slots=4)
     for r, pending, busy in zip(replicas.replicas, (32000, 0, 0), (0, 3, 2)):
         r.state, r.pending, r.in_flight = "ready", pending, busy
-    assert replicas.pick(tokens=100).index == 2          # no prompt ahead, fewer in flight
+    assert replicas.pick().index == 2                    # no prompt ahead, fewer in flight
     replicas.replicas[2].in_flight = 4                   # full: of the others, no prompt ahead
-    assert replicas.pick(tokens=100).index == 1
-    # affinity holds while the prompt ahead of it is no more than its own beyond the least
-    assert replicas.pick(prefer=0, tokens=32000).index == 0 and replicas.yielded == 0
-    assert replicas.pick(prefer=0, tokens=31999).index == 1 and replicas.yielded == 1
+    assert replicas.pick().index == 1
+    # affinity holds while the prompt ahead of it, less what it keeps, is no more than the
+    # least loaded's
+    assert replicas.pick(prefer=0, cached=32000).index == 0 and replicas.yielded == 0
+    assert replicas.pick(prefer=0, cached=31999).index == 1 and replicas.yielded == 1
 
 
 def test_prompt_tokens_counts_ids_exactly_and_text_at_four_characters():
@@ -168,7 +169,8 @@ def test_prompt_tokens_counts_ids_exactly_and_text_at_four_characters():
     chat = {"messages": [{"role": "system", "content": "abcd"},
                          {"role": "user", "content": [{"type": "text", "text": "efghi"}]}]}
     assert prompt_tokens("/v1/chat/completions", chat) == 3
-    for junk in ([], {"prompt": 3}, {"messages": "hi"}):  # the replica answers the 400
+    for junk in ([], {"prompt": 3}, {"messages": "hi"}, {"prompt": [[1, 2], [3]]},
+                 {"prompt": ["a", "b"]}):  # the replica answers the 400
         assert prompt_tokens("/v1/completions", junk) == 0
         assert prompt_tokens("/v1/chat/completions", junk) == 0
 
@@ -279,8 +281,10 @@ def test_affinity_keys_on_the_scope_and_the_longest_remembered_start():
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w1 w2 w3 w4"})) == 0
     assert len(affinity) == 2
     # what the front keeps of a routed request: its length and last hash, as remember_last takes
-    key, replica = affinity.find(*route_of(done, {"prompt": "w1 w2 w3 w4"}))
-    assert replica == 0 and key == (len("w1 w2 w3 w4"), int(hashes_of("w1 w2 w3 w4")[-1]))
+    # and the replica and length of the longest remembered start ("w1 w2", on replica 0)
+    key, match = affinity.find(*route_of(done, {"prompt": "w1 w2 w3 w4"}))
+    assert match == (0, len("w1 w2"))
+    assert key == (len("w1 w2 w3 w4"), int(hashes_of("w1 w2 w3 w4")[-1]))
     affinity.remember_last(route_of(done, {"prompt": "w7"})[0], *affinity.find(
         *route_of(done, {"prompt": "w7"}))[0], 1)
     assert affinity.lookup(*_scope_and_hashes(done, {"prompt": "w7 w8"})) == 1
@@ -446,6 +450,9 @@ def test_a_replica_killed_mid_stream_fails_its_own_request_and_the_front_serves_
         threads[-1].start()
         assert started.wait(120), "no first chunk"
     assert sorted(o["replica"] for o in outs) == ["0", "1"]  # one stream on each replica
+    # a stream that has begun counts no prompt tokens ahead of its replica, while in flight
+    streaming = [r for r in client.get("/health").json()["replicas"] if r["in_flight"]]
+    assert streaming and all(r["pending"] == 0 for r in streaming), streaming
     victim = outs[1]["replica"]  # the later stream: the most tokens left when killed
     os.kill(pids[victim], signal.SIGKILL)
     for t in threads:

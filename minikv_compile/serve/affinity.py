@@ -102,15 +102,22 @@ class Affinity:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, scope: Hashable, route: Any) -> Tuple[Tuple[int, int], Optional[int]]:
+    def find(self, scope: Hashable, route: Any
+             ) -> Tuple[Tuple[int, int], Optional[Tuple[int, int]]]:
         """(what ``remember_last`` takes of ``route``, a text or token ids: its length and last
-        prefix hash; ``lookup``'s replica). The hashes themselves are not kept."""
+        prefix hash; ``match``'s replica and length). The hashes themselves are not kept."""
         hashes = hashes_of(route)
-        return (len(hashes), int(hashes[-1])), self.lookup(scope, hashes)
+        return (len(hashes), int(hashes[-1])), self.match(scope, hashes)
 
     def lookup(self, scope: Hashable, hashes: np.ndarray) -> Optional[int]:
-        """The replica of the longest remembered route text of ``scope`` that starts this one
-        (``hashes``: its prefix hashes), now the most recently used; None when there is none."""
+        """``match``'s replica alone."""
+        found = self.match(scope, hashes)
+        return None if found is None else found[0]
+
+    def match(self, scope: Hashable, hashes: np.ndarray) -> Optional[Tuple[int, int]]:
+        """(replica, length) of the longest remembered route text of ``scope`` that starts this
+        one (``hashes``: its prefix hashes), now the most recently used; None when there is
+        none."""
         with self._lock:
             lengths = self._lengths.get(scope, ())
             for n in sorted((n for n in lengths if n <= len(hashes)), reverse=True):
@@ -118,7 +125,7 @@ class Affinity:
                 replica = self._entries.get(key)
                 if replica is not None:
                     self._entries.move_to_end(key)
-                    return replica
+                    return replica, n
         return None
 
     def remember_last(self, scope: Hashable, length: int, last: int, replica: int) -> None:

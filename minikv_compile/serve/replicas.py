@@ -18,8 +18,8 @@ sent there that have not begun to stream (the prefill ahead of a new request, wh
 first token waits for), then the fewest in flight (ties go round the replicas); with affinity
 for prefix reuse: a request whose prompt starts with one the front sent to replica i (same
 cache salt and budgets; ``affinity.py`` says what it keys on) goes to i, whose pool keeps that
-context, unless i is full or has more prompt tokens ahead than the request's own more than the
-least loaded (see ``Replicas.pick``). ``/health`` is 200 once every
+context, unless i is full, or the prompt tokens ahead of it, less what the kept context saves,
+outnumber those ahead of the least loaded (see ``Replicas.pick``). ``/health`` is 200 once every
 replica is ready (503 while any is starting), and stays 200 while at least one serves after
 others died, saying which (``"degraded"``); ``/metrics`` gives every replica's samples with a
 ``replica`` label, their sum without it, and the front's own (replica up, in flight, routed,
@@ -96,8 +96,9 @@ class Replica:
     def describe(self) -> Dict[str, object]:
         return {"replica": self.index, "state": self.state, "port": self.port,
                 "pid": self.proc.pid if self.proc else None, "exit_status": self.exit_status,
-                "in_flight": self.in_flight, "pending": self.pending, "routed": self.routed, "failed": self.failed,
-                "affine": self.affine, "gpus": self.env.get("CUDA_VISIBLE_DEVICES")}
+                "in_flight": self.in_flight, "pending": self.pending, "routed": self.routed,
+                "failed": self.failed, "affine": self.affine,
+                "gpus": self.env.get("CUDA_VISIBLE_DEVICES")}
 
 
 def _die_with_parent() -> None:  # (the child, before exec) a front killed outright takes these along
@@ -177,20 +178,20 @@ class Replicas:
                            "the others", r.index, r.proc.pid, r.exit_status)
         return r.state != "dead"
 
-    def pick(self, prefer: Optional[int] = None, tokens: int = 0) -> Replica:
-        """The replica for a request of ``tokens`` prompt tokens: replica ``prefer`` (affinity:
-        it served a prompt starting this one) while it is ready, has a free slot (fewer than
-        ``slots`` in flight, or all are full and none has fewer) and no more prompt tokens
-        ahead than the least loaded plus ``tokens``; else, among the ready replicas with a free
-        slot (all of them where none has one), the fewest prompt tokens ahead, then the fewest
-        in flight (ties in turn). ``ApiError`` 503 when none is ready.
+    def pick(self, prefer: Optional[int] = None, cached: int = 0) -> Replica:
+        """The replica for a request: replica ``prefer`` (affinity: it served a prompt starting
+        this one, ``cached`` of whose tokens it keeps) while it is ready, has a free slot (fewer
+        than ``slots`` in flight, or all are full and none has fewer) and no more prompt tokens
+        ahead, less ``cached``, than the least loaded; else, among the ready replicas with a
+        free slot (all of them where none has one), the fewest prompt tokens ahead, then the
+        fewest in flight (ties in turn). ``ApiError`` 503 when none is ready.
 
         Prompt tokens first: a replica prefills its admitted prompts between decode steps, so
         a new request's first token waits for those ahead of it, and one 32k-token prompt
-        (1.6 s of prefill on an H200) there outweighs any number of short ones elsewhere.
-        Why an affine replica yields: the hit saves the prefill of its context, about
-        ``tokens``; waiting behind more than that elsewhere's surplus costs more than it saves,
-        and a request queued on a full replica waits for one of its streams to end."""
+        (1.6 s of prefill on an H200) there outweighs a few more streams elsewhere (each adds
+        little to a decode step). The affine replica saves the request the prefill of its
+        ``cached`` tokens, so it may have that many more ahead; a request queued on a full one
+        would wait for one of its streams to end."""
         ready = [r for r in self.replicas if r.state == "ready" and self.check(r)]
         if not ready:
             raise self.none_ready()
@@ -199,7 +200,7 @@ class Replicas:
         least = min((r.pending, r.in_flight) for r in free)
         if prefer is not None:
             r = self.replicas[prefer]
-            if r in free and r.pending <= least[0] + tokens:
+            if r in free and r.pending - cached <= least[0]:
                 r.affine += 1
                 return r
             if r in ready:  # not one that died since the lookup
@@ -298,8 +299,8 @@ def merge_metrics(scrapes: Sequence[Tuple[int, str]]) -> List[str]:
 
 def prompt_tokens(path: str, obj: object) -> int:
     """A request's prompt length as the front can tell it without a tokenizer: a prompt of
-    token ids exactly, text (a prompt, or the chat messages' text) at 4 characters a token.
-    0 for a body the replica will refuse (it answers the 400)."""
+    token ids exactly, text (a prompt, or the chat messages' text) at 4 characters a token;
+    0 for a batch of prompts or another body the replica refuses (it answers the 400)."""
     if not isinstance(obj, dict):
         return 0
     if path.endswith("/chat/completions"):
@@ -318,7 +319,9 @@ def prompt_tokens(path: str, obj: object) -> int:
     prompt = obj.get("prompt")
     if isinstance(prompt, str):
         return -(-len(prompt) // 4)
-    return len(prompt) if isinstance(prompt, list) else 0
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return len(prompt)
+    return 0
 
 
 def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
@@ -337,8 +340,9 @@ def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
            "Requests the front sent to the replica that have not finished.",
            lambda r: r.in_flight)
     metric("minikv_replica_pending_prompt_tokens", "gauge",
-           "Prompt tokens of the requests the front sent to the replica that have not begun "
-           "to stream (ids counted, text at 4 characters a token).", lambda r: r.pending)
+           "Prompt tokens the replica must prefill for the requests the front sent it that have "
+           "not begun to stream (ids counted, text at 4 characters a token; a whole answer's "
+           "until it returns; a kept context's share not counted).", lambda r: r.pending)
     metric("minikv_replica_routed_total", "counter", "Requests the front sent to the replica.",
            lambda r: r.routed)
     metric("minikv_replica_failed_total", "counter",
@@ -349,7 +353,7 @@ def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
     for name, kind, help_, value in (
             ("minikv_front_affinity_yielded_total", "counter", "Requests sent away from the "
              "replica that served their prefix, which was full or had more prompt tokens "
-             "ahead than the request's own beyond the least loaded.", replicas.yielded),
+             "ahead, less the kept ones, than the least loaded.", replicas.yielded),
             ("minikv_front_affinity_entries", "gauge", "Routed prompts the front remembers "
              "for affinity.", len(replicas.affinity)),
             ("minikv_front_invalid_total", "counter", "Requests answered 4xx through the front: "
@@ -398,15 +402,19 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
         obj = await parse_json(body)
         stream = obj.get("stream") is True  # (any other value: the replica answers the 400)
         route = route_of(path, obj)
-        last = prefer = None
+        last = match = None
         if route is not None:  # in a worker thread: up to ~2 ms a lookup, ~20 ms a 300k text
-            last, prefer = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
+            last, match = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
         tokens = prompt_tokens(path, obj)
-        r = replicas.pick(prefer, tokens)
+        prefer, cached = None, 0
+        if match is not None:  # the kept share of the route (characters or ids) in tokens
+            prefer, cached = match[0], tokens * match[1] // last[0]
+        r = replicas.pick(prefer, cached)
+        fresh = tokens - cached if r.index == prefer else tokens  # what it must prefill
         r.in_flight += 1
-        r.pending += tokens
+        r.pending += fresh
         r.routed += 1
-        ahead = [tokens]  # still counted in r.pending: until its first token streams
+        ahead = [fresh]  # still counted in r.pending: until its first token streams
 
         def begun() -> None:
             r.pending -= ahead.pop() if ahead else 0
@@ -427,10 +435,10 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
                 begun()
                 return Response(content, status_code=reply.status_code, headers=mine)
         except httpx.TransportError as e:
-            if reply is not None:
-                await reply.aclose()
             r.in_flight -= 1
             begun()
+            if reply is not None:
+                await reply.aclose()
             raise await lost(r, e) from None
         except BaseException:
             r.in_flight -= 1

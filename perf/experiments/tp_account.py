@@ -89,7 +89,7 @@ def _profile_steps(rt, steps: int) -> Dict[str, float]:
             continue
         kernels += 1
         total_us += e.device_time_total
-        if "nccl" in e.name.lower() or "all_reduce" in e.name:  # NCCL's, or one-shot's
+        if "nccl" in e.name.lower() or "one_shot_all_reduce" in e.name:  # NCCL's, one-shot's
             nccl += 1
             nccl_us += e.device_time_total
         spans.append((e.time_range.start, e.time_range.end))
@@ -155,7 +155,7 @@ def _markdown(result: dict) -> str:
             f"{r['kernels_per_step']:.0f} ({r['nccl_kernels_per_step']:.0f}) | "
             f"{r['idle_ms_per_step']:.2f} / {n['idle_ms_per_step']:.2f} |")
     env = ", ".join(f"{k}={v}" for k, v in sorted(result["nccl_env"].items()))
-    lines += ["", f"ms per step, rank 0; all-reduces {result['all_reduce']}; NCCL environment: "
+    lines += ["", f"ms per step, rank 0; all-reduces {result['all_reduce']}; environment: "
               f"{env or 'default'}. Every rank's step and "
               "collective kernel time (NCCL's and one-shot's) per step:", ""]
     for c in result["cases"]:
@@ -200,7 +200,8 @@ def main(argv=None) -> int:
     result = {"shape": args.shape, "ranks": tp.world, "bandwidth": bandwidth,
               "all_reduce": (f"one-shot up to {ONE_SHOT_BYTES // 1024} KiB, NCCL above"
                              if tp.one_shot else "NCCL"),
-              "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+              "nccl_env": {k: v for k, v in os.environ.items()
+                           if k.startswith(("NCCL_", "MINIKV_"))},
               "summary_per_rank": summary, "cases": [],
               "env": {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
                       "torch": torch.__version__,

@@ -15,11 +15,13 @@
 #   account-nccl   the same with MINIKV_ONE_SHOT=0: every all-reduce NCCL's (the A/B of the
 #            one-shot all-reduce, models/parallel.py)
 #   account-nomix  account-nccl with NCCL_GRAPH_MIXING_SUPPORT=0 (NCCL then adds no
-#            cross-stream ordering of its own to a captured collective)
+#            cross-stream ordering of its own to a captured collective; NCCL's guide allows it
+#            only where no uncaptured NCCL call follows a graph launch still running: the
+#            engine's eager calls between steps follow a synchronized step, but check)
 #   account-nopdl  the same as account with MINIKV_PDL=0: is the step's idle time with
 #            collectives the non-PDL kernel boundaries at each all-reduce (perf/NOTES.md,
 #            "Four GPUs: where the tensor-parallel step's idle time may come from")?
-#   (the account parts are not in the defaults but account)
+#   (of the account parts only account is among the defaults)
 #   131k     bench_tp over 4 ranks at 1 x 131000 (the model's 131072 positions less the tokens)
 #   tp2      bench_tp over 2 of the GPUs, 1 x 32k and 8 x 4k: the 4-against-2 scaling
 # Everything lands in /tmp/r, packed after each part into $OUT/tp4.tgz; $OUT also gets run.log
