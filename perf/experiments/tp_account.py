@@ -9,11 +9,12 @@ bandwidth, no kernels: the figures are not the account's).
 Every rank builds its shard of a random-weight model (``bench_tp.sharded_model``). Per case
 (batch x prompt):
 
-1. ``real``: the engine as it serves (compiled, captured, the NCCL collectives inside the step):
-   ms per step as ``bench_tp`` times it (``harness.time_decode``), then ``--steps`` steps of the
-   runtime under ``torch.profiler``: kernels per step, the NCCL kernels' time per step, and the
-   GPU's idle time per step (the steps' span less the union of their kernels' intervals: what
-   the launches between kernels and any wait for the host cost).
+1. ``real``: the engine as it serves (compiled, captured, the collectives inside the step: the
+   one-shot all-reduces, or NCCL's with ``MINIKV_ONE_SHOT=0``, and NCCL's logits gather): ms per
+   step as ``bench_tp`` times it (``harness.time_decode``), then ``--steps`` steps of the
+   runtime under ``torch.profiler``: kernels per step, the collective kernels' time per step,
+   and the GPU's idle time per step (the steps' span less the union of their kernels'
+   intervals: what the launches between kernels and any wait for the host cost).
 2. ``no_collectives``: the same engine with its all-reduces and logits gather replaced by no-ops
    (``TensorParallel`` subclassed; the logits are this rank's slice, zero-padded): every rank
    runs the same kernels on the same shard with no exchange and no wait for the others, so its
@@ -143,8 +144,8 @@ def _markdown(result: dict) -> str:
     lines = [f"# Tensor-parallel step account: {result['shape']} over {result['ranks']} "
              f"{result['env']['device']} (git {result['env']['git']})", "",
              "| case | floor: bytes + collectives alone | step | no collectives | compute over "
-             "bytes | collectives in step | over alone | kernels / step (collective) | GPU idle / step "
-             "(real / none) |", "|---|---|---|---|---|---|---|---|---|"]
+             "bytes | collectives in step | over alone | kernels / step (collective) | GPU idle / "
+             "step (real / none) |", "|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         r, n = c["real"], c["no_collectives"]
         lines.append(
