@@ -155,12 +155,17 @@ def _reserve_one_shot(group) -> str:
     known = _ONE_SHOT_BUFFERS.get(name)
     device = torch.device("cuda", torch.cuda.current_device())
     buffer, error = None, None
+    # (an entry outlives its group: torch keeps the old group's store under the same name, so a
+    # group made anew takes NCCL; and MINIKV_ONE_SHOT is read only before the first buffer)
     if known is not None:
         error = None if known[0] is group else "a group of this name was made anew"
     elif os.environ.get("MINIKV_ONE_SHOT") == "0":
         error = "MINIKV_ONE_SHOT=0"
     elif not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
         error = "no symm_mem.one_shot_all_reduce_copy in this torch"
+    elif not all(torch.cuda.can_device_access_peer(device.index, j)
+                 for j in range(torch.cuda.device_count()) if j != device.index):
+        error = "a GPU this rank sees has no peer access to its own"  # (the exchange would stall)
     else:
         import torch.distributed._symmetric_memory as symm_mem
 
