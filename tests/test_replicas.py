@@ -30,7 +30,7 @@ from minikv_compile.serve.affinity import (  # noqa: E402
     MAX_ROUTE, Affinity, hashes_of, route_of)
 from minikv_compile.serve.errors import ApiError  # noqa: E402
 from minikv_compile.serve.replicas import (FALLBACK_BODY_BYTES, Replica,  # noqa: E402
-                                           Replicas, create_front, merge_metrics,
+                                           Replicas, create_front, kept, merge_metrics,
                                            prompt_tokens, without_tls)
 from minikv_compile.serve.security import ServeOptions  # noqa: E402
 from test_serve import (  # noqa: E402
@@ -161,6 +161,20 @@ def test_the_front_weighs_the_prompt_tokens_ahead_before_the_requests_in_flight(
     # least loaded's
     assert replicas.pick(prefer=0, cached=32000).index == 0 and replicas.yielded == 0
     assert replicas.pick(prefer=0, cached=31999).index == 1 and replicas.yielded == 1
+
+
+def test_an_affinity_match_keeps_its_share_of_the_prompt_tokens():
+    affinity = Affinity()
+    first, second = {"prompt": list(range(300))}, {"prompt": list(range(400))}
+    scope, route = route_of("/v1/completions", first)
+    last, match = affinity.find(scope, route)
+    assert kept(prompt_tokens("/v1/completions", first), match, last) == (None, 0)
+    affinity.remember_last(scope, *last, 1)              # the first turn answered by replica 1
+    last, match = affinity.find(*route_of("/v1/completions", second))
+    assert kept(prompt_tokens("/v1/completions", second), match, last) == (1, 300)
+    # text: the matched characters' share of the tokens counted at 4 characters each
+    assert kept(prompt_tokens("/v1/completions", {"prompt": "a" * 400}), (0, 100),
+                (400, 7)) == (0, 25)
 
 
 def test_prompt_tokens_counts_ids_exactly_and_text_at_four_characters():

@@ -324,6 +324,17 @@ def prompt_tokens(path: str, obj: object) -> int:
     return 0
 
 
+def kept(tokens: int, match: Optional[Tuple[int, int]], last: Optional[Tuple[int, int]]
+         ) -> Tuple[Optional[int], int]:
+    """(the affine replica, how many of the request's ``tokens`` it keeps) from
+    ``Affinity.find``'s ``match`` (replica, matched length) and ``last`` (the route's length
+    first): the matched share of the route (characters or ids) in tokens; (None, 0) without a
+    match. An estimate for chat, whose route also counts each message's JSON."""
+    if match is None:
+        return None, 0
+    return match[0], tokens * match[1] // last[0]
+
+
 def _front_metrics(replicas: Replicas, invalid: int) -> List[str]:
     lines: List[str] = []
 
@@ -406,9 +417,7 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
         if route is not None:  # in a worker thread: up to ~2 ms a lookup, ~20 ms a 300k text
             last, match = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
         tokens = prompt_tokens(path, obj)
-        prefer, cached = None, 0
-        if match is not None:  # the kept share of the route (characters or ids) in tokens
-            prefer, cached = match[0], tokens * match[1] // last[0]
+        prefer, cached = kept(tokens, match, last)
         r = replicas.pick(prefer, cached)
         fresh = tokens - cached if r.index == prefer else tokens  # what it must prefill
         r.in_flight += 1
@@ -639,5 +648,5 @@ def serve_front(replicas: Replicas, host: str, port: int,
     return 1 if replicas.status()[1] == "failed" else 0
 
 
-__all__ = ["Replica", "Replicas", "create_front", "merge_metrics", "plan_replicas",
+__all__ = ["Replica", "Replicas", "create_front", "kept", "merge_metrics", "plan_replicas",
            "prompt_tokens", "replica_commands", "serve_front", "without_tls"]
