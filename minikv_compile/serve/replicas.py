@@ -423,10 +423,15 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
         r.in_flight += 1
         r.pending += fresh
         r.routed += 1
-        ahead = [fresh]  # still counted in r.pending: until its first token streams
 
-        def begun() -> None:
-            r.pending -= ahead.pop() if ahead else 0
+        def begun() -> None:  # its first token streamed (or it ended): no longer ahead
+            nonlocal fresh
+            r.pending -= fresh
+            fresh = 0
+
+        def ended() -> None:
+            r.in_flight -= 1
+            begun()
 
         reply: Optional[httpx.Response] = None
         try:  # the client's headers go along (a replica checks its API key and origin)
@@ -440,18 +445,15 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
             if not stream or reply.status_code != 200:
                 content = await reply.aread()
                 await reply.aclose()
-                r.in_flight -= 1
-                begun()
+                ended()
                 return Response(content, status_code=reply.status_code, headers=mine)
         except httpx.TransportError as e:
-            r.in_flight -= 1
-            begun()
+            ended()
             if reply is not None:
                 await reply.aclose()
             raise await lost(r, e) from None
         except BaseException:
-            r.in_flight -= 1
-            begun()
+            ended()
             raise
 
         # the event that carries the first token: a chat stream's first event is its role
@@ -461,7 +463,7 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
             events = 0
             try:
                 async for chunk in reply.aiter_raw():
-                    if ahead:
+                    if fresh:
                         events += chunk.count(b"data: ")
                         if events >= first_token_event:
                             begun()
@@ -470,8 +472,7 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
                 error = (await lost(r, e)).body()
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
-                r.in_flight -= 1
-                begun()
+                ended()
                 await reply.aclose()
 
         return StreamingResponse(relay(), status_code=200, headers=mine)
