@@ -12,13 +12,16 @@
 # default 64 slots. RATE (default 0.8 requests/s) for both: at 1.64 (the 64-slot server's half
 # rate) 8 slots of "minikv" queue (TTFT p50 4.36 s, 57893b8). The decode step's ratios are
 # perf/gpu/accurate_price.sh's.
+# CUDA_VISIBLE_DEVICES picks the GPU where the machine has several.
 # Only the summaries go to $OUT (a call brings back a limited number of files).
 set -uo pipefail
 export MINIKV_GIT_SHA=${1:?usage: perf/gpu/long_ttft.sh SHA} PYTHONUNBUFFERED=1
 SLOTS=${SLOTS:-8}; RATE=${RATE:-0.8}; PRESETS=${PRESETS:-minikv accurate}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
-perf/gpu_check.sh "$OUT" | tail -3
+# INSTALLED=1: the project an earlier call installed into /tmp/mk stays (another job of the
+# machine, the accuracy harness on the other GPU, is running from it)
+[ -n "${INSTALLED:-}" ] && [ -d /tmp/mk ] || perf/gpu_check.sh "$OUT" | tail -3
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
 N=$(echo $PRESETS | wc -w)
 BUDGET=${BUDGET:-$(((600 - SECONDS - 40) / N - 30))}
