@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Issue 46's main table in both modes, four calls on one warm nvidia-h100-x2 machine that came
+# as 2 x H200 at 8f7acff (the SmolLM2 GGUF as xz in three carries, perf/gpu/accuracy_both.sh).
+# /tmp/acc started empty, so the eight methods of both_7037703 ran again first.
+# 1. carry .carry_a; 2. carry .carry_b
+mkdir -p /tmp/gguf && cp .carry_a/* /tmp/gguf/
+cp .carry_b/* /tmp/gguf/
+# 3. carry .carry_c: both GPUs, the methods alternating, GPU 1's run merged (acc_run_*.log)
+cp .carry_c/gguf_xz_* /tmp/gguf/ && WHEELS=.carry_c GPUS=2 perf/gpu/accuracy_both.sh run 8f7acff
+# 4. carry .whl: GPU 0 goes on (acc_extend1.log) while GPU 1 serves perf/results/h200x2/long_ttft_8f7acff/
+CUDA_VISIBLE_DEVICES=0 BUDGET=480 perf/gpu/accuracy_both.sh extend 8f7acff
+# 5. the same, BUDGET=200 (acc_extend2.log), beside the "minikv" server on GPU 1
+CUDA_VISIBLE_DEVICES=0 BUDGET=200 perf/gpu/accuracy_both.sh extend 8f7acff
+# main.json is kept as main.json.xz (2.2 MB raw); `xz -dk main.json.xz` and copy it to
+# /tmp/acc/main.json on a GPU machine to go on from it with `accuracy_both.sh extend`.
