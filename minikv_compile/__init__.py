@@ -1,6 +1,7 @@
-"""minikv_compile: MiniKV-compressed KV cache + a compiled, CUDA-graph-replayed decode loop.
+"""minikv_compile: a compressed KV cache + a compiled, CUDA-graph-replayed decode loop.
 
-    compiled_model = minikv_compile(model, MiniKVConfig(heavy_budget=0.25, recent_budget=0.25))
+    compiled_model = minikv_compile(model)                      # MiniKVConfig(): 2 bit + recall
+    compiled_model = minikv_compile(model, MiniKVConfig.preset("minikv"))  # the MiniKV paper's
     out = compiled_model.generate(input_ids, max_new_tokens=256)
     cache = compiled_model.cache_prompt([doc])       # compress once, ask many times
     out = compiled_model.generate([doc + question], past_key_values=cache)

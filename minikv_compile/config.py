@@ -12,35 +12,46 @@ ROTATIONS = ("none", "hadamard")
 
 
 # Named configurations (``MiniKVConfig.preset``), chosen from the accuracy harness on SmolLM2
-# (its main table, H100: needle exact match over 240 prompts of 2k-7k tokens,
-# the full cache 87.1%; perplexity x the full cache's).
+# (its main table, 240 needle prompts of 2k-7k tokens, question last / context first; the full
+# cache 88.3 / 87.1%; perplexity x the full cache's).
 PRESETS = {
-    # the MiniKV paper: H2O heavy hitters 25% + recent window 25%, 2 bit (needle 12.9%)
+    # the MiniKV paper: H2O heavy hitters 25% + recent window 25%, 2 bit (needle 14.2 / 14.6%)
     "minikv": dict(heavy_budget=0.25, recent_budget=0.25, selection="h2o", snapkv_kernel=7,
-                   selection_block=1, sink_tokens=0, bits=2, recall_top_k=0),
-    # KIVI-2: 2 bit, nothing evicted (40.0%, perplexity x1.111)
-    "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=0),
+                   selection_block=1, sink_tokens=0, bits=2, group_size=16, rotation="none",
+                   recall_top_k=0),
+    # MiniKV's bytes with the best eviction rule measured: SnapKV's window over 16-token blocks
+    # and 4 sinks (50.8 / 17.1%: its window reads the question; x1.127); the default before
+    # issue 47, for the smallest GPU copy without host memory
+    "snapkv": dict(heavy_budget=0.25, recent_budget=0.25, selection="snapkv", snapkv_kernel=15,
+                   selection_block=16, sink_tokens=4, bits=2, group_size=16, rotation="none",
+                   recall_top_k=0),
+    # KIVI-2: 2 bit, nothing evicted (42.1 / 36.2%, perplexity x1.111)
+    "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16, rotation="none",
+                 recall_top_k=0),
     # SpeCache as its paper runs it: KIVI-2's GPU copy, 64 positions per KV head recalled in
-    # full precision from host memory each step (83.8%, x1.003; 1.08x KIVI's step time on the
-    # Llama-3.1-8B shape at 1 x 32k, 1.11x at 8 x 4k, H100)
-    "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, recall_top_k=64),
-    # the closest to the full cache's answers measured under 20% of its bytes: KIVI-2 at group
-    # 64 with the Hadamard rotation and the recall of 64 (15.6% of fp16's bytes by formula,
-    # 18.7% resident at 7k tokens with the ring and the recall buffers, 16.6% at 32k; 86.2%,
-    # x1.002; 1.08x the step of the same GPU copy without recall at 1 x 32k and 8 x 4k, H100).
-    # Not evicting: with 70% of the prompt kept the same copy and recall score 85.0% and x1.012
-    # at 14.0% resident at 7k, but miss the demo's question on the CPU at 4092 tokens, which
-    # this one answers (perf/NOTES.md, "SpeCache in the engine").
+    # full precision from host memory each step (84.6 / 84.6%, x1.004; 1.08x KIVI's step time
+    # on the Llama-3.1-8B shape at 1 x 32k, 1.11x at 8 x 4k, H100)
+    "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16,
+                     rotation="none", recall_top_k=64),
+    # the library's default: KIVI-2 at group 64 with the Hadamard rotation and the recall of 64
+    # (85.0 / 84.6%, x1.001 / x1.002; 15.6% of fp16's bytes by formula, 16.6% resident at 32k
+    # with the ring and the recall buffers; its step 1.17x "minikv"'s on the Llama-3.1-8B shape
+    # at 1 x 32k and 8 x 4k, its 32k prefill 0.88x, its long-phase first token 0.91x)
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
                      rotation="hadamard", recall_top_k=64),
 }
+
+# Fields whose default depends on ``bits``: (quantized, 16 bit). A 16-bit cache has nothing to
+# recall or to rotate before quantizing, and keeps the ring's flush quantum of 16.
+BY_BITS = {"group_size": (64, 16), "rotation": ("hadamard", "none"), "recall_top_k": (64, 0)}
 
 
 @dataclass(frozen=True)
 class MiniKVConfig:
     """How the KV cache is compressed and how the decode loop runs.
 
-    Budgets are fractions of the prompt length ``L``. The paper's methods are configurations:
+    Budgets are fractions of the prompt length ``L``; the default keeps every token (the
+    accuracy harness's evidence: ``PRESETS``). The paper's methods are configurations:
 
     ===================  =====================================================================
     full cache           ``bits=16, heavy_budget=1.0, recent_budget=1.0`` (or any budgets
@@ -48,9 +59,13 @@ class MiniKVConfig:
     KIVI                 ``bits=2`` with budgets summing to >= 1 (no eviction)
     H2O (16 bit)         ``bits=16`` with budgets below 1
     SnapKV + 2 bit       ``selection="snapkv"``
-    MiniKV (paper)       ``selection="h2o", snapkv_kernel=7, selection_block=1,
-                         sink_tokens=0`` (budgets and bits as the defaults)
-    library default      MiniKV's bytes with SnapKV scores over 16-token blocks + 4 sinks
+    MiniKV (paper)       ``preset("minikv")``: budgets 0.25 + 0.25, ``selection="h2o",
+                         snapkv_kernel=7, selection_block=1, sink_tokens=0``, 2 bit, group 16
+    library default      KIVI-2 at group 64, Hadamard rotation, SpeCache recall of 64
+                         (``preset("accurate")``): nothing evicted, 15.6% of fp16's bytes on
+                         the GPU, a full-precision copy in pinned host memory
+    SnapKV + 2 bit       ``preset("snapkv")``: MiniKV's bytes, SnapKV scores over 16-token
+                         blocks + 4 sinks (the default before issue 47)
     MiniKV-pyramid       ``budget_policy="pyramid"``
     SpeCache             ``recall_top_k=64`` on KIVI's cache (``preset("specache")``); at
                          group 64 with ``rotation="hadamard"``: ``preset("accurate")``
@@ -87,7 +102,9 @@ class MiniKVConfig:
     group_size:
         Quantization group: keys per channel over this many tokens, values per token over this
         many channels, or the whole head where the head has fewer (SmolLM2's 64 channels with
-        key groups of 128: 14.8% of fp16's bytes at 2 bits instead of 15.6% at 64).
+        key groups of 128: 14.8% of fp16's bytes at 2 bits instead of 15.6% at 64). Default
+        (``None``): 64, or 32 or 16 where ``residual_length`` is not a multiple of 64 (the ring
+        flushes whole groups); 16 with ``bits=16``.
     kept_floor:
         The fewest prompt tokens a layer keeps: a prompt of at most ``kept_floor`` tokens is kept
         whole, a longer one keeps at least ``kept_floor`` (the budgets scaled up in their ratio
@@ -100,19 +117,21 @@ class MiniKVConfig:
         generated tokens, is flushed at ``n_r``), else its last ``n_r / 2`` tokens or so
         (``graphs/budget.py``, ``prefill_ring_tokens``).
     rotation:
-        ``"none"``, or ``"hadamard"``: every KV head's keys and the queries are multiplied by an
+        Default (``None``): ``"hadamard"``, or ``"none"`` with ``bits=16``. ``"none"``, or
+        ``"hadamard"``: every KV head's keys and the queries are multiplied by an
         orthonormal Hadamard matrix ``H`` (``D x D``, ``D = head_dim`` a power of two) after RoPE,
         so ``q . k`` is unchanged, and values by ``H`` with the attention output rotated back
         (both folded into v_proj and o_proj): outlier channels are spread over the head before
         the cache quantizes them. On SmolLM2 (GPU harness, 240 needle prompts of 2k-7k tokens)
         with recall of 64 at group 64: needle
-        68.8% -> 85.8% at 2 bits, 13.3% -> 55.8% at 1 bit; on the library default without
+        68.8% -> 85.8% at 2 bits, 13.3% -> 55.8% at 1 bit; on ``preset("snapkv")`` without
         recall 45.8% -> 64.2%, perplexity x1.120 -> x1.074 the full cache's; +2% of
         the decode step on the Llama-3.1-8B shape.
     recall_top_k:
-        SpeCache: 0 (off), or the ``K`` positions per slot, layer and KV head whose
-        full-precision K/V are recalled from host memory before each decode attention, chosen
-        by the attention of a speculative next token one step ahead. The prompt's and the
+        Default (``None``): 64, or 0 with ``bits=16``. SpeCache: 0 (off), or the ``K``
+        positions per slot, layer and KV head whose full-precision K/V are recalled from host
+        memory before each decode attention, chosen by the attention of a speculative next
+        token one step ahead. The prompt's and the
         generated tokens' K/V are kept in (pinned) host memory besides the low-bit cache; each
         step feeds two rows per slot (the token and the speculation). Recall is among the
         tokens the quantized cache holds (budgets of 1.0 keep them all; at 0.35 + 0.35, group
@@ -139,28 +158,27 @@ class MiniKVConfig:
         not read off an initialized process group: data-parallel ranks each hold a whole model.
     """
 
-    heavy_budget: float = 0.25
-    recent_budget: float = 0.25
+    heavy_budget: float = 1.0
+    recent_budget: float = 1.0
     # Eviction's saving below 1024 tokens (at 50% kept, 2 bits: L/4 bytes a value column) is
     # under the 128-token fp16 ring's 256 each slot holds anyway, and frees no allocation.
     kept_floor: int = 1024
     budget_policy: str = "uniform"
     pyramid_depth: int = 7
-    # The selection defaults are the best rule of the accuracy harness at MiniKV's bytes
-    # (SmolLM2-135M, H100, 240 needle prompts): needle retrieval 45.8% vs 12.9% for
-    # the paper's H2O rule (+32.9 points, paired 95% CI [26.2, 39.6]), perplexity and code
-    # completion unchanged. ``selection="h2o", snapkv_kernel=7, selection_block=1,
-    # sink_tokens=0`` is the paper's MiniKV exactly.
+    # The selection, where budgets below 1 evict, is the best rule of the accuracy harness at
+    # MiniKV's bytes (SmolLM2-135M, 240 needle prompts): needle retrieval 50.8% vs 14.6% for
+    # the paper's H2O rule question last, perplexity and code completion unchanged.
+    # ``preset("minikv")`` is the paper's MiniKV exactly.
     selection: str = "snapkv"
     snapkv_window: int = 32
     snapkv_kernel: int = 15
     selection_block: int = 16
     sink_tokens: int = 4
     bits: int = 2
-    group_size: int = 16
+    group_size: Optional[int] = None    # BY_BITS: 64 (or what divides the ring), 16 with bits=16
     residual_length: int = 128
-    rotation: str = "none"
-    recall_top_k: int = 0
+    rotation: Optional[str] = None      # BY_BITS: "hadamard", or "none" with bits=16
+    recall_top_k: Optional[int] = None  # BY_BITS: 64, or 0 with bits=16
     recall_block: int = 1
     max_batch_size: int = 1
     max_prompt_len: int = 4096
@@ -183,6 +201,13 @@ class MiniKVConfig:
         def store(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
+        quantized = self.bits != 16
+        for name, (low_bits, full) in BY_BITS.items():
+            if getattr(self, name) is None:
+                store(name, low_bits if quantized else full)
+                if name == "group_size" and quantized and isinstance(self.residual_length, int):
+                    # the ring flushes whole groups: a shorter ring takes the largest that divides it
+                    store(name, next((g for g in (64, 32, 16) if self.residual_length % g == 0), 64))
         for name in ("heavy_budget", "recent_budget"):
             store(name, check_float(name, getattr(self, name), lo=0.0, hi=1.0))
         if self.budget_policy not in _POLICIES:

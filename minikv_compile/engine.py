@@ -132,7 +132,8 @@ class MiniKVModel:
             ``return_dict_in_generate``); defaults from ``model.generation_config``, then HF's,
             and the engine's ``max_new_tokens`` for the length. ``eos_token_id=[]`` turns eos off.
         streamer: an HF streamer (``put`` the prompt, then each step's tokens, then ``end``), or
-            a callable given one list per step (each sequence's new token, None once stopped).
+            a callable given one list per step that made a token (each sequence's new token,
+            None where it made none: stopped).
         stopping_criteria: HF's (``criteria(ids (B, L + n), None) -> (B,) bool``), asked after
             every token; each ask syncs with the host.
         past_key_values: a ``PromptCache`` (``cache_prompt``, an earlier call's output, or
@@ -378,6 +379,7 @@ class MiniKVModel:
             finished = rt.finished(slots) if watch else None
             if streamer is not None:
                 streamer([out[0] for out in rt.outputs(slots)])
+                counts = [1] * B
             # steps after the first token (SpeCache: and each slot's pre-decoding step)
             last = max(r.max_new_tokens for r in requests) - 1 + self.runtime.extra_steps
             steps = 0
@@ -397,9 +399,12 @@ class MiniKVModel:
                 rt.step()
                 steps += 1
                 if streamer is not None:  # each new token and the finished flags: one read
-                    _, new, now_finished = rt.poll(slots)
-                    streamer([None if f else t for f, t in zip(finished, new)])
-                    finished = now_finished
+                    now_counts, new, now_finished = rt.poll(slots)
+                    # a slot that generated nothing this step (SpeCache's pre-decoding step, a
+                    # finished one) streams nothing; a step where none did is not streamed
+                    if any(n > c for c, n in zip(counts, now_counts)):
+                        streamer([t if n > c else None for c, n, t in zip(counts, now_counts, new)])
+                    counts, finished = now_counts, now_finished
                 elif watch:
                     finished = rt.finished(slots)
             if stop is not None:  # the criteria see the last token too

@@ -166,15 +166,13 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Te
 
 ENGINE_METHODS: Dict[str, Dict[str, object]] = {
     "full": dict(bits=16, heavy_budget=1.0, recent_budget=1.0),
-    "kivi": dict(bits=2, heavy_budget=1.0, recent_budget=1.0),
-    # The paper's MiniKV selection, named explicitly: the library's default selection rule
-    # differs (see MiniKVConfig) and costs the same in decode.
-    "minikv": dict(selection="h2o", snapkv_kernel=7, selection_block=1, sink_tokens=0),
-    "minikv-pyramid": dict(budget_policy="pyramid", selection="h2o", snapkv_kernel=7,
-                           selection_block=1, sink_tokens=0),
+    "kivi": PRESETS["kivi"],
+    # the paper's MiniKV, every field named (the library's default keeps every token)
+    "minikv": PRESETS["minikv"],
+    "minikv-pyramid": {**PRESETS["minikv"], "budget_policy": "pyramid"},
     # SpeCache: the same GPU copies, 64 positions per KV head recalled from host memory
     "kivi-specache": PRESETS["specache"],
-    "minikv-specache": dict(recall_top_k=64),
+    "minikv-specache": {**PRESETS["snapkv"], "recall_top_k": 64},
     # the same 64 positions ranked and read in blocks of 16 (a 16x shorter top-k)
     "kivi-specache-b16": {**PRESETS["specache"], "recall_block": 16},
     # group 64 + Hadamard + recall: the most accurate of the accuracy harness
@@ -205,7 +203,7 @@ METHOD_LABELS = {
     "minikv": "engine, MiniKV (2 bit, 25%/25%)",
     "minikv-pyramid": "engine, MiniKV-pyramid",
     "kivi-specache": "engine, KIVI + SpeCache (K 64)",
-    "minikv-specache": "engine, library default + SpeCache (K 64)",
+    "minikv-specache": "engine, preset snapkv (25%/25%) + SpeCache (K 64)",
     "kivi-specache-b16": "engine, KIVI + SpeCache (K 64 in blocks of 16)",
     "kivi-g64-hadamard-specache": "engine, KIVI group 64 + Hadamard + SpeCache (K 64)",
     "kivi-g64": "engine, KIVI group 64",

@@ -6,9 +6,10 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
                           Qwen3Config)
 
-from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile import minikv_compile
 from minikv_compile.graphs import budget
 from minikv_compile.graphs.step_plan import decode_path
+from configs import snapkv
 from reference_pipeline import ReferenceMiniKV
 
 # Tiny shapes: 2 layers, 4 q / 2 kv heads, head dim 64 (Llama-3.1-8B: 32 layers, 32/8, 128;
@@ -50,7 +51,7 @@ FULL = dict(bits=16, heavy_budget=1.0, recent_budget=1.0)
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "qwen2"])
 def test_full_cache_reproduces_hf_greedy(kind):
     model = tiny(kind)
-    cm = minikv_compile(model, MiniKVConfig(**FULL, residual_length=32, max_prompt_len=64,
+    cm = minikv_compile(model, snapkv(**FULL, residual_length=32, max_prompt_len=64,
                                             max_new_tokens=48))
     prompt = prompt_of(37)
     got = cm.generate([prompt], max_new_tokens=48).sequences[0]
@@ -72,7 +73,7 @@ def test_minikv_matches_plain_reference(mode):
     model = tiny()
     # kept_floor=1: the budgets alone, so that a 101-token prompt is evicted from
     paper = dict(selection="h2o", snapkv_kernel=7, selection_block=1, sink_tokens=0, kept_floor=1)
-    cfg = MiniKVConfig(**{**paper, **dict(residual_length=32, max_prompt_len=128, max_new_tokens=70),
+    cfg = snapkv(**{**paper, **dict(residual_length=32, max_prompt_len=128, max_new_tokens=70),
                           **mode})
     cm = minikv_compile(model, cfg)
     # 101 kept 50% -> 51 tokens: 32 quantized + 19 in the ring (half the ring and 51 mod 16)
@@ -87,7 +88,7 @@ def test_minikv_matches_plain_reference(mode):
 
 def test_batch_of_unequal_prompts_equals_each_alone():
     model = tiny()
-    cfg = MiniKVConfig(residual_length=32, max_prompt_len=128, max_new_tokens=40, max_batch_size=4)
+    cfg = snapkv(residual_length=32, max_prompt_len=128, max_new_tokens=40, max_batch_size=4)
     cm = minikv_compile(model, cfg)
     prompts = [prompt_of(n, seed=n) for n in (5, 100, 33)]
     batch = cm.generate(prompts, max_new_tokens=40).sequences
@@ -103,7 +104,7 @@ def test_batch_of_unequal_prompts_equals_each_alone():
 
 def test_eos_stops_each_sequence_and_streaming_matches():
     model = tiny()
-    cm = minikv_compile(model, MiniKVConfig(residual_length=32, max_prompt_len=64, max_new_tokens=30,
+    cm = minikv_compile(model, snapkv(residual_length=32, max_prompt_len=64, max_new_tokens=30,
                                             max_batch_size=2))
     prompts = [prompt_of(20, 1), prompt_of(40, 2)]
     free = cm.generate(prompts, max_new_tokens=30).sequences
@@ -121,7 +122,7 @@ def test_eos_stops_each_sequence_and_streaming_matches():
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
     model = tiny()
-    cm = minikv_compile(model, MiniKVConfig(residual_length=32, max_prompt_len=64, max_new_tokens=20))
+    cm = minikv_compile(model, snapkv(residual_length=32, max_prompt_len=64, max_new_tokens=20))
     p = [prompt_of(30)]
     greedy = cm.generate(p, max_new_tokens=20).sequences
     assert cm.generate(p, max_new_tokens=20, do_sample=True, top_k=1).sequences == greedy
@@ -134,9 +135,9 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 
 def test_compiled_step_compiles_once_over_many_steps_and_requests():
     model = tiny(num_hidden_layers=1)
-    cfg = MiniKVConfig(residual_length=16, max_prompt_len=64, max_new_tokens=600, compile=True)
+    cfg = snapkv(residual_length=16, max_prompt_len=64, max_new_tokens=600, compile=True)
     cm = minikv_compile(model, cfg)
-    eager = minikv_compile(model, MiniKVConfig(**{**cfg.__dict__, "compile": False}))
+    eager = minikv_compile(model, snapkv(**{**cfg.__dict__, "compile": False}))
     for n in (17, 50):  # new prompt lengths, then 599 steps = 37 flushes of the 16-token ring
         p = [prompt_of(n, seed=n)]
         assert cm.generate(p, max_new_tokens=600).sequences == eager.generate(p, max_new_tokens=600).sequences
@@ -150,7 +151,7 @@ def test_kv_memory_report_matches_paper_formula_for_llama2_7b_shape():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     model = model.to_empty(device="cpu").to(torch.float16)
-    cm = minikv_compile(model, MiniKVConfig(max_prompt_len=4096, max_new_tokens=512))
+    cm = minikv_compile(model, snapkv(max_prompt_len=4096, max_new_tokens=512))
     rep = cm.kv_memory()
     assert rep.fp16_bytes == 2 * 32 * 4096 * (4096 + 512) * 2  # 2.4 GB
     assert rep.formula_bytes == 32 * 4096 * (2048 + 512)          # 0.33 GB (paper: 86% smaller)
@@ -174,7 +175,7 @@ def test_kv_memory_report_matches_paper_formula_for_llama2_7b_shape():
 ])
 def test_bad_requests_raise_and_leave_the_model_usable(bad, match):
     model = tiny()
-    cm = minikv_compile(model, MiniKVConfig(residual_length=32, max_prompt_len=64, max_new_tokens=16,
+    cm = minikv_compile(model, snapkv(residual_length=32, max_prompt_len=64, max_new_tokens=16,
                                             max_batch_size=2))
     p = [prompt_of(20)]
     before = cm.generate(p, max_new_tokens=16).sequences
@@ -190,7 +191,7 @@ def test_bad_requests_raise_and_leave_the_model_usable(bad, match):
 def test_value_groups_that_do_not_fit_the_head_are_refused(head_dim, fields):
     with pytest.raises(ValueError, match=rf"group_size: expected a divisor of head_dim={head_dim} "
                                          rf"or a size above it .*bits={fields.get('bits', 2)}"):
-        minikv_compile(tiny(head_dim=head_dim), MiniKVConfig(**fields, max_prompt_len=64))
+        minikv_compile(tiny(head_dim=head_dim), snapkv(**fields, max_prompt_len=64))
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -205,7 +206,7 @@ def test_value_groups_that_do_not_fit_the_head_are_refused(head_dim, fields):
 ])
 def test_invalid_config(cfg, match):
     with pytest.raises(ValueError, match=match):
-        MiniKVConfig(**cfg)
+        snapkv(**cfg)
 
 
 def test_unsupported_models_and_placements():
@@ -217,15 +218,15 @@ def test_unsupported_models_and_placements():
     with pytest.raises(ValueError, match="dtype"):
         minikv_compile(tiny(dtype=torch.float64))
     with pytest.raises(ValueError, match="CUDA"):
-        minikv_compile(tiny(), MiniKVConfig(cuda_graphs=True))
+        minikv_compile(tiny(), snapkv(cuda_graphs=True))
     windowed = tiny("mistral")
     windowed.config.sliding_window = 32
     with pytest.raises(NotImplementedError, match="sliding-window"):
-        minikv_compile(windowed, MiniKVConfig(max_prompt_len=64, max_new_tokens=8))
+        minikv_compile(windowed, snapkv(max_prompt_len=64, max_new_tokens=8))
 
 
 def test_pyramid_budgets_average_to_the_uniform_budget():
-    cfg = MiniKVConfig(budget_policy="pyramid", heavy_budget=0.25, pyramid_depth=7)
+    cfg = snapkv(budget_policy="pyramid", heavy_budget=0.25, pyramid_depth=7)
     fracs = [budget.heavy_fraction(cfg, layer, 30) for layer in range(30)]
     assert fracs[0] == pytest.approx(0.25 * (2 - 1 / 7)) and fracs[-1] == pytest.approx(0.25 / 7)
     assert sum(fracs) / 30 == pytest.approx(0.25)
@@ -241,9 +242,9 @@ def test_gpu_graph_replay_equals_the_step_it_captured_and_is_replayed(lengths):
     model = tiny(dtype=torch.bfloat16, device="cuda")
     n = len(lengths)
     base = dict(residual_length=32, max_prompt_len=128, max_new_tokens=200, max_batch_size=n)
-    unreplayed = minikv_compile(model, MiniKVConfig(**base, compile=True, cuda_graphs=False))
-    graph = minikv_compile(model, MiniKVConfig(**base))
-    eager = minikv_compile(model, MiniKVConfig(**base, compile=False, cuda_graphs=False))
+    unreplayed = minikv_compile(model, snapkv(**base, compile=True, cuda_graphs=False))
+    graph = minikv_compile(model, snapkv(**base))
+    eager = minikv_compile(model, snapkv(**base, compile=False, cuda_graphs=False))
     prompts = [prompt_of(length, seed=length) for length in lengths]
     before = graph.stats["replays"]
     out = graph.generate(prompts, max_new_tokens=200)
@@ -271,7 +272,7 @@ def test_gpu_full_cache_matches_hf_logits():
     # tolerance: the teacher-forced logits of 32 decode steps within 2e-2 relative (bf16).
     model = tiny(dtype=torch.bfloat16, device="cuda")
     prompt = prompt_of(100)
-    cm = minikv_compile(model, MiniKVConfig(**FULL, max_prompt_len=128, max_new_tokens=32))
+    cm = minikv_compile(model, snapkv(**FULL, max_prompt_len=128, max_new_tokens=32))
     ours = cm.generate([prompt], max_new_tokens=32).sequences[0]
     ids = torch.tensor([prompt + ours], device="cuda")
     ref = model(ids).logits[0, len(prompt) - 1: -1].float().argmax(-1).tolist()
@@ -377,7 +378,7 @@ def test_gpu_sampling_step_compiles_and_replays_with_a_llama3_vocabulary(batch):
     # A 128k vocabulary (Llama 3's) at small batches is where inductor splits a long scan;
     # the sample step must compile, capture and replay there, seeded and exact at top_k=1.
     model = tiny(dtype=torch.bfloat16, device="cuda", vocab_size=128256)
-    cm = minikv_compile(model, MiniKVConfig(max_prompt_len=64, max_new_tokens=24,
+    cm = minikv_compile(model, snapkv(max_prompt_len=64, max_new_tokens=24,
                                             max_batch_size=4))
     prompts = [prompt_of(40 + i, seed=i, vocab=128256) for i in range(batch)]
     greedy = cm.generate(prompts, max_new_tokens=24).sequences

@@ -13,8 +13,9 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile import minikv_compile
 from minikv_compile.inputs import FP32_MAX, MIN_PENALTY, MIN_TEMPERATURE
+from configs import snapkv
 from test_engine import FULL, prompt_of, tiny
 
 CFG = dict(**FULL, residual_length=32, max_prompt_len=64, max_new_tokens=24, max_batch_size=4)
@@ -38,7 +39,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def cm(model):
-    return minikv_compile(model, MiniKVConfig(**CFG))
+    return minikv_compile(model, snapkv(**CFG))
 
 
 def hf(model, enc, **kw):
@@ -67,7 +68,7 @@ def test_hf_calls_return_what_hf_returns(model, cm):
 
 
 def test_defaults_come_from_the_models_generation_config_and_the_engine(model):
-    small = minikv_compile(model, MiniKVConfig(**{**CFG, "max_new_tokens": 16}))
+    small = minikv_compile(model, snapkv(**{**CFG, "max_new_tokens": 16}))
     p = [prompt_of(30, 4)]
     free = small.generate(p).sequences[0]            # no length anywhere: the engine's 16
     assert len(free) == 16
@@ -245,7 +246,7 @@ def test_teacher_force_empty_target_says_so(cm):
 
 
 def test_threads_sharing_a_model_get_their_own_tokens(model):
-    cm = minikv_compile(model, MiniKVConfig(**CFG))
+    cm = minikv_compile(model, snapkv(**CFG))
     prompts = [prompt_of(20 + 7 * i, seed=i) for i in range(2)]
     want = [cm.generate([p], max_new_tokens=24).sequences[0] for p in prompts]
     got, errors = [[], []], []
@@ -268,7 +269,7 @@ def test_threads_sharing_a_model_get_their_own_tokens(model):
 def test_built_and_called_under_any_grad_mode(model):
     p = [prompt_of(30)]
     with torch.inference_mode():
-        cm = minikv_compile(model, MiniKVConfig(**CFG, compile=True))
+        cm = minikv_compile(model, snapkv(**CFG, compile=True))
         first = cm.generate(p, max_new_tokens=10).sequences
     assert cm.generate(p, max_new_tokens=10).sequences == first      # outside inference mode
     with torch.no_grad():
@@ -280,7 +281,7 @@ def test_built_and_called_under_any_grad_mode(model):
 
 
 def test_kv_memory_compares_like_with_like(model):
-    cm = minikv_compile(model, MiniKVConfig(**{**CFG, "bits": 2, "heavy_budget": 0.25,
+    cm = minikv_compile(model, snapkv(**{**CFG, "bits": 2, "heavy_budget": 0.25,
                                                "recent_budget": 0.25, "kept_floor": 1}))
     rep = cm.kv_memory(prompt_len=30, new_tokens=10, batch=1)
     # 2 layers, 2 KV heads x 64: an uncompressed fp32 cache of 1 x (30 + 10) tokens

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from minikv_compile.config import MiniKVConfig
+from minikv_compile.config import PRESETS, MiniKVConfig
 from minikv_compile.inputs import (FP32_MAX, FP32_TINY, MIN_PENALTY, MIN_TEMPERATURE, SamplingParams,
                                    check_bool, check_float, check_int, eos_ids, sampling_params,
                                    token_rows)
@@ -434,14 +434,15 @@ def test_config_stores_python_numbers(kw, want):
     (dict(bits=np.int64(3)), r"bits: expected one of \(1, 2, 4, 16\), got 3"),
     (dict(group_size=16.0), r"group_size: expected an int, got 16\.0 \(float\)"),
     (dict(group_size=8), r"group_size: expected one of \(16, 32, 64, 128\), got 8"),
-    (dict(bits=1), r"group_size: expected 32, 64 or 128 with bits=1 \(one int32 packs 32 tokens "
+    (dict(bits=1, group_size=16), r"group_size: expected 32, 64 or 128 with bits=1 \(one int32 packs 32 tokens "
                    r"of a key group\), got 16"),
     (dict(max_batch_size=True), r"max_batch_size: expected an int >= 1, got True \(bool\)"),
     (dict(max_batch_size=0), r"max_batch_size: expected an int >= 1, got 0"),
     (dict(max_new_tokens=16.0), r"max_new_tokens: expected an int >= 1, got 16\.0"),
     (dict(max_prompt_len="64"), r"max_prompt_len: expected an int >= 1, got '64'"),
     (dict(residual_length=128.0), r"residual_length: expected an int >= 1, got 128\.0"),
-    (dict(residual_length=40), r"residual_length: expected a multiple of group_size=16, got 40"),
+    (dict(residual_length=40), r"residual_length: expected a multiple of group_size=64, got 40"),
+    (dict(residual_length=40, group_size=16), r"residual_length: expected a multiple of group_size=16, got 40"),
     (dict(snapkv_kernel=8), r"snapkv_kernel: expected an odd pooling width, got 8"),
     (dict(sink_tokens=-1), r"sink_tokens: expected an int >= 0, got -1"),
     (dict(sink_tokens=4.0), r"sink_tokens: expected an int >= 0, got 4\.0"),
@@ -456,3 +457,18 @@ def test_config_stores_python_numbers(kw, want):
 def test_config_refuses(kw, match):
     with pytest.raises(ValueError, match=match):
         MiniKVConfig(**kw)
+
+
+def test_the_default_is_the_accurate_cache_and_resolves_by_bits_and_ring():
+    """``MiniKVConfig()`` keeps every token at 2 bits, group 64, rotated, with recall 64 (issue
+    47's choice, ``preset("accurate")``); 16 bits keep the uncompressed cache's group 16, no
+    rotation and no recall; a ring that 64 does not divide takes the largest group that does."""
+    default = MiniKVConfig()
+    assert all(getattr(default, k) == v for k, v in PRESETS["accurate"].items())
+    full = MiniKVConfig(bits=16)
+    assert (full.group_size, full.rotation, full.recall_top_k) == (16, "none", 0)
+    assert [MiniKVConfig(residual_length=r).group_size for r in (128, 96, 32, 48)] == [64, 32, 32, 16]
+    assert MiniKVConfig(residual_length=32, group_size=16).group_size == 16
+    snapkv = MiniKVConfig.preset("snapkv")
+    assert (snapkv.heavy_budget, snapkv.group_size, snapkv.rotation, snapkv.recall_top_k) == \
+        (0.25, 16, "none", 0)

@@ -21,9 +21,10 @@ pytest.importorskip("uvicorn")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from minikv_compile import MiniKVConfig, minikv_compile  # noqa: E402
+from minikv_compile import minikv_compile  # noqa: E402
 from minikv_compile.graphs.runtime import Request  # noqa: E402
 from minikv_compile.prefix_pool import PrefixPool, snapshot_bytes  # noqa: E402
+from configs import snapkv  # noqa: E402
 from test_serve import Reference as ServeReference  # noqa: E402
 from test_serve import Server, metrics, model_dir, wait_for  # noqa: E402,F401 (a fixture)
 
@@ -77,7 +78,8 @@ def bound(ref) -> int:
 def server(model_dir, folders, bound):
     srv = Server(model_dir, folders["logs"] / "server.log",
                  args=("--compile-cache", str(folders["compiled"])),
-                 prefix_cache_gpu_bytes=bound, prefix_cache_dir=folders["contexts"], **FLAGS)
+                 prefix_cache_gpu_bytes=bound, prefix_cache_dir=folders["contexts"],
+                 preset="snapkv", **FLAGS)
     yield srv
     srv.stop()
 
@@ -193,7 +195,7 @@ def test_other_budgets_never_share_a_context(client, ref, model_dir):
     out = complete(client, doc + " w4 w5", max_tokens=10, **half)
     assert cached(out) == len(ref.ids(doc))
     # the context it hit holds what those budgets keep
-    config = MiniKVConfig(**{**FLAGS, "heavy_budget": 0.125, "recent_budget": 0.125})
+    config = snapkv(**{**FLAGS, "heavy_budget": 0.125, "recent_budget": 0.125})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     small = minikv_compile(model, config)
     cache = small.cache_prompt([ref.ids(doc)])
@@ -265,7 +267,8 @@ def test_a_restart_hits_from_the_contexts_folder(model_dir, folders, ref, bound,
     assert wait_for(lambda: len(list(folders["contexts"].glob("*.safetensors"))) > saved)
     again = Server(model_dir, folders["logs"] / "restart.log",
                    args=("--compile-cache", str(folders["compiled"])),
-                   prefix_cache_gpu_bytes=bound, prefix_cache_dir=folders["contexts"], **FLAGS)
+                   prefix_cache_gpu_bytes=bound, prefix_cache_dir=folders["contexts"],
+                   preset="snapkv", **FLAGS)
     try:
         with httpx.Client(base_url=again.url, timeout=60.0) as fresh:
             prompt = ref.ids(doc + " w7 w8")

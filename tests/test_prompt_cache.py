@@ -23,6 +23,7 @@ from safetensors import safe_open
 from minikv_compile import MiniKVConfig, PromptCache, minikv_compile
 from minikv_compile import prompt_cache as pc
 from minikv_compile.perf.__main__ import main
+from configs import snapkv
 from test_engine import FULL, hf_greedy, prompt_of, tiny
 
 # ring 32 (two groups of 16): docs and tails longer than it cross flushes
@@ -45,19 +46,19 @@ def model():
 
 @pytest.fixture(scope="module")
 def full(model):
-    return minikv_compile(model, MiniKVConfig(**FULL, **RING, max_batch_size=2))
+    return minikv_compile(model, snapkv(**FULL, **RING, max_batch_size=2))
 
 
 @pytest.fixture(scope="module")
 def minikv(model):
     """The library default at 2 bits, evicting half of the prompt."""
-    return minikv_compile(model, MiniKVConfig(residual_length=32, **LONG, **EVICT))
+    return minikv_compile(model, snapkv(residual_length=32, **LONG, **EVICT))
 
 
 @pytest.fixture(scope="module")
 def rotated(model):
     """KIVI-2 at group 64 with the Hadamard rotation."""
-    return minikv_compile(model, MiniKVConfig(bits=2, group_size=64, rotation="hadamard",
+    return minikv_compile(model, snapkv(bits=2, group_size=64, rotation="hadamard",
                                               heavy_budget=1.0, recent_budget=1.0,
                                               residual_length=64, **LONG))
 
@@ -176,7 +177,7 @@ def _every_position_against_full(model, full):
     """Teacher-forced log-probs of two sequences (a document each, cached, then a tail and an
     answer; slot 1's tail reads slot 1's host rows) through a 2-bit cache whose recall covers
     every quantized position, and through ``full``: (got, want) per sequence."""
-    every = minikv_compile(model, MiniKVConfig(bits=2, heavy_budget=1.0, recent_budget=1.0,
+    every = minikv_compile(model, snapkv(bits=2, heavy_budget=1.0, recent_budget=1.0,
                                                recall_top_k=256, **RING, max_batch_size=2))
     docs, tails = [DOC, prompt_of(70, 4)], [QUESTION, prompt_of(30, 5)]
     answers = [prompt_of(12, 3), prompt_of(9, 6)]
@@ -317,7 +318,7 @@ def test_gpu_tail_path_gives_the_decode_paths_log_probs(bits, monkeypatch):
     path's from one GEMV a token)."""
     model = tiny(dtype=torch.bfloat16, device="cuda")
     budgets = dict(heavy_budget=1.0, recent_budget=1.0) if bits == 16 else EVICT
-    cm = minikv_compile(model, MiniKVConfig(bits=bits, residual_length=32, **LONG, **budgets))
+    cm = minikv_compile(model, snapkv(bits=bits, residual_length=32, **LONG, **budgets))
     cache = cm.cache_prompt([DOC])
     assert cache.device.type == "cuda" and cache.sequences[0].layers[0]["k_ring"].is_cuda
     answer = cm.generate([DOC + QUESTION], past_key_values=cache, max_new_tokens=12).sequences[0]
@@ -346,7 +347,7 @@ def test_gpu_tail_recalling_every_position_gives_the_full_caches_log_probs():
     path against the decode path above; without the tail's recall the two sequences are 0.08
     and 0.14 apart on average in fp32 on the CPU, past the mean's bound)."""
     model = tiny(dtype=torch.bfloat16, device="cuda")
-    full = minikv_compile(model, MiniKVConfig(**FULL, **RING, max_batch_size=2))
+    full = minikv_compile(model, snapkv(**FULL, **RING, max_batch_size=2))
     for got, want in _every_position_against_full(model, full):
         diff = (got - want).abs()
         assert diff.mean() < 0.05 and diff.max() < 0.3, diff

@@ -62,7 +62,8 @@ def front(tmp_path_factory):
                                                    str(logs / "compiled"),
                                                    "--allowed-origins", GOOD_ORIGIN),
                  timeout=START_TIMEOUT, cert=cert, env={"MINIKV_API_KEY": KEY},
-                 ssl_keyfile=key, ssl_certfile=cert, prefix_cache_gpu_bytes=4 << 20, **FLAGS)
+                 ssl_keyfile=key, ssl_certfile=cert, prefix_cache_gpu_bytes=4 << 20,
+                 preset="snapkv", **FLAGS)
     yield srv
     pids = [r["pid"] for r in httpx.get(srv.url + "/health", timeout=10,
                                         verify=srv.verify).json()["replicas"]]

@@ -11,6 +11,7 @@ import torch
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.models import get_adapter
 from minikv_compile.models.llama import hadamard_matrix
+from configs import snapkv
 from test_engine import FULL, hf_greedy, prompt_of, tiny
 
 
@@ -39,23 +40,32 @@ def test_rotated_keys_give_the_same_scores():
     assert (k @ H).abs().amax(dim=-1).mean() < k.abs().amax(dim=-1).mean() / 4
 
 
-@pytest.mark.parametrize("value", ["hadamard ", "Hadamard", "walsh", 1, None, True])
+@pytest.mark.parametrize("value", ["hadamard ", "Hadamard", "walsh", 1, True])
 def test_bad_rotation_raises_naming_the_field(value):
     with pytest.raises(ValueError, match="rotation"):
-        MiniKVConfig(rotation=value)
+        snapkv(rotation=value)
+
+
+def test_rotation_defaults_by_bits():
+    """None (the default) rotates a quantized cache and leaves a 16-bit one alone."""
+    assert MiniKVConfig().rotation == "hadamard" and MiniKVConfig(bits=4).rotation == "hadamard"
+    assert MiniKVConfig(bits=16).rotation == "none"
+    assert MiniKVConfig(rotation="none").rotation == "none"
 
 
 def test_head_dim_not_a_power_of_two_raises():
     model = tiny(head_dim=48)  # 48 = 3 groups of 16: the group_size check alone would pass
-    with pytest.raises(ValueError, match="rotation='hadamard'.*power of two, got 48"):
-        minikv_compile(model, MiniKVConfig(rotation="hadamard", max_prompt_len=64, max_new_tokens=8))
-    minikv_compile(model, MiniKVConfig(max_prompt_len=64, max_new_tokens=8))  # no rotation: fine
+    with pytest.raises(ValueError, match="rotation='hadamard'.*power of two, got 48; pass "
+                                         "rotation='none'"):
+        minikv_compile(model, MiniKVConfig(group_size=16, max_prompt_len=64, max_new_tokens=8))
+    minikv_compile(model, snapkv(group_size=16, rotation="none", max_prompt_len=64,
+                                       max_new_tokens=8))  # no rotation: fine
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # qwen2: v bias; qwen3: q/k norm
 def test_full_cache_with_rotation_reproduces_hf_greedy(kind):
     model = tiny(kind)
-    cfg = MiniKVConfig(**FULL, rotation="hadamard", residual_length=32, max_prompt_len=64,
+    cfg = snapkv(**FULL, rotation="hadamard", residual_length=32, max_prompt_len=64,
                        max_new_tokens=48)
     prompt = prompt_of(37)
     got = minikv_compile(model, cfg).generate([prompt], max_new_tokens=48).sequences[0]
@@ -69,8 +79,8 @@ def test_rotation_changes_no_logit_at_16_bits(budgets):
     model = tiny("qwen2")
     prompt, targets = prompt_of(61, seed=2), prompt_of(40, seed=5)
     base = dict(bits=16, residual_length=32, max_prompt_len=64, max_new_tokens=40, **budgets)
-    plain = minikv_compile(model, MiniKVConfig(**base)).teacher_force([prompt], [targets])[0]
-    rotated = minikv_compile(model, MiniKVConfig(**base, rotation="hadamard")
+    plain = minikv_compile(model, snapkv(**base)).teacher_force([prompt], [targets])[0]
+    rotated = minikv_compile(model, snapkv(**base, rotation="hadamard")
                              ).teacher_force([prompt], [targets])[0]
     torch.testing.assert_close(rotated, plain, atol=2e-5, rtol=1e-5)
 
@@ -80,8 +90,8 @@ def test_two_bit_rotated_engine_runs_and_differs():
     model = tiny()
     prompt, targets = prompt_of(101, seed=3), prompt_of(70, seed=4)
     base = dict(residual_length=32, max_prompt_len=128, max_new_tokens=70)
-    plain = minikv_compile(model, MiniKVConfig(**base)).teacher_force([prompt], [targets])[0]
-    rotated = minikv_compile(model, MiniKVConfig(**base, rotation="hadamard")
+    plain = minikv_compile(model, snapkv(**base)).teacher_force([prompt], [targets])[0]
+    rotated = minikv_compile(model, snapkv(**base, rotation="hadamard")
                              ).teacher_force([prompt], [targets])[0]
     assert torch.isfinite(rotated).all() and not torch.equal(rotated, plain)
 
@@ -90,7 +100,7 @@ def test_two_bit_rotated_engine_runs_and_differs():
 def test_users_model_is_unchanged(kind):
     model = tiny(kind)
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    cm = minikv_compile(model, MiniKVConfig(rotation="hadamard", residual_length=32,
+    cm = minikv_compile(model, snapkv(rotation="hadamard", residual_length=32,
                                             max_prompt_len=64, max_new_tokens=8))
     cm.generate([prompt_of(40)], max_new_tokens=8)
     after = model.state_dict()
@@ -165,8 +175,8 @@ def test_compiled_rotated_step_equals_eager():
     model = tiny()
     base = dict(residual_length=32, max_prompt_len=128, max_new_tokens=30, max_batch_size=4,
                 rotation="hadamard")
-    compiled = minikv_compile(model, MiniKVConfig(**base, compile=True))
-    eager = minikv_compile(model, MiniKVConfig(**base, compile=False))
+    compiled = minikv_compile(model, snapkv(**base, compile=True))
+    eager = minikv_compile(model, snapkv(**base, compile=False))
     for n, kw in ((1, dict()), (3, dict(do_sample=True, seed=3))):
         prompts = [prompt_of(60 + 17 * i, seed=i) for i in range(n)]
         assert (compiled.generate(prompts, max_new_tokens=30, **kw).sequences
@@ -287,8 +297,8 @@ def test_gpu_rotation_changes_no_logit_at_16_bits(kind):
     prompt, targets = prompt_of(61, seed=2), prompt_of(40, seed=5)
     base = dict(bits=16, heavy_budget=1.0, recent_budget=1.0, residual_length=32,
                 max_prompt_len=64, max_new_tokens=40)
-    plain = minikv_compile(model, MiniKVConfig(**base)).teacher_force([prompt], [targets])[0]
-    rotated = minikv_compile(model, MiniKVConfig(**base, rotation="hadamard")
+    plain = minikv_compile(model, snapkv(**base)).teacher_force([prompt], [targets])[0]
+    rotated = minikv_compile(model, snapkv(**base, rotation="hadamard")
                              ).teacher_force([prompt], [targets])[0]
     assert (rotated - plain).abs().max() < 0.05
 

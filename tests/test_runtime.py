@@ -15,9 +15,10 @@ from transformers.generation.logits_process import (LogitsProcessorList,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile import minikv_compile
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling, choose_tokens, exponential_noise
+from configs import snapkv
 from test_engine import prompt_of, tiny
 
 CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=120, max_batch_size=4,
@@ -44,7 +45,7 @@ def run_until_done(rt, slots):
 
 @pytest.mark.parametrize("joining", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
 def test_a_request_joining_mid_generation_gets_its_tokens_alone(joining):
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     rt = cm.runtime
     running = [Request(prompt_of(100, seed=1), 120),
                Request(prompt_of(37, seed=2), 90, sampling=Sampling(greedy=False, seed=7))]
@@ -63,7 +64,7 @@ def test_a_request_joining_mid_generation_gets_its_tokens_alone(joining):
 
 
 def test_released_slots_are_free_and_others_are_untouched():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     rt = cm.runtime
     a, b, c = (Request(prompt_of(n, seed=n), 100) for n in (90, 20, 45))
     want_a, want_c = alone(cm, a), alone(cm, c)
@@ -121,7 +122,7 @@ def test_a_graph_compiled_mid_generation_and_a_rebuilt_engine_running_the_saved_
     # and only the saved steps are new.
     _link_tree(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]), tmp_path)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    cfg = MiniKVConfig(**CFG, compile=True)
+    cfg = snapkv(**CFG, compile=True)
     greedy = Request(prompt_of(70, seed=4), 100)
     sampled = Request(prompt_of(30, seed=5), 40, sampling=SAMPLED)
     cm = minikv_compile(tiny(), cfg)
@@ -160,7 +161,7 @@ def test_a_graph_compiled_mid_generation_and_a_rebuilt_engine_running_the_saved_
 
     monkeypatch.setattr(type(tmp_path), "write_bytes", refuse)
     caplog.clear()
-    other = minikv_compile(tiny(), MiniKVConfig(**CFG, compile=True, bits=4))
+    other = minikv_compile(tiny(), snapkv(**CFG, compile=True, bits=4))
     with caplog.at_level("WARNING"):
         other.generate([greedy.prompt], max_new_tokens=20)
     assert (other.stats["compiles"], other.stats["loaded"]) == (3, 0)
@@ -178,7 +179,7 @@ def test_one_compiled_layer_serves_every_layer_of_each_plan():
     from minikv_compile.models import get_adapter
 
     model = tiny(num_hidden_layers=8)
-    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 64, "max_new_tokens": 6})
+    cfg = snapkv(**{**CFG, "max_batch_size": 64, "max_new_tokens": 6})
     requests = [Request(prompt_of(30 + 2 * i, seed=i), 6) for i in range(40)]
     outputs, compiles = [], []
     for compile in (True, False):
@@ -212,7 +213,7 @@ def test_the_fused_plans_buckets_share_one_compile_in_bf16():
     from minikv_compile.models import get_adapter
 
     model = tiny(dtype=torch.bfloat16, num_hidden_layers=3)
-    cfg = MiniKVConfig(**{**CFG, "max_batch_size": 32, "max_new_tokens": 2})
+    cfg = snapkv(**{**CFG, "max_batch_size": 32, "max_new_tokens": 2})
     adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens, fuse_projections=True)
     rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.bfloat16,
                      compile=True, cuda_graphs=False)
@@ -229,7 +230,7 @@ def test_the_fused_plans_buckets_share_one_compile_in_bf16():
 
 
 def test_generate_seed_is_reproducible_alone_and_in_a_batch():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     p, q = prompt_of(40, seed=8), prompt_of(90, seed=9)
     kw = dict(max_new_tokens=60, do_sample=True, temperature=1.2)
     first = cm.generate([p], seed=11, **kw).sequences[0]
@@ -240,7 +241,7 @@ def test_generate_seed_is_reproducible_alone_and_in_a_batch():
 
 
 def test_finished_slots_change_nothing_teacher_mode_included():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     rt = cm.runtime
     target = prompt_of(20, seed=9)
     rt.admit(0, Request(prompt_of(50, seed=8), 20, forced=target))
@@ -255,7 +256,7 @@ def test_finished_slots_change_nothing_teacher_mode_included():
 
 
 def test_an_eos_as_first_token_ends_the_request_at_admission():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     p = prompt_of(40, seed=10)
     first = cm.generate([p], max_new_tokens=5).sequences[0][0]
     rt = cm.runtime
@@ -277,7 +278,7 @@ def test_an_eos_as_first_token_ends_the_request_at_admission():
     (Request([1], 4, forced=[1, 2]), r"request.forced: expected max_new_tokens=4"),
 ])
 def test_admit_validates_the_request(request_, match):
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     with pytest.raises(ValueError, match=match):
         cm.runtime.admit(0, request_)
     assert cm.runtime.admitted == []
@@ -355,7 +356,7 @@ def test_gpu_join_and_capture_under_the_sync_guard():
     # bf16 on the GPU: bucket 1 and bucket 4 run other kernels (rounding differs), so a joining
     # request is compared with the same request joining again, not with a run alone.
     model = tiny(dtype=torch.bfloat16, device="cuda")
-    cm = minikv_compile(model, MiniKVConfig(**CFG))
+    cm = minikv_compile(model, snapkv(**CFG))
     rt = cm.runtime
     reqs = [Request(prompt_of(100, seed=1), 120), Request(prompt_of(61, seed=3), 64,
                                                           sampling=SAMPLED)]
@@ -413,7 +414,7 @@ def test_gpu_admission_and_release_never_wait_for_the_gpu():
     # that waits for the GPU on the way (a Python scalar written into a device tensor by
     # indexing, an index tensor built from a host list) stalls every stream by the work queued.
     model = tiny(dtype=torch.bfloat16, device="cuda")
-    cm = minikv_compile(model, MiniKVConfig(**CFG))
+    cm = minikv_compile(model, snapkv(**CFG))
     rt = cm.runtime
     for bucket in rt.buckets:
         for mode in ("greedy", "sample"):

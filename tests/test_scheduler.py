@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile import minikv_compile
 from minikv_compile.graphs.sampling import Sampling
 from minikv_compile.scheduler import (IncrementalDetokenizer, QueueFull, Scheduler,
                                       ServeRequest)
+from configs import snapkv
 from test_engine import prompt_of, tiny
 
 CFG = dict(residual_length=32, max_prompt_len=128, max_new_tokens=40, max_batch_size=4,
@@ -30,7 +31,7 @@ class CharTokenizer:
 
 @pytest.fixture
 def served():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer(), max_queue=8)
     sched.start()
     yield cm, sched
@@ -90,7 +91,7 @@ def test_a_failing_request_leaves_the_others_alone(served):
 
 
 def test_queue_limit_and_sampled_requests_with_a_seed():
-    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 1}))
+    cm = minikv_compile(tiny(), snapkv(**{**CFG, "max_batch_size": 1}))
     sched = Scheduler(cm, CharTokenizer(), max_queue=2)
     p = prompt_of(30, seed=5)
     sampled = Sampling(greedy=False, temperature=1.2, seed=77)
@@ -110,7 +111,7 @@ def test_queue_limit_and_sampled_requests_with_a_seed():
 
 
 def test_cancelled_waiting_requests_leave_the_queue_and_a_stopped_scheduler_refuses():
-    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 1}))
+    cm = minikv_compile(tiny(), snapkv(**{**CFG, "max_batch_size": 1}))
     sched = Scheduler(cm, CharTokenizer(), max_queue=2)
     p = prompt_of(30, seed=5)
     running = sched.submit(ServeRequest(p, 20))
@@ -133,7 +134,7 @@ def test_cancelled_waiting_requests_leave_the_queue_and_a_stopped_scheduler_refu
 def test_a_request_failing_in_an_unexpected_way_ends_alone():
     # Bad input the server's checks would catch, through the library: a token id that is not
     # an int. It ends with its error; the loop and the other requests go on.
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer())
     good = ServeRequest(prompt_of(30, seed=1), 10)
     want = _alone(cm, [list(good.prompt_ids)], 10)[0]
@@ -175,7 +176,7 @@ def test_many_threads_submit_at_once(served):
 
 def test_a_prompt_is_prefilled_in_pieces_between_decode_steps():
     # Driven by hand (no loop thread): prefill_layers=1 on the 2-layer model is two pieces.
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer(), prefill_layers=1)
     a, b = prompt_of(100, seed=1), prompt_of(120, seed=2)
     want = [cm.generate([p], max_new_tokens=20, eos_token_id=[]).sequences[0] for p in (a, b)]
@@ -204,7 +205,7 @@ def test_a_prompt_is_prefilled_in_pieces_between_decode_steps():
 
 
 def test_a_failing_step_ends_every_request_and_says_so():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer())
     sched.ready = True
 
@@ -248,7 +249,7 @@ def _alone(cm, prompts, n):
 
 
 def test_short_waiting_requests_are_prefilled_in_one_pass():
-    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 8}))
+    cm = minikv_compile(tiny(), snapkv(**{**CFG, "max_batch_size": 8}))
     sched = Scheduler(cm, CharTokenizer(), prefill_batch_tokens=160, prefill_layers=1)
     lengths = [20, 33, 17, 50, 40, 12]         # 120 tokens fit, + 40 = 160 fits, + 12 does not
     prompts = [prompt_of(n, seed=n) for n in lengths]
@@ -273,7 +274,7 @@ def test_short_waiting_requests_are_prefilled_in_one_pass():
 
 
 def test_a_batch_takes_no_more_requests_than_free_slots_and_a_long_prompt_goes_alone():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))          # 4 slots
+    cm = minikv_compile(tiny(), snapkv(**CFG))          # 4 slots
     sched = Scheduler(cm, CharTokenizer(), prefill_batch_tokens=100)
     batches = _spy_batches(cm)
     lengths = [120, 10, 10, 10, 10, 10]
@@ -294,7 +295,7 @@ def test_a_batch_takes_no_more_requests_than_free_slots_and_a_long_prompt_goes_a
 def test_a_failing_batched_prefill_retries_each_request_alone(monkeypatch):
     from minikv_compile.graphs import prefill as prefill_module
 
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer(), prefill_ms=None, prefill_layers=2)  # one piece each
     real = prefill_module._attend_and_store
 
@@ -324,7 +325,7 @@ def test_a_failing_batched_prefill_retries_each_request_alone(monkeypatch):
 
 
 def test_bad_requests_end_alone_and_the_others_are_batched():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer(), prefill_ms=None, prefill_layers=2)
     p, q = prompt_of(40, seed=1), prompt_of(25, seed=2)
     want = _alone(cm, [p, q], 20)
@@ -346,7 +347,7 @@ def test_bad_requests_end_alone_and_the_others_are_batched():
 def test_cancelling_requests_of_a_batch_under_way():
     # prefill_layers=1 on the 2-layer model: a batch admitted while a stream runs takes two
     # rounds. One request of it cancelled meanwhile ends alone; all of one cancelled close it.
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer(), prefill_layers=1)
     a, b, c = prompt_of(60, seed=1), prompt_of(30, seed=2), prompt_of(45, seed=3)
     want = _alone(cm, [a, c], 20)
@@ -374,7 +375,7 @@ def test_cancelling_requests_of_a_batch_under_way():
 
 
 def test_a_batch_takes_at_most_prefill_batch_requests():
-    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 8}))
+    cm = minikv_compile(tiny(), snapkv(**{**CFG, "max_batch_size": 8}))
     sched = Scheduler(cm, CharTokenizer(), prefill_ms=None, prefill_layers=2,
                       prefill_batch_requests=3)
     batches = _spy_batches(cm)
@@ -389,7 +390,7 @@ def test_a_batch_takes_at_most_prefill_batch_requests():
 def test_at_most_one_prefill_piece_runs_between_two_decode_steps():
     # Two long prompts wait while one request streams: each gap between steps holds one piece
     # (one layer here) of one prompt, also where one admission ends and the next begins.
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer(), prefill_layers=1, prefill_batch_tokens=1)
     sched.submit(ServeRequest(prompt_of(10, seed=0), 40))
     sched._admit_piece()                                   # nothing ran: admitted at once
@@ -430,7 +431,7 @@ def test_the_prefill_between_two_steps_fits_prefill_ms(monkeypatch, prefill_ms, 
                                                        per_gap):
     # A 5-layer model, one request streaming, one long prompt waiting; the clock's estimate
     # of a layer is fixed so that the count of layers per gap is exact.
-    cm = minikv_compile(tiny(num_hidden_layers=5), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(num_hidden_layers=5), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer(), prefill_ms=prefill_ms)
     sched.submit(ServeRequest(prompt_of(10, seed=0), 40))
     sched._admit_piece()                                   # nothing ran: admitted at once
@@ -441,7 +442,7 @@ def test_the_prefill_between_two_steps_fits_prefill_ms(monkeypatch, prefill_ms, 
 
 
 def test_the_prefill_clock_learns_a_layer_from_the_layers_run():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     clock = Scheduler(cm, CharTokenizer()).clock
     a, b = object(), object()
     assert clock.layer_ms(a, 100) is None                  # nothing measured yet
@@ -457,7 +458,7 @@ def test_the_prefill_clock_learns_a_layer_from_the_layers_run():
 
 def test_the_prefill_clock_times_tail_chunks_apart_from_prefill_layers():
     # a chunk of a cached prompt's tail runs every layer: its cost a token is its own
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     clock = Scheduler(cm, CharTokenizer()).clock
     a, b, c = object(), object(), object()
     clock._learn(a, 30.0, 3.0, tokens=100, layers=3)                   # 0.1 ms a token, layer
@@ -475,7 +476,7 @@ def test_the_prefill_clock_times_tail_chunks_apart_from_prefill_layers():
     (dict(prefill_layers=1.5), "prefill_layers: expected a positive int or None, got 1.5"),
 ])
 def test_prefill_pacing_arguments_are_checked(kw, message):
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     with pytest.raises(ValueError, match=message):
         Scheduler(cm, CharTokenizer(), **kw)
 
@@ -483,7 +484,7 @@ def test_prefill_pacing_arguments_are_checked(kw, message):
 @pytest.mark.parametrize("kw", [dict(prefill_batch_tokens=0), dict(prefill_batch_requests=0),
                                 dict(prefill_batch_requests=True)])
 def test_prefill_batch_limits_must_be_positive_ints(kw):
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     name, value = next(iter(kw.items()))
     with pytest.raises(ValueError, match=rf"{name}: expected a positive int, got {value}"):
         Scheduler(cm, CharTokenizer(), **kw)
@@ -496,7 +497,7 @@ def test_gpu_serving_never_compiles_or_captures_after_warm_up():
     import torch
 
     cm = minikv_compile(tiny(dtype=torch.bfloat16, device="cuda"),
-                        MiniKVConfig(**{**CFG, "max_batch_size": 8}))
+                        snapkv(**{**CFG, "max_batch_size": 8}))
     sched = Scheduler(cm, CharTokenizer(), prefill_layers=1)
     sched.warm_up()
     compiles, graphs = cm.stats["compiles"], list(cm.stats["graphs"])
@@ -518,7 +519,7 @@ def test_gpu_serving_never_compiles_or_captures_after_warm_up():
 def test_warm_up_freezes_what_start_up_made_out_of_the_collectors_reach():
     import gc
 
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer())
     gc.unfreeze()
     try:
@@ -529,7 +530,7 @@ def test_warm_up_freezes_what_start_up_made_out_of_the_collectors_reach():
 
 
 def test_warm_up_prefills_a_prompt_at_capacity_and_frees_its_slot():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer())
     batches = _spy_batches(cm)
     sched.warm_up()
@@ -557,7 +558,7 @@ def test_the_prefill_clock_takes_the_longer_of_launching_and_running_a_gap():
         def elapsed_time(self, end):
             return self.ms
 
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     clock = Scheduler(cm, CharTokenizer()).clock
     a, b = object(), object()
     clock._current = a
@@ -569,7 +570,7 @@ def test_the_prefill_clock_takes_the_longer_of_launching_and_running_a_gap():
 
 
 def test_on_delta_receives_what_iteration_would():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG))
+    cm = minikv_compile(tiny(), snapkv(**CFG))
     sched = Scheduler(cm, CharTokenizer())
     p = prompt_of(30, seed=2)
     got = []
@@ -592,7 +593,7 @@ def test_on_delta_receives_what_iteration_would():
 def test_serving_with_recall_gives_each_request_its_tokens_alone(recall):
     """SpeCache under continuous batching: requests joining and leaving a running batch (each
     admission pre-decodes its slot) get the tokens ``generate`` gives each alone."""
-    cm = minikv_compile(tiny(), MiniKVConfig(**CFG, **recall))
+    cm = minikv_compile(tiny(), snapkv(**CFG, **recall))
     prompts = [prompt_of(n, seed=n) for n in (90, 17, 60, 33, 120)]
     sizes = [40, 12, 31, 25, 8]
     want = [_alone(cm, [p], n)[0] for p, n in zip(prompts, sizes)]

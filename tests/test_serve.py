@@ -37,6 +37,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig,  # n
 from minikv_compile import MiniKVConfig, minikv_compile  # noqa: E402
 from minikv_compile.models.smollm2 import SMOLLM2_CHAT_TEMPLATE  # noqa: E402
 
+from configs import snapkv  # noqa: E402
+
 # 128 new tokens: ~0.2 s of decoding at ~1.5 ms a step, long enough for requests to overlap.
 MAX_NEW = 128
 FLAGS = dict(max_batch_size=4, max_prompt_len=64, max_new_tokens=MAX_NEW, residual_length=16)
@@ -131,7 +133,7 @@ def model_dir(tmp_path_factory) -> Path:
 def server(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     srv = Server(model_dir, logs / "server.log", args=("--compile-cache", str(logs / "compiled")),
-                 **FLAGS)
+                 preset="snapkv", **FLAGS)
     yield srv
     srv.stop()
 
@@ -162,7 +164,7 @@ class Reference:
     def __init__(self, model_dir: Path, flags: Optional[dict] = None):
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.engine = minikv_compile(model, MiniKVConfig(**(FLAGS if flags is None else flags)))
+        self.engine = minikv_compile(model, snapkv(**(FLAGS if flags is None else flags)))
 
     def ids(self, prompt: str) -> list:
         return self.tok(prompt)["input_ids"]
@@ -596,7 +598,7 @@ def test_two_ranks_serve_what_one_process_generates(model_dir, tmp_path, ref):
     srv = Server(model_dir, tmp_path / "ranks.log", timeout=2 * START_TIMEOUT,
                  launcher=("torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m"),
-                 tensor_parallel=2, **FLAGS)
+                 tensor_parallel=2, preset="snapkv", **FLAGS)
     try:
         with httpx.Client(base_url=srv.url, timeout=60.0) as c:
             name = server_model(c)

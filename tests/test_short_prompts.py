@@ -22,6 +22,7 @@ from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs import budget
 from minikv_compile.graphs.prefill import prefill
 from minikv_compile.models.smollm2 import default_cache_root
+from configs import snapkv
 from reference_pipeline import ReferenceMiniKV
 
 R = MiniKVConfig().residual_length  # 128: the default ring
@@ -95,7 +96,7 @@ def test_prompts_the_ring_holds_give_the_uncompressed_tokens(model, full_tokens,
 def test_the_ring_holds_the_whole_prompt_after_prefill(model):
     """White box: every layer's counters after prefill are (0, L) and its ring rows are the
     prompt's keys and values, unquantized (the uncompressed cache's region holds the same)."""
-    config = MiniKVConfig(max_prompt_len=2 * R, max_new_tokens=8, max_batch_size=2)
+    config = snapkv(max_prompt_len=2 * R, max_new_tokens=8, max_batch_size=2)
     full_cfg = MiniKVConfig(bits=16, heavy_budget=1.0, recent_budget=1.0, residual_length=16,
                             group_size=16, max_prompt_len=2 * R, max_new_tokens=8,
                             max_batch_size=2)
@@ -115,7 +116,7 @@ def test_a_longer_prompt_leaves_about_half_a_ring_of_its_tail(model):
     """Past the ring: the last t kept tokens stay in it, 64 <= t < 80 (half the ring, whole
     groups before them in the region), nothing evicted below the floor; the ring's rows are the
     prompt's last t keys, the region's the first ones quantized."""
-    config = MiniKVConfig(max_prompt_len=2 * R + 64, max_new_tokens=8)
+    config = snapkv(max_prompt_len=2 * R + 64, max_new_tokens=8)
     full_cfg = MiniKVConfig(bits=16, heavy_budget=1.0, recent_budget=1.0, residual_length=16,
                             group_size=16, max_prompt_len=2 * R + 64, max_new_tokens=8)
     cm, full = minikv_compile(model, config), minikv_compile(model, full_cfg)
@@ -143,7 +144,7 @@ BUDGETS = [(0.25, 0.25), (0.0, 0.1), (0.3, 0.0), (0.0, 0.0), (0.02, 0.9), (1.0, 
 @pytest.mark.parametrize("heavy, recent", BUDGETS)
 def test_below_the_floor_nothing_is_evicted(policy, heavy, recent):
     layers, floor = 7, 96
-    config = MiniKVConfig(heavy_budget=heavy, recent_budget=recent, budget_policy=policy,
+    config = snapkv(heavy_budget=heavy, recent_budget=recent, budget_policy=policy,
                           pyramid_depth=3, kept_floor=floor, max_prompt_len=400, max_new_tokens=5)
     previous = [0] * layers
     for L in range(1, 401):
@@ -165,10 +166,10 @@ def test_below_the_floor_nothing_is_evicted(policy, heavy, recent):
 
 
 def test_the_floor_shares_its_tokens_in_the_budgets_ratio():
-    config = MiniKVConfig(heavy_budget=0.1, recent_budget=0.3, kept_floor=1000)
+    config = snapkv(heavy_budget=0.1, recent_budget=0.3, kept_floor=1000)
     assert budget.kept_tokens(config, 2000, 0, 1) == (750, 250)   # 40% of 2000 = 800 < 1000
     assert budget.kept_tokens(config, 4000, 0, 1) == (1200, 400)  # the budgets' own 1600
-    assert budget.kept_tokens(MiniKVConfig(heavy_budget=0.0, recent_budget=0.0, kept_floor=8),
+    assert budget.kept_tokens(snapkv(heavy_budget=0.0, recent_budget=0.0, kept_floor=8),
                               50, 0, 1) == (8, 0)
 
 
@@ -178,8 +179,8 @@ def test_an_evicting_config_below_the_floor_is_the_same_cache_without_eviction(m
     with the floor's count (shared 50 / 50 here)."""
     base = dict(selection="h2o", snapkv_kernel=7, selection_block=1, sink_tokens=0,
                 residual_length=16, kept_floor=80, max_prompt_len=128, max_new_tokens=40)
-    evicting = minikv_compile(model, MiniKVConfig(**base))
-    whole = minikv_compile(model, MiniKVConfig(**base, heavy_budget=1.0, recent_budget=1.0))
+    evicting = minikv_compile(model, snapkv(**base))
+    whole = minikv_compile(model, snapkv(**base, heavy_budget=1.0, recent_budget=1.0))
     short, longer = random_prompts(3, [80, 120])
     assert evicting.generate([short], max_new_tokens=40).sequences == \
         whole.generate([short], max_new_tokens=40).sequences
@@ -191,7 +192,7 @@ def test_an_evicting_config_below_the_floor_is_the_same_cache_without_eviction(m
 
 
 def test_ring_tokens_after_follows_the_decode_steps_flushes():
-    config = MiniKVConfig(residual_length=32, max_prompt_len=128, max_new_tokens=100,
+    config = snapkv(residual_length=32, max_prompt_len=128, max_new_tokens=100,
                           kept_floor=1)
     for kept, written in itertools.product([1, 5, 31, 32, 33, 47, 64, 100], [0, 1, 31, 32, 33, 95]):
         t = budget.prefill_ring_tokens(config, kept)

@@ -1,4 +1,4 @@
-"""SpeCache in the engine (``MiniKVConfig(recall_top_k=K)``): the host copy, the two-row step with
+"""SpeCache in the engine (``snapkv(recall_top_k=K)``): the host copy, the two-row step with
 pre-decoding, the recall inside the step. CPU, fp32, tiny random models (test_engine's ``tiny``):
 a row's arithmetic does not depend on the other rows, so "the same tokens as alone" is exact.
 
@@ -16,6 +16,7 @@ from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.graphs import cache as cache_module
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
+from configs import snapkv
 from test_engine import hf_greedy, prompt_of, tiny
 
 # 2-bit, nothing evicted (KIVI's cache), a 32-token ring: 48 new tokens cross a flush.
@@ -32,9 +33,9 @@ def test_recalling_every_token_reproduces_hf_greedy(kind, block, bits):
     prompts = [prompt_of(37), prompt_of(5, seed=1), prompt_of(64, seed=2)]
     want = [hf_greedy(model, p, 48) for p in prompts]
     kivi = {**KIVI, "bits": bits, "group_size": 16 if bits > 1 else 32}
-    plain = minikv_compile(model, MiniKVConfig(**kivi)).generate(prompts, max_new_tokens=48)
+    plain = minikv_compile(model, snapkv(**kivi)).generate(prompts, max_new_tokens=48)
     assert plain.sequences != want  # the low-bit cache alone does change the tokens here
-    cm = minikv_compile(model, MiniKVConfig(**kivi, recall_top_k=EVERYTHING, recall_block=block))
+    cm = minikv_compile(model, snapkv(**kivi, recall_top_k=EVERYTHING, recall_block=block))
     out = cm.generate(prompts, max_new_tokens=48)
     assert out.sequences == want
     assert out.decode_steps == 48  # 47 tokens after the first, and the pre-decoding step
@@ -44,11 +45,11 @@ def test_teacher_forced_log_probs_with_every_token_recalled_are_the_full_caches(
     model = tiny()
     prompt = prompt_of(50, seed=4)
     target = prompt_of(40, seed=5)
-    full = minikv_compile(model, MiniKVConfig(**{**KIVI, "bits": 16}))
-    cm = minikv_compile(model, MiniKVConfig(**KIVI, recall_top_k=EVERYTHING))
+    full = minikv_compile(model, snapkv(**{**KIVI, "bits": 16}))
+    cm = minikv_compile(model, snapkv(**KIVI, recall_top_k=EVERYTHING))
     got = cm.teacher_force([prompt], [target])[0]
     torch.testing.assert_close(got, full.teacher_force([prompt], [target])[0], rtol=0, atol=1e-4)
-    plain = minikv_compile(model, MiniKVConfig(**KIVI)).teacher_force([prompt], [target])[0]
+    plain = minikv_compile(model, snapkv(**KIVI)).teacher_force([prompt], [target])[0]
     assert (plain - got).abs().max() > 1e-2  # (what recall fixes is visible)
 
 
@@ -56,7 +57,7 @@ def test_speculation_is_the_next_token_greedy_and_forced():
     """Greedy: after the pre-decoding step the speculation is the token the next step then
     chooses (every token recalled: the two rows are exact). Teacher mode: the forced token
     after the one the next step feeds."""
-    cm = minikv_compile(tiny(), MiniKVConfig(**KIVI, recall_top_k=EVERYTHING))
+    cm = minikv_compile(tiny(), snapkv(**KIVI, recall_top_k=EVERYTHING))
     rt, st = cm.runtime, cm.runtime.state
     rt.admit(0, Request(prompt_of(30), 10))
     rt.step()                                        # pre-decoding: nothing recorded
@@ -78,7 +79,7 @@ def test_a_small_recall_with_eviction_is_slot_independent(block):
     """K = 16 of ~60 held tokens under the default selection (25% + 25%): a batch equals each
     prompt alone, and a request joining a running batch (its pre-decoding step runs beside the
     others' regular steps) gets its tokens alone, greedy and sampled."""
-    cfg = MiniKVConfig(residual_length=32, max_prompt_len=128, max_new_tokens=60,
+    cfg = snapkv(residual_length=32, max_prompt_len=128, max_new_tokens=60,
                        max_batch_size=4, recall_top_k=16, recall_block=block)
     cm = minikv_compile(tiny(), cfg)
     rt = cm.runtime
@@ -103,7 +104,7 @@ def test_a_small_recall_with_eviction_is_slot_independent(block):
 
     alone = [run(0, [(0, r)])[0] for r in reqs]
     assert run(0, [(0, reqs[0]), (1, reqs[1])], join_after=20, late=(2, reqs[2])) == alone
-    greedy_plain = minikv_compile(tiny(), MiniKVConfig(
+    greedy_plain = minikv_compile(tiny(), snapkv(
         residual_length=32, max_prompt_len=128, max_new_tokens=60)).generate(
         [list(reqs[0].prompt)], max_new_tokens=60).sequences[0]
     assert alone[0] != greedy_plain  # recall changed the tokens (so the test sees it run)
@@ -116,8 +117,8 @@ def test_compiled_two_row_step_equals_the_eager_one():
     cfg = dict(residual_length=16, max_prompt_len=64, max_new_tokens=40, max_batch_size=2,
                recall_top_k=8)
     prompts = [prompt_of(30, seed=1), prompt_of(45, seed=2)]
-    eager = minikv_compile(model, MiniKVConfig(**cfg, compile=False))
-    cm = minikv_compile(model, MiniKVConfig(**cfg, compile=True))
+    eager = minikv_compile(model, snapkv(**cfg, compile=False))
+    cm = minikv_compile(model, snapkv(**cfg, compile=True))
     for batch in ([prompts[0]], prompts):
         assert (cm.generate(batch, max_new_tokens=40).sequences
                 == eager.generate(batch, max_new_tokens=40).sequences)
@@ -128,7 +129,7 @@ def test_compiled_two_row_step_equals_the_eager_one():
 
 def test_kv_memory_reports_device_and_host_bytes():
     model = tiny()
-    cfg = MiniKVConfig(**KIVI, recall_top_k=16)
+    cfg = snapkv(**KIVI, recall_top_k=16)
     cm = minikv_compile(model, cfg)
     report = cm.kv_memory(prompt_len=40, new_tokens=8, batch=2)
     H, D, Hq, L, K = 2, 64, 4, 2, 16
@@ -152,7 +153,7 @@ def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch):
     monkeypatch.setattr(cache_module.HostStore, "allocate",
                         classmethod(lambda cls, **kw: allocated.append(kw)))
     with pytest.raises(MemoryError, match=r"recall_top_k: the host copy .* needs 0.\d\d GiB"):
-        minikv_compile(tiny(), MiniKVConfig(**{**KIVI, "max_batch_size": 64}, recall_top_k=16))
+        minikv_compile(tiny(), snapkv(**{**KIVI, "max_batch_size": 64}, recall_top_k=16))
     assert allocated == []
 
 
@@ -165,7 +166,7 @@ def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch):
 ])
 def test_bad_recall_config(over, match):
     with pytest.raises(ValueError, match=match):
-        MiniKVConfig(**{"recall_top_k": 8, **over})
+        snapkv(**{"recall_top_k": 8, **over})
 
 
 # -- GPU ------------------------------------------------------------------------------------------
@@ -178,8 +179,8 @@ def test_gpu_replayed_recall_step_equals_the_eager_step():
     model = tiny(dtype=torch.bfloat16, device="cuda")
     cfg = dict(residual_length=32, max_prompt_len=128, max_new_tokens=80, max_batch_size=4,
                recall_top_k=16)
-    graphs = minikv_compile(model, MiniKVConfig(**cfg))
-    eager = minikv_compile(model, MiniKVConfig(**cfg, cuda_graphs=False))  # same kernels
+    graphs = minikv_compile(model, snapkv(**cfg))
+    eager = minikv_compile(model, snapkv(**cfg, cuda_graphs=False))  # same kernels
     reqs = [Request(prompt_of(100, seed=1), 80), Request(prompt_of(61, seed=3), 64)]
 
     def join(cm):
@@ -206,7 +207,7 @@ def test_gpu_a_rebuilt_recall_engine_runs_its_saved_step(tmp_path, monkeypatch):
     engine built again on the same model and config compiles nothing and gives the same
     tokens from its replays."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    cfg = MiniKVConfig(residual_length=32, max_prompt_len=128, max_new_tokens=40,
+    cfg = snapkv(residual_length=32, max_prompt_len=128, max_new_tokens=40,
                        max_batch_size=4, recall_top_k=16)
     prompts = [prompt_of(100, seed=1), prompt_of(61, seed=3)]
 
@@ -218,3 +219,17 @@ def test_gpu_a_rebuilt_recall_engine_runs_its_saved_step(tmp_path, monkeypatch):
     tokens, compiled, loaded = run()
     assert compiled > 0 and loaded == 0
     assert run() == (tokens, compiled, compiled)
+
+
+def test_the_default_config_streams_each_token_once():
+    """The default recalls (a pre-decoding step that makes no token): a callable streamer gets
+    every sequence's tokens once each, in order, as ``sequences`` holds them."""
+    cm = minikv_compile(tiny(), MiniKVConfig(residual_length=16, max_prompt_len=64,
+                                             max_new_tokens=12, max_batch_size=2))
+    assert cm.config.recall_top_k == 64 and cm.config.rotation == "hadamard"
+    steps = []
+    out = cm.generate([prompt_of(40, 0), prompt_of(30, 1)], streamer=steps.append,
+                      eos_token_id=[])
+    assert all(any(t is not None for t in step) for step in steps)
+    streamed = [[step[i] for step in steps if step[i] is not None] for i in range(2)]
+    assert streamed == [list(s) for s in out.sequences] and len(streamed[0]) == 12

@@ -9,12 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from minikv_compile import MiniKVConfig, minikv_compile, ops
+from minikv_compile import minikv_compile, ops
 from minikv_compile.graphs import step_plan
 from minikv_compile.graphs.runtime import Request, SlotRuntime
 from minikv_compile.graphs.step_plan import StepPlan
 from minikv_compile.models import get_adapter
 from minikv_compile.ops import attention_decode, linear
+from configs import snapkv
 from test_engine import prompt_of, tiny
 
 CFG = dict(residual_length=32, max_prompt_len=64, max_new_tokens=4, max_batch_size=64)
@@ -23,7 +24,7 @@ SHAPES = {"qkv": (512, 128), "o": (128, 256), "gate_up": (384, 128), "down": (12
 
 
 def runtime(dtype=torch.float32, device="cpu", **over) -> SlotRuntime:
-    cfg = MiniKVConfig(**{**CFG, **over})
+    cfg = snapkv(**{**CFG, **over})
     adapter = get_adapter(tiny(dtype=dtype, device=device),
                           cfg.max_prompt_len + cfg.max_new_tokens, fuse_projections=True)
     return SlotRuntime(adapter, cfg, device=torch.device(device), dtype=dtype, compile=False,
@@ -102,7 +103,7 @@ def test_kernels_name_every_launch_with_its_choice(rt):
 
 
 def test_stats_kernels_print_the_plans():
-    cm = minikv_compile(tiny(), MiniKVConfig(**{**CFG, "max_batch_size": 4}))
+    cm = minikv_compile(tiny(), snapkv(**{**CFG, "max_batch_size": 4}))
     kernels = cm.stats["kernels"]
     assert sorted(kernels) == [(1, "greedy"), (2, "greedy"), (4, "greedy")]
     assert kernels[(2, "greedy")] == cm.runtime.plan(2, "greedy").kernels()

@@ -33,6 +33,7 @@ from minikv_compile.models import TensorParallel, get_adapter, load_shard, shard
 from minikv_compile.ranks import ReplicatedRuntime, follow
 from minikv_compile import scheduler as scheduler_module
 from minikv_compile.scheduler import Scheduler, ServeRequest
+from configs import snapkv
 from test_engine import FULL, hf_greedy, prompt_of, tiny
 from test_scheduler import CharTokenizer
 
@@ -85,7 +86,7 @@ def _build(case: str, tp: int, wide: bool = False):
     over, fields = CASES[case]
     over = dict(over)
     return minikv_compile(_model(over.pop("kind", "llama"), wide, **over),
-                          MiniKVConfig(**fields, tensor_parallel=tp))
+                          snapkv(**fields, tensor_parallel=tp))
 
 
 def _random_biases(model) -> None:
@@ -138,7 +139,7 @@ def _every_case(tp: int, cases=tuple(CASES), wide: bool = False) -> dict:
 def _compiled(tp: int) -> dict:
     """Greedy then sampled, compiled (``tp == 1``: the eager reference); the compile count after
     each."""
-    cm = minikv_compile(_model(), MiniKVConfig(**dict(COMPILED, compile=tp > 1),
+    cm = minikv_compile(_model(), snapkv(**dict(COMPILED, compile=tp > 1),
                                                tensor_parallel=tp))
     out = {"greedy": [cm.generate([p], max_new_tokens=NEW).sequences[0] for p in PROMPTS]}
     out["greedy_compiles"] = cm.stats["compiles"]
@@ -176,7 +177,7 @@ def _fused(tp: int) -> dict:
     CPU): the residual in rank 0's launches alone, the norm not split; batches of 1 and 3 on
     the fused plan, 40 on the GEMM plan."""
     model = _model(attention_bias=True, mlp_bias=True)
-    cfg = MiniKVConfig(**dict(CAP, max_batch_size=64, max_new_tokens=40))
+    cfg = snapkv(**dict(CAP, max_batch_size=64, max_new_tokens=40))
     adapter = get_adapter(model, cfg.max_prompt_len + cfg.max_new_tokens, fuse_projections=True,
                           tp=TensorParallel.from_default_group(tp))
     rt = SlotRuntime(adapter, cfg, device=torch.device("cpu"), dtype=torch.float32,
@@ -437,13 +438,13 @@ def test_heads_and_features_that_do_not_divide_by_the_ranks_are_refused():
 def test_tensor_parallel_needs_a_process_group_of_its_size():
     with pytest.raises(ValueError, match="tensor_parallel: expected torch.distributed "
                                          "initialized with 2 ranks .*, got no process group"):
-        minikv_compile(tiny(), MiniKVConfig(tensor_parallel=2))
+        minikv_compile(tiny(), snapkv(tensor_parallel=2))
     with pytest.raises(ValueError, match="tensor_parallel: expected an int >= 1, got 0"):
-        MiniKVConfig(tensor_parallel=0)
+        snapkv(tensor_parallel=0)
 
 
 def test_rank_0s_runtime_refuses_what_would_run_on_rank_0_alone():
-    cm = minikv_compile(tiny(), MiniKVConfig(**CAP))
+    cm = minikv_compile(tiny(), snapkv(**CAP))
     rt = ReplicatedRuntime(cm)  # (no collective until a call is made)
     assert rt.buckets == cm.runtime.buckets and rt.free_slots() == [0, 1, 2, 3]
     for name in ("admit", "admit_batch", "release_all", "finish"):
@@ -582,7 +583,7 @@ def _nccl_one_rank(rank: int, store: str, out_path: str) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    cfg = MiniKVConfig(**CAP)
+    cfg = snapkv(**CAP)
     out = {}
     for name in ("plain", "collectives"):
         cm = minikv_compile(tiny(dtype=torch.bfloat16, device="cuda"), cfg)
@@ -668,7 +669,7 @@ def _nccl_ranks(rank: int, world: int, store: str, out_dir: str) -> None:
                 break
         mark(f"{name}: building")
         cm = minikv_compile(_model(wide=True, dtype=dtype, device=f"cuda:{rank}"),
-                            MiniKVConfig(**CAP, tensor_parallel=tp))
+                            snapkv(**CAP, tensor_parallel=tp))
         out[name] = run = {}
         if name != "fp16":
             run["alone"] = [cm.generate([p], max_new_tokens=NEW).sequences[0]

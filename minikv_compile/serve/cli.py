@@ -14,7 +14,7 @@ import torch
 
 from minikv_compile.models.parallel import join_torchrun
 
-from ..config import PRESETS, MiniKVConfig
+from ..config import BY_BITS, PRESETS, MiniKVConfig
 from ..inputs import check_int
 from ..ranks import follow
 from ..scheduler import Scheduler
@@ -90,7 +90,12 @@ def parser() -> argparse.ArgumentParser:
                             "config, the field flags on top ('minikv': the MiniKV paper's)")
     for f in dataclasses.fields(MiniKVConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.default is None:  # Optional[bool]: None lets the engine choose by device
+        if f.name in BY_BITS:  # None: chosen by --bits
+            low_bits, full = BY_BITS[f.name]
+            group.add_argument(flag, dest=f.name, type=type(low_bits), default=None,
+                               metavar=type(low_bits).__name__.upper(),
+                               help=f"default: {low_bits}, or {full} with --bits 16")
+        elif f.default is None:  # Optional[bool]: None lets the engine choose by device
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help="default: on for CUDA, off on the CPU")
         else:

@@ -40,7 +40,8 @@ def _method(name: str, label: str, match: Optional[str] = None, **fields) -> Met
 # (issue 5 asks for the best selection to become the default) does not change what "minikv" means.
 PAPER_MINIKV = dict(heavy_budget=0.25, recent_budget=0.25, budget_policy="uniform", pyramid_depth=7,
                     selection="h2o", snapkv_window=32, snapkv_kernel=7, selection_block=1,
-                    sink_tokens=0, bits=2, group_size=16, residual_length=128, kept_floor=1)
+                    sink_tokens=0, bits=2, group_size=16, residual_length=128, kept_floor=1,
+                    rotation="none", recall_top_k=0, recall_block=1)
 _KEEP_ALL = dict(heavy_budget=1.0, recent_budget=1.0)
 
 # Selection recipes compared at MiniKV's bytes (and swept over budgets with --sweep-selections).
