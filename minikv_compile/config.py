@@ -1,6 +1,7 @@
 """MiniKVConfig: every knob of the compressed cache and the compiled decode loop, validated once."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +26,7 @@ PRESETS = {
     "snapkv": dict(heavy_budget=0.25, recent_budget=0.25, selection="snapkv", snapkv_kernel=15,
                    selection_block=16, sink_tokens=4, bits=2, group_size=16, rotation="none",
                    recall_top_k=0),
-    # KIVI-2: 2 bit, nothing evicted (42.1 / 36.2%, perplexity x1.111)
+    # KIVI-2: 2 bit, nothing evicted (42.1 / 36.2%, perplexity x1.115)
     "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16, rotation="none",
                  recall_top_k=0),
     # SpeCache as its paper runs it: KIVI-2's GPU copy, 64 positions per KV head recalled in
@@ -51,7 +52,10 @@ class MiniKVConfig:
     """How the KV cache is compressed and how the decode loop runs.
 
     Budgets are fractions of the prompt length ``L``; the default keeps every token (the
-    accuracy harness's evidence: ``PRESETS``). The paper's methods are configurations:
+    accuracy harness's evidence: ``PRESETS``). ``group_size``, ``rotation`` and ``recall_top_k``
+    left as ``None`` are chosen by ``bits`` (``BY_BITS``) and stored: ``dataclasses.replace``
+    keeps them, so a config for other ``bits`` is built anew. The paper's methods are
+    configurations:
 
     ===================  =====================================================================
     full cache           ``bits=16, heavy_budget=1.0, recent_budget=1.0`` (or any budgets
@@ -189,8 +193,9 @@ class MiniKVConfig:
 
     @classmethod
     def preset(cls, name: str, **fields) -> "MiniKVConfig":
-        """A named configuration (``PRESETS``: ``"minikv"``, ``"kivi"``, ``"specache"``,
-        ``"accurate"``), ``fields`` on top (capacity, compile, or any preset field)."""
+        """A named configuration (``PRESETS``: ``"minikv"``, ``"snapkv"``, ``"kivi"``,
+        ``"specache"``, ``"accurate"``), ``fields`` on top (capacity, compile, or any preset
+        field)."""
         if name not in PRESETS:
             raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
         return cls(**{**PRESETS[name], **fields})
@@ -205,9 +210,15 @@ class MiniKVConfig:
         for name, (low_bits, full) in BY_BITS.items():
             if getattr(self, name) is None:
                 store(name, low_bits if quantized else full)
-                if name == "group_size" and quantized and isinstance(self.residual_length, int):
-                    # the ring flushes whole groups: a shorter ring takes the largest that divides it
-                    store(name, next((g for g in (64, 32, 16) if self.residual_length % g == 0), 64))
+                if name == "group_size" and quantized:
+                    # the ring flushes whole groups: a shorter ring takes the largest that divides
+                    # it (1 bit packs 32 tokens of a key group: 32 at least)
+                    try:
+                        ring = operator.index(self.residual_length)
+                    except TypeError:  # refused below, naming the field
+                        continue
+                    sizes = (64, 32) if self.bits == 1 else (64, 32, 16)
+                    store(name, next((g for g in sizes if ring % g == 0), 64))
         for name in ("heavy_budget", "recent_budget"):
             store(name, check_float(name, getattr(self, name), lo=0.0, hi=1.0))
         if self.budget_policy not in _POLICIES:

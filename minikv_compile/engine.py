@@ -95,16 +95,24 @@ class MiniKVModel:
                                    fuse_projections=on_cuda,
                                    tp=TensorParallel.from_default_group(config.tensor_parallel))
         a = self.adapter
-        a.rotate_heads(config.rotation)  # folds into the adapter's copies, never the model's
         if a.num_q_heads % a.num_kv_heads:
             raise NotImplementedError(f"expected num_attention_heads % num_key_value_heads == 0, "
                                       f"got {a.num_q_heads} % {a.num_kv_heads}")
+        # both of the head's requirements in one error (a head of 80 or 96 channels fails the
+        # default's rotation and its group of 64 alike)
+        wrong = []
+        if config.rotation == "hadamard" and a.head_dim & (a.head_dim - 1):
+            wrong.append(f"rotation='hadamard' (the default at 1-4 bits): expected a head_dim that "
+                         f"is a power of two, got {a.head_dim}; pass rotation='none'")
         gv = budget.value_group(config.group_size, a.head_dim)  # channels of a value group
         if a.head_dim % gv or (config.bits < 16 and gv % (32 // config.bits)):
-            raise ValueError(f"group_size: expected a divisor of head_dim={a.head_dim} or a size "
-                             f"above it (a value group is then the whole head, whose channels "
-                             f"one int32's codes at bits={config.bits} must divide), got "
-                             f"{config.group_size}")
+            wrong.append(f"group_size: expected a divisor of head_dim={a.head_dim} or a size "
+                         f"above it (a value group is then the whole head, whose channels one "
+                         f"int32's codes at bits={config.bits} must divide), got "
+                         f"{config.group_size}")
+        if wrong:
+            raise ValueError("; and ".join(wrong))
+        a.rotate_heads(config.rotation)  # folds into the adapter's copies, never the model's
         self._lock = threading.RLock()
         self._fingerprint: Optional[Dict[str, object]] = None
         with engine_mode():

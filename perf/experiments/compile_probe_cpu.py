@@ -18,7 +18,7 @@ t0 = time.perf_counter()
 from test_engine import tiny, prompt_of
 from minikv_compile import MiniKVConfig, minikv_compile
 model = tiny(num_hidden_layers=32)
-cm = minikv_compile(model, MiniKVConfig(residual_length=32, max_prompt_len=128, max_new_tokens=8,
+cm = minikv_compile(model, MiniKVConfig.preset("snapkv", residual_length=32, max_prompt_len=128, max_new_tokens=8,
                                         max_batch_size=8, compile=True))
 t1 = time.perf_counter()
 for b in cm.runtime.buckets:

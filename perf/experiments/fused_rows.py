@@ -48,7 +48,7 @@ def main() -> None:
     model = H.build_model(a.model, dev, torch.bfloat16)
     recall = (dict(heavy_budget=1.0, recent_budget=1.0, recall_top_k=a.recall) if a.recall
               else {})
-    cfg = MiniKVConfig(max_batch_size=a.slots, max_prompt_len=a.context, max_new_tokens=1024,
+    cfg = MiniKVConfig.preset("snapkv", max_batch_size=a.slots, max_prompt_len=a.context, max_new_tokens=1024,
                        **recall)
     engine = minikv_compile(model, cfg)
     rt = engine.runtime

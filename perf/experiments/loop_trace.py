@@ -51,7 +51,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = H.build_model(a.model, torch.device(a.device),
                           torch.bfloat16 if a.device == "cuda" else torch.float32)
-    engine = minikv_compile(model, MiniKVConfig(max_batch_size=a.max_batch,
+    engine = minikv_compile(model, MiniKVConfig.preset("snapkv", max_batch_size=a.max_batch,
                                                 max_prompt_len=max(a.max_prompt, a.long_prompt),
                                                 max_new_tokens=512))
     sched = Scheduler(engine, SyntheticTokenizer(), max_queue=1024)

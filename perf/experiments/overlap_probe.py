@@ -44,7 +44,7 @@ def main() -> None:
 
     dev = torch.device("cuda")
     model = H.build_model(a.model, dev, torch.bfloat16)
-    cfg = MiniKVConfig(max_batch_size=2 * a.live, max_prompt_len=a.long_prompt,
+    cfg = MiniKVConfig.preset("snapkv", max_batch_size=2 * a.live, max_prompt_len=a.long_prompt,
                        max_new_tokens=1024)
     engine = minikv_compile(model, cfg)
     rt = engine.runtime

@@ -143,7 +143,7 @@ def prefill_rows(L, model, device, repeats):
     from minikv_compile.graphs import prefill as prefill_module
     from minikv_compile.graphs.runtime import Request
 
-    config = MiniKVConfig(max_batch_size=1, max_prompt_len=L, max_new_tokens=16, compile=False,
+    config = MiniKVConfig.preset("snapkv", max_batch_size=1, max_prompt_len=L, max_new_tokens=16, compile=False,
                           cuda_graphs=False)
     cm = minikv_compile(model, config)
     rt = cm.runtime

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         device, dtype, shape = torch.device("cuda"), torch.bfloat16, args.shape
         env = row_environment()
     model = harness.build_model(shape, device, dtype)
-    config = MiniKVConfig(max_batch_size=args.prompts, max_prompt_len=args.max_len,
+    config = MiniKVConfig.preset("snapkv", max_batch_size=args.prompts, max_prompt_len=args.max_len,
                           max_new_tokens=16, compile=False, cuda_graphs=False)
     cm = minikv_compile(model, config)
     rng = random.Random(args.seed)

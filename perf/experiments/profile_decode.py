@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     budgets = dict(heavy_budget=1.0, recent_budget=1.0) if args.kivi else {}
-    cm = minikv_compile(model, MiniKVConfig(max_batch_size=args.batch, max_prompt_len=args.prompt,
+    cm = minikv_compile(model, MiniKVConfig.preset("snapkv", max_batch_size=args.batch, max_prompt_len=args.prompt,
                                             max_new_tokens=args.steps + 8,
                                             recall_top_k=args.recall, group_size=args.group_size,
                                             rotation=args.rotation, **budgets))

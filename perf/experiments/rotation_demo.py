@@ -39,7 +39,7 @@ def main() -> None:
         for rotation in args.rotations.split(","):
             t0 = time.perf_counter()
             run(model, tokenizer, prompt, f"MiniKV, rotation={rotation}",
-                MiniKVConfig(heavy_budget=args.budget, recent_budget=args.budget, bits=bits, rotation=rotation,
+                MiniKVConfig.preset("snapkv", heavy_budget=args.budget, recent_budget=args.budget, bits=bits, rotation=rotation,
                              **common))
             print(f"({time.perf_counter() - t0:.0f} s)", flush=True)
 

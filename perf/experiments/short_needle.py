@@ -41,9 +41,9 @@ def main() -> None:
     samples = needle_samples(codec, corpora, plan)
     cap = dict(max_prompt_len=max(lengths), max_new_tokens=24, max_batch_size=args.batch)
     methods = {
-        "full": MiniKVConfig(bits=16, heavy_budget=1.0, recent_budget=1.0, **cap),
-        "default_no_floor": MiniKVConfig(kept_floor=1, **cap),
-        f"default_floor{args.floor}": MiniKVConfig(kept_floor=args.floor, **cap),
+        "full": MiniKVConfig.preset("snapkv", bits=16, heavy_budget=1.0, recent_budget=1.0, **cap),
+        "default_no_floor": MiniKVConfig.preset("snapkv", kept_floor=1, **cap),
+        f"default_floor{args.floor}": MiniKVConfig.preset("snapkv", kept_floor=args.floor, **cap),
     }
     print(f"# SmolLM2 fp32 CPU, torch {torch.__version__}, {len(samples)} needle prompts, "
           f"lengths {lengths}, depths {DEPTHS} x {args.per_cell}", flush=True)

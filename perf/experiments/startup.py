@@ -49,7 +49,7 @@ def main() -> None:
     model = H.build_model(a.model, dev, torch.bfloat16)
     torch.cuda.synchronize()
     t_model = time.perf_counter() - t0
-    cfg = MiniKVConfig(max_batch_size=a.max_batch, max_prompt_len=a.max_prompt,
+    cfg = MiniKVConfig.preset("snapkv", max_batch_size=a.max_batch, max_prompt_len=a.max_prompt,
                        max_new_tokens=a.new_tokens)
     t0 = time.perf_counter()
     if profile:

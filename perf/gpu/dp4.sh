@@ -24,7 +24,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 perf/gpu_check.sh /tmp/s1 >> $L 2>&1
 cat /tmp/s1/gpu.txt
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
-S="python -m minikv_compile.perf serve --backends minikv --phases single,sweep --model llama3.1-8b"
+S="python -m minikv_compile.perf serve --backends minikv --phases single,sweep --model llama3.1-8b --preset snapkv"
 S="$S --single-requests 2 --rate-seconds $RATE_S --requests 600 --min-requests 16"
 echo "=== $(date +%T) one replica (GPU 0), rates $R1" | tee -a $L
 CUDA_VISIBLE_DEVICES=0 timeout $((B1 + 40)) $S --out /tmp/s1 --rates $R1 \

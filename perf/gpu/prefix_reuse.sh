@@ -22,7 +22,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 perf/gpu_check.sh "$OUT"
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
 timeout $((BUDGET + 60)) python -m minikv_compile.perf serve --backends minikv --phases reuse \
-  --model llama3.1-8b --reuse-users "$USERS" --reuse-rate "$RATE" --reuse-turns "$TURNS" \
+  --model llama3.1-8b --preset snapkv --reuse-users "$USERS" --reuse-rate "$RATE" --reuse-turns "$TURNS" \
   --reuse-docs "$DOCS" --reuse-doc-len "$DOC_LEN" --reuse-question-len 64,256 \
   --output-len "$OUT_LEN" --reuse-pool-bytes "$POOL" --budget-seconds "$BUDGET" \
   --startup-timeout 240 --out "$OUT/serve" > "$OUT/serve.log" 2>&1
