@@ -40,7 +40,7 @@ def add_parser(sub, common, positive_int) -> None:
                                             "prompt against a fresh prefill")
     common(p, ("minikv",))
     p.add_argument("--config", default=None,
-                   help="a MiniKVConfig preset name (minikv, kivi, specache, accurate); "
+                   help="a MiniKVConfig preset name (minikv, snapkv, kivi, specache, accurate); "
                         "default: the library's default config")
     for name in ("context", "question", "chat-doc", "turns", "turn-tokens", "answer-tokens",
                  "repeats"):

@@ -8,10 +8,11 @@
 #   call 3 (carry .carry_c): cp .carry_c/gguf_xz_* /tmp/gguf/ && WHEELS=.carry_c perf/gpu/accuracy_both.sh run SHA
 #   call 4.. (same machine): perf/gpu/accuracy_both.sh extend SHA
 # To go on from an earlier commit's run (SRC, SEED below), e.g. 8f7acff's:
-#   git archive 8f7acff minikv_compile graphs models ops perf/accuracy perf/*.py perf/gpu_check.sh \
+#   git archive 8f7acff minikv_compile graphs models ops perf/accuracy 'perf/*.py' perf/gpu_check.sh \
 #     pyproject.toml README.md | xz -9 > .carry_c/src_8f7acff.tar.xz
 #   SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.json.xz \
 #     WHEELS=.carry_c GPUS=2 perf/gpu/accuracy_both.sh run 8f7acff
+# (the seed's GPU, an H200: the script stops at once on another)
 # (The older split, four raw parts gguf_part_00..03, is joined as well.) The library's default
 # and presets first, then the main table's methods; each call runs for BUDGET seconds
 # (`--budget-seconds`) and goes on from /tmp/acc/main.json. GPUS=2 (a two-GPU machine): the
@@ -45,13 +46,33 @@ if [ "$STEP" = run ]; then
   fi
   tail -3 "$OUT/install.log"
   if [ -n "${SEED:-}" ] && [ ! -f /tmp/acc/main.json ]; then
-    mkdir -p /tmp/acc && xz -dc "$SEED" > /tmp/acc/main.json || exit 1
+    # --extend refuses another GPU model or versions: look before the call's time is spent; the
+    # seed keeps only the methods it has results of, so that the rest alternate over two GPUs
+    mkdir -p /tmp/acc && xz -dc "$SEED" > /tmp/acc/seed.json || exit 1
+    python3 - /tmp/acc/seed.json "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" <<'PY' || exit 1
+import json, sys
+path, gpu = sys.argv[1], sys.argv[2].strip()
+d = json.load(open(path))
+seed_gpu = d["environment"]["device"].get("name")
+if seed_gpu != gpu:
+    sys.exit(f"SEED: its run was on {seed_gpu!r}, this machine has {gpu!r}: --extend would refuse it")
+ran = {u["method"] for u in d["units"]}
+d["methods"] = [m for m in d["methods"] if m["name"] in ran]
+json.dump(d, open(path.replace("seed.json", "main.json"), "w"))
+PY
   fi
 fi
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
 if [ -z "${METHODS:-}" ]; then  # METHODS=a,b,...: those alone
-  METHODS=full,default,preset_accurate,preset_specache,preset_minikv,preset_kivi
-  METHODS=$METHODS,$(python -c "from minikv_compile.perf.accuracy.methods import MAIN_METHODS as M; print(','.join(m for m in M if m != 'full'))")
+  # the full cache, the library's default (unless a preset is the same config), its presets,
+  # then the main table's methods
+  METHODS=$(python - <<'PY'
+from minikv_compile.perf.accuracy.methods import LIBRARY_METHODS, MAIN_METHODS
+default, *presets = LIBRARY_METHODS
+names = ["full"] + ([] if any(p.overrides == default.overrides for p in presets) else ["default"])
+print(",".join(names + [p.name for p in presets] + [m for m in MAIN_METHODS if m != "full"]))
+PY
+)
 fi
 ACC="python -m minikv_compile.perf.accuracy --model smollm2 --mode both --budget-seconds $BUDGET"
 if [ "$GPUS" = 2 ]; then
