@@ -34,8 +34,7 @@ def hadamard_matrix(n: int, device=None) -> torch.Tensor:
     ``n`` must be a power of two (a head dim of 64, 128, 256); other sizes raise ValueError.
     """
     if n < 1 or n & (n - 1):
-        raise ValueError(f"rotation='hadamard' (the default at 1-4 bits): expected a head_dim that is a "
-                         f"power of two, got {n}; pass rotation='none'")
+        raise ValueError(f"rotation='hadamard': expected a head_dim that is a power of two, got {n}")
     H = torch.ones(1, 1, dtype=torch.float64)
     while H.shape[0] < n:
         H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
