@@ -192,10 +192,12 @@ class MiniKVConfig:
     tensor_parallel: int = 1
 
     @classmethod
-    def preset(cls, name: str, **fields) -> "MiniKVConfig":
+    def preset(cls, name: Optional[str], **fields) -> "MiniKVConfig":
         """A named configuration (``PRESETS``: ``"minikv"``, ``"snapkv"``, ``"kivi"``,
-        ``"specache"``, ``"accurate"``), ``fields`` on top (capacity, compile, or any preset
-        field)."""
+        ``"specache"``, ``"accurate"``), or the default one for ``None``, ``fields`` on top
+        (capacity, compile, or any preset field)."""
+        if name is None:
+            return cls(**fields)
         if name not in PRESETS:
             raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
         return cls(**{**PRESETS[name], **fields})
@@ -207,18 +209,18 @@ class MiniKVConfig:
             object.__setattr__(self, name, value)
 
         quantized = self.bits != 16
+        if self.group_size is None and quantized:
+            # the ring flushes whole groups: a ring 64 does not divide takes the largest group
+            # that divides it (1 bit packs 32 tokens of a key group: 32 at least)
+            try:
+                ring = operator.index(self.residual_length)
+            except TypeError:  # refused below, naming the field
+                ring = 0
+            sizes = (64, 32) if self.bits == 1 else (64, 32, 16)
+            store("group_size", next((g for g in sizes if ring % g == 0), sizes[0]))
         for name, (low_bits, full) in BY_BITS.items():
             if getattr(self, name) is None:
                 store(name, low_bits if quantized else full)
-                if name == "group_size" and quantized:
-                    # the ring flushes whole groups: a shorter ring takes the largest that divides
-                    # it (1 bit packs 32 tokens of a key group: 32 at least)
-                    try:
-                        ring = operator.index(self.residual_length)
-                    except TypeError:  # refused below, naming the field
-                        continue
-                    sizes = (64, 32) if self.bits == 1 else (64, 32, 16)
-                    store(name, next((g for g in sizes if ring % g == 0), 64))
         for name in ("heavy_budget", "recent_budget"):
             store(name, check_float(name, getattr(self, name), lo=0.0, hi=1.0))
         if self.budget_policy not in _POLICIES:

@@ -112,7 +112,7 @@ def minikv_config(args):
 
     capacity = dict(max_batch_size=args.max_batch_size, max_prompt_len=args.max_prompt_len,
                     max_new_tokens=args.max_new_tokens)
-    return MiniKVConfig.preset(args.preset, **capacity) if args.preset else MiniKVConfig(**capacity)
+    return MiniKVConfig.preset(args.preset, **capacity)
 
 
 def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> int:

@@ -129,7 +129,7 @@ def engine_config(args: argparse.Namespace) -> MiniKVConfig:
     on top."""
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(MiniKVConfig)
               if getattr(args, f.name) is not None}
-    return MiniKVConfig.preset(args.preset, **fields) if args.preset else MiniKVConfig(**fields)
+    return MiniKVConfig.preset(args.preset, **fields)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -33,8 +33,7 @@ longest = a.question + max(EXTRAS)  # tail lengths, which must not recompile)
 # for the longest tail needs max_prompt_len >= context + 2 x tail (+ a margin for the rounding
 # to whole groups and any layer keeping more than half).
 fields = dict(max_batch_size=1, max_new_tokens=4, max_prompt_len=a.context + 2 * longest + 256)
-cm = minikv_compile(model, MiniKVConfig.preset(a.preset, **fields) if a.preset
-                    else MiniKVConfig(**fields))
+cm = minikv_compile(model, MiniKVConfig.preset(a.preset, **fields))
 g = torch.Generator().manual_seed(0)
 doc = torch.randint(3, 1000, (a.context,), generator=g).tolist()
 q = torch.randint(3, 1000, (a.question,), generator=g).tolist()
