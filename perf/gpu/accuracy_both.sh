@@ -46,19 +46,15 @@ if [ "$STEP" = run ]; then
   fi
   tail -3 "$OUT/install.log"
   if [ -n "${SEED:-}" ] && [ ! -f /tmp/acc/main.json ]; then
-    # --extend refuses another GPU model or versions: look before the call's time is spent; the
-    # seed keeps only the methods it has results of, so that the rest alternate over two GPUs
-    mkdir -p /tmp/acc && xz -dc "$SEED" > /tmp/acc/seed.json || exit 1
-    python3 - /tmp/acc/seed.json "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" <<'PY' || exit 1
+    # --extend refuses another GPU model or versions: look before the call's time is spent
+    mkdir -p /tmp/acc && xz -dc "$SEED" > /tmp/acc/main.json || exit 1
+    python3 - /tmp/acc/main.json "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" <<'PY' || exit 1
 import json, sys
-path, gpu = sys.argv[1], sys.argv[2].strip()
-d = json.load(open(path))
+d = json.load(open(sys.argv[1]))
 seed_gpu = d["environment"]["device"].get("name")
-if seed_gpu != gpu:
-    sys.exit(f"SEED: its run was on {seed_gpu!r}, this machine has {gpu!r}: --extend would refuse it")
-ran = {u["method"] for u in d["units"]}
-d["methods"] = [m for m in d["methods"] if m["name"] in ran]
-json.dump(d, open(path.replace("seed.json", "main.json"), "w"))
+if seed_gpu != sys.argv[2].strip():
+    sys.exit(f"SEED: its run was on {seed_gpu!r}, this machine has {sys.argv[2].strip()!r}: "
+             "--extend would refuse it")
 PY
   fi
 fi
@@ -76,6 +72,10 @@ PY
 fi
 ACC="python -m minikv_compile.perf.accuracy --model smollm2 --mode both --budget-seconds $BUDGET"
 if [ "$GPUS" = 2 ]; then
+  # each process its half of the cores: two torch processes with a thread per core each make
+  # the host copies of the context-first recall runs ~100x slower (OpenMP threads contending;
+  # perf/NOTES.md, "Why context first with recall was slow")
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 2 ))}
   LEFT=$((600 - SECONDS - 150))  # the workers' budget: the merge reloads the model after them
   [ "$LEFT" -lt 60 ] && LEFT=60
   [ "$LEFT" -lt "$BUDGET" ] && ACC="${ACC% *} $LEFT"
@@ -86,6 +86,15 @@ if [ "$GPUS" = 2 ]; then
     echo "merge rc $?"
   }
   [ -f /tmp/acc1/main.json ] && merge full _left  # an earlier call's, if its merge failed
+  # /tmp/acc keeps only the methods it has results of, so that those not started alternate
+  # over the two GPUs (a one-GPU call lists every method it was given)
+  [ -f /tmp/acc/main.json ] && python3 - /tmp/acc/main.json <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+ran = {u["method"] for u in d["units"]}
+d["methods"] = [m for m in d["methods"] if m["name"] in ran]
+json.dump(d, open(sys.argv[1], "w"))
+PY
   EXTEND=""; [ -f /tmp/acc/main.json ] && EXTEND="--extend"
   # GPU 0 goes on from /tmp/acc (the methods it lists still incomplete, and the full cache with
   # its HF check); those it does not list alternate between the GPUs, GPU 1 starting a run of

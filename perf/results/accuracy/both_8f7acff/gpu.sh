@@ -13,3 +13,13 @@ CUDA_VISIBLE_DEVICES=0 BUDGET=480 perf/gpu/accuracy_both.sh extend 8f7acff
 CUDA_VISIBLE_DEVICES=0 BUDGET=200 perf/gpu/accuracy_both.sh extend 8f7acff
 # main.json is kept as main.json.xz (2.2 MB raw); `xz -dk main.json.xz` and copy it to
 # /tmp/acc/main.json on a GPU machine to go on from it with `accuracy_both.sh extend`.
+# Session 39, a fresh nvidia-h200-x2 machine (2 x H200), at 8f7acff from its git archive (SRC),
+# going on from the run above (SEED):
+# 1. carry .carry_a; 2. carry .carry_b (as above)
+# 3. carry .carry_c: GPU 0 alone (acc_run39_gpu0.log), HEAD's demo and context_first_profile.py
+#    on GPU 1 beside it (perf/results/h200x2/demo_cfp_10d6a32/gpu.sh is this call's script)
+CUDA_VISIBLE_DEVICES=0 SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.json.xz \
+  WHEELS=.carry_c GPUS=1 BUDGET=370 perf/gpu/accuracy_both.sh run 8f7acff
+# 4. GPU 0 again (acc_extend39_gpu0.log: /tmp/acc listed every method, so GPU 1 got none; the
+#    script now keeps only the started ones there, and the others alternate)
+GPUS=2 perf/gpu/accuracy_both.sh extend 8f7acff
