@@ -18,6 +18,7 @@ import torch
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.perf.accuracy import __main__ as cli
 from minikv_compile.perf.accuracy import methods
+from minikv_compile.perf.accuracy import reporting
 from minikv_compile.perf.accuracy import running
 from minikv_compile.perf.accuracy import stats
 from minikv_compile.perf.accuracy import tasks
@@ -105,6 +106,25 @@ def test_summarize_relative_scores_baseline_and_front():
     # "worse" costs more and scores less than "better": off the front; full and better are on it
     assert summary["better"].get("pareto") and summary["full"].get("pareto")
     assert not summary["worse"].get("pareto") and not summary["minikv"].get("pareto")
+
+
+def test_a_method_short_of_some_needle_lengths_is_marked_and_off_the_front():
+    def needles(method, scores, length):
+        return {"method": method, "task": "needle", "group": str(length), "kv": {
+            "formula_bytes": 100 if method == "cut" else 1000, "fp16_bytes": 1000},
+            "rows": [dict(id=f"n{length}-{i}", score=float(v), length=length, depth=0.5)
+                     for i, v in enumerate(scores)]}
+
+    # "cut" ran the short prompts only (all right) and never the long ones (where it would fail)
+    units = [needles("full", [1, 1], 2048), needles("full", [1, 0], 8192),
+             needles("cut", [1, 1], 2048)]
+    summary = stats.summarize(units, ["full", "cut"])
+    assert summary["cut"]["tasks"]["needle"]["score"] == 1.0  # its two prompts, flattering
+    assert summary["full"].get("pareto") and not summary["cut"].get("pareto")
+    table = reporting._main_table(summary, {}, [2048, 8192])
+    row = next(line for line in table if line.startswith("| cut "))
+    assert "100.0 [" in row and "(2048 only)" in row
+    assert "only)" not in next(line for line in table if line.startswith("| full "))
 
 
 def test_compare_runs_tolerances():

@@ -42,6 +42,17 @@ def _ci(ci, scale=100.0, digits=1) -> str:
     return f" [{scale * ci[0]:.{digits}f}, {scale * ci[1]:.{digits}f}]"
 
 
+def _partial(e: dict, lengths) -> str:
+    """The mark `` (2048, 4096 only)`` when ``e``'s needle score covers fewer of the plan's
+    prompt lengths than all (a run cut short by its time budget): such a score averages easier
+    prompts and is not comparable with a complete one; "" otherwise."""
+    held = e.get("tasks", {}).get("needle", {}).get("by_length") or {}
+    missing = [n for n in lengths if str(n) not in held]
+    if not held or not missing:
+        return ""
+    return " (" + ", ".join(sorted(held, key=float)) + " only)"
+
+
 def render_markdown(data: dict) -> str:
     env, model = data.get("environment", {}), data.get("model", {})
     dev = env.get("device", {})
@@ -88,7 +99,7 @@ def render_markdown(data: dict) -> str:
     if "question-last" in modes:
         if modes != ["question-last"]:
             lines += ["", "### Question last (the rest of this page is this mode's)", ""]
-        lines += _main_table(data["summary"], labels)
+        lines += _main_table(data["summary"], labels, plan["needle_lengths"])
     versus = {name: e["tasks"] for name, e in data["summary"].items()
               if any("vs_baseline" in t for t in e["tasks"].values())}
     if versus:
@@ -139,7 +150,7 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _main_table(summary: Dict[str, dict], labels: Dict[str, str]) -> List[str]:
+def _main_table(summary: Dict[str, dict], labels: Dict[str, str], lengths) -> List[str]:
     lines = ["| method | KV % | needle EM % | needle rel | PPL | PPL ×full | code ES | code rel | avg rel | P |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
     for name, e in summary.items():
@@ -147,7 +158,7 @@ def _main_table(summary: Dict[str, dict], labels: Dict[str, str]) -> List[str]:
         n, p, c = t.get("needle", {}), t.get("ppl", {}), t.get("code", {})
         lines.append(
             f"| {labels.get(name, name)} | {_pct(e.get('kv_fraction'))} | "
-            f"{_pct(n.get('score'))}{_ci(n.get('ci'))} | {_num(n.get('rel'))}{_ci(n.get('rel_ci'), 1, 2)} | "
+            f"{_pct(n.get('score'))}{_ci(n.get('ci'))}{_partial(e, lengths)} | {_num(n.get('rel'))}{_ci(n.get('rel_ci'), 1, 2)} | "
             f"{_num(p.get('score'))} | {_num(p.get('ratio'), 3)}{_ci(p.get('ratio_ci'), 1, 3)} | "
             f"{_pct(c.get('score'))}{_ci(c.get('ci'))} | {_num(c.get('rel'))}{_ci(c.get('rel_ci'), 1, 2)} | "
             f"{_num(e.get('rel'), 3)} | {'*' if e.get('pareto') else ''} |")
@@ -163,6 +174,7 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
     by_mode = data.get("summary_by_mode", {})
     contrast = data.get("mode_contrast", {})
     modes = [m for m in ("question-last", "context-first") if m in (data.get("modes") or [])]
+    lengths = data["plan"]["needle_lengths"]
     lines = [
         "## Question last and context first",
         "",
@@ -195,7 +207,8 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
 
         kv = [cell(md, e, lambda e: _pct(e.get("kv_fraction"))) for md, e in zip(modes, entries)]
         needle = [cell(md, e, lambda e: _pct(e["tasks"].get("needle", {}).get("score"))
-                       + _ci(e["tasks"].get("needle", {}).get("ci"))) for md, e in zip(modes, entries)]
+                       + _ci(e["tasks"].get("needle", {}).get("ci")) + _partial(e, lengths))
+                  for md, e in zip(modes, entries)]
         ppl = [cell(md, e, lambda e: _num(e["tasks"].get("ppl", {}).get("ratio"), 3)
                     + _ci(e["tasks"].get("ppl", {}).get("ratio_ci"), 1, 3)) for md, e in zip(modes, entries)]
         c = contrast.get(name, {})
@@ -206,7 +219,8 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
         lines.append(f"| {labels.get(name, name)} | " + " | ".join(kv) + " | " + " | ".join(needle)
                      + f" | {dn} | " + " | ".join(ppl) + f" | {dp} |")
     if "context-first" in by_mode:
-        lines += ["", "### Context first", ""] + _main_table(by_mode["context-first"], labels)
+        lines += ["", "### Context first", ""] + _main_table(by_mode["context-first"], labels,
+                                                             lengths)
     if data.get("unsupported"):
         lines += ["", "Not run (the method cannot run in that mode):", ""]
         lines += [f"- {u['method']} {u['task']}/{u['group']} {u['mode']}: {u['reason']}"
@@ -263,6 +277,8 @@ def plot(out_dir: Path) -> Optional[Path]:
                           if k != "question-last"}}
             for mode, name, e in [(md, n, e) for md, summary in by_mode.items()
                                   for n, e in summary.items()]:
+                if task in ("needle", "avg") and _partial(e, data["plan"]["needle_lengths"]):
+                    continue  # a needle score short of some lengths is not comparable
                 if task == "avg":
                     x, y = e.get("kv_fraction"), e.get("rel")
                 elif task in e["tasks"]:

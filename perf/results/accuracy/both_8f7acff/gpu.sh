@@ -23,3 +23,9 @@ CUDA_VISIBLE_DEVICES=0 SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accurac
 # 4. GPU 0 again (acc_extend39_gpu0.log: /tmp/acc listed every method, so GPU 1 got none; the
 #    script now keeps only the started ones there, and the others alternate)
 GPUS=2 perf/gpu/accuracy_both.sh extend 8f7acff
+# Session 39, later: a fresh nvidia-h200-x2 machine, carries .carry_a, .carry_b as calls 1-2,
+# then (carry .carry_c) both GPUs, each process with half the cores (acc_run39b_*.log):
+SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.json.xz \
+  WHEELS=.carry_c GPUS=2 BUDGET=330 perf/gpu/accuracy_both.sh run 8f7acff
+# main.md and accuracy.png were then drawn again on the CPU from main.json.xz, summarized by the
+# tree after 86a6b4d (needle scores short of some lengths marked, and off the Pareto front)
