@@ -31,7 +31,7 @@ from minikv_compile.serve.affinity import (  # noqa: E402
 from minikv_compile.serve.errors import ApiError  # noqa: E402
 from minikv_compile.serve.replicas import (FALLBACK_BODY_BYTES, Replica,  # noqa: E402
                                            Replicas, create_front, kept, merge_metrics,
-                                           prompt_tokens, without_tls)
+                                           prompt_tokens, replica_commands, without_tls)
 from minikv_compile.serve.security import ServeOptions  # noqa: E402
 from test_serve import (  # noqa: E402
     Server, _read_until_closed, _save_tiny_llama, self_signed_cert)
@@ -326,6 +326,24 @@ def test_the_fronts_body_limit_is_its_flag_else_the_replicas_and_none_before_the
     with TestClient(create_front(replicas, ServeOptions(max_body_bytes=1024))) as c:
         r = c.post("/v1/completions", json=big)
         assert r.status_code == 413 and "expected at most 1024 bytes" in r.text
+
+
+def test_each_replica_process_gets_its_share_of_the_cores(monkeypatch):
+    """Torch's default, a thread per core in every process, makes the replicas' OpenMP threads
+    wait on each other (GPU replicas too: recall's host copies); an explicit setting is kept."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    cuda = replica_commands(["--model", "x"], 4, 1, "cuda", [1, 2, 3, 4], visible="0123")
+    assert [env["OMP_NUM_THREADS"] for _, env in cuda] == ["8"] * 4
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in cuda] == ["0", "1", "2", "3"]
+    tp = replica_commands(["--model", "x"], 2, 2, "cuda", [1, 2], visible="0123")
+    assert [env["OMP_NUM_THREADS"] for _, env in tp] == ["8", "8"]  # 2 x 2 rank processes
+    assert "--nproc-per-node" in tp[0][0]
+    cpu = replica_commands(["--model", "x"], 3, 1, "cpu", [1, 2, 3])
+    assert [env["OMP_NUM_THREADS"] for _, env in cpu] == ["10"] * 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    kept_setting = replica_commands(["--model", "x"], 4, 1, "cuda", [1, 2, 3, 4], visible="0123")
+    assert {env["OMP_NUM_THREADS"] for _, env in kept_setting} == {"5"}
 
 
 def test_the_replicas_serve_plain_http_without_the_fronts_tls_flags():

@@ -548,9 +548,9 @@ def replica_commands(argv: Sequence[str], data_parallel: int, tensor_parallel: i
                      ) -> List[Tuple[List[str], Dict]]:
     """Each replica's (argv, environment): ``python -m MODULE`` (this server, or the benchmark's
     worker) with these flags, one replica, a loopback port of its own and, on CUDA, GPUs
-    ``[i M, (i + 1) M)`` of ``visible`` (default: the GPUs this process sees); on the CPU, its
-    share of the cores (``OMP_NUM_THREADS``, unless set). ``ValueError``
-    when there are fewer GPUs than ``data_parallel x tensor_parallel``."""
+    ``[i M, (i + 1) M)`` of ``visible`` (default: the GPUs this process sees); and each process
+    its share of the cores (``OMP_NUM_THREADS``, unless set). ``ValueError`` when there are fewer
+    GPUs than ``data_parallel x tensor_parallel``."""
     if device == "cuda":
         if visible is None:
             listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -563,15 +563,18 @@ def replica_commands(argv: Sequence[str], data_parallel: int, tensor_parallel: i
         if len(visible) < need:
             raise ValueError(f"--data-parallel {data_parallel} x --tensor-parallel "
                              f"{tensor_parallel}: expected {need} GPUs, got {len(visible)}")
-    # CPU replicas share the cores: cores / N threads each, unless OMP_NUM_THREADS is set
-    # (two replicas of torch's default threads on 2 cores: a 400-token stream 8 s, alone 0.5 s)
+    # The processes share the cores: cores / (N x M) threads each, unless OMP_NUM_THREADS is
+    # set. Torch's default is a thread per core in every process, whose OpenMP threads then
+    # wait on each other: two CPU replicas on 2 cores streamed 400 tokens in 8 s against 0.5
+    # alone; two processes on a GPU host copied recall's prompt snapshots at ~120 MB/s
+    # (perf/NOTES.md, "Why context first with recall was slow")
     affinity = getattr(os, "sched_getaffinity", None)  # Linux's; elsewhere every core
     cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    threads = str(max(1, cores // (data_parallel * tensor_parallel)))
     out = []
     for i, port in enumerate(ports):
         env = dict(os.environ)
-        if device != "cuda":
-            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // data_parallel)))
+        env.setdefault("OMP_NUM_THREADS", threads)
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(
                 visible[i * tensor_parallel:(i + 1) * tensor_parallel])
