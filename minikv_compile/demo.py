@@ -108,8 +108,7 @@ def run(model, tokenizer, prompt: NeedlePrompt, name: str, config: MiniKVConfig)
         print(f"host memory:   {report.host_bytes / 2**20:.2f} MiB (the full-precision copy "
               f"recall reads, {report.host_allocated_bytes / 2**20:.2f} MiB allocated)")
     print(f"setup:         {setup_s:.2f} s (allocation{', compile and capture' if config.compile else ''})")
-    print(f"prefill:       {out.prefill_seconds:.2f} s for {len(prompt.input_ids)} tokens"
-          + (" (the first: it includes compiling the prefill's kernels)" if config.compile else ""))
+    print(f"prefill:       {out.prefill_seconds:.2f} s for {len(prompt.input_ids)} tokens")
     print(f"decode:        {out.decode_tokens_per_second:.1f} tokens/s")
     if config.bits != 16:
         print(report)

@@ -121,10 +121,16 @@ def test_a_method_short_of_some_needle_lengths_is_marked_and_off_the_front():
     summary = stats.summarize(units, ["full", "cut"])
     assert summary["cut"]["tasks"]["needle"]["score"] == 1.0  # its two prompts, flattering
     assert summary["full"].get("pareto") and not summary["cut"].get("pareto")
-    table = reporting._main_table(summary, {}, [2048, 8192])
+    table = reporting._main_table(summary, {})
     row = next(line for line in table if line.startswith("| cut "))
-    assert "100.0 [" in row and "(2048 only)" in row
-    assert "only)" not in next(line for line in table if line.startswith("| full "))
+    assert row.startswith("| cut (needle at 2048 only) |") and "100.0 [" in row
+    assert "only" not in next(line for line in table if line.startswith("| full "))
+    assert stats.shortfall(summary["full"], summary["full"]) == ""
+    # a whole task missing is named too
+    units += [{"method": "full", "task": "ppl", "group": "ppl", "kv": {"formula_bytes": 1000,
+               "fp16_bytes": 1000}, "rows": [dict(id="p0", nll=20.0, tokens=10, ppl=7.4)]}]
+    summary = stats.summarize(units, ["full", "cut"])
+    assert stats.shortfall(summary["cut"], summary["full"]) == "needle at 2048 only; no ppl"
 
 
 def test_compare_runs_tolerances():

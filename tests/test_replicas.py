@@ -330,19 +330,21 @@ def test_the_fronts_body_limit_is_its_flag_else_the_replicas_and_none_before_the
 
 def test_each_replica_process_gets_its_share_of_the_cores(monkeypatch):
     """Torch's default, a thread per core in every process, makes the replicas' OpenMP threads
-    wait on each other (GPU replicas too: recall's host copies); an explicit setting is kept."""
+    wait on each other (GPU replicas too: recall's host copies); torchrun's ranks take the value
+    given (its own default would be 1); an explicit setting is kept."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
-    cuda = replica_commands(["--model", "x"], 4, 1, "cuda", [1, 2, 3, 4], visible="0123")
+    gpus = ["0", "1", "2", "3"]
+    cuda = replica_commands(["--model", "x"], 4, 1, "cuda", [1, 2, 3, 4], visible=gpus)
     assert [env["OMP_NUM_THREADS"] for _, env in cuda] == ["8"] * 4
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in cuda] == ["0", "1", "2", "3"]
-    tp = replica_commands(["--model", "x"], 2, 2, "cuda", [1, 2], visible="0123")
+    tp = replica_commands(["--model", "x"], 2, 2, "cuda", [1, 2], visible=gpus)
     assert [env["OMP_NUM_THREADS"] for _, env in tp] == ["8", "8"]  # 2 x 2 rank processes
     assert "--nproc-per-node" in tp[0][0]
     cpu = replica_commands(["--model", "x"], 3, 1, "cpu", [1, 2, 3])
     assert [env["OMP_NUM_THREADS"] for _, env in cpu] == ["10"] * 3
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    kept_setting = replica_commands(["--model", "x"], 4, 1, "cuda", [1, 2, 3, 4], visible="0123")
+    kept_setting = replica_commands(["--model", "x"], 4, 1, "cuda", [1, 2, 3, 4], visible=gpus)
     assert {env["OMP_NUM_THREADS"] for _, env in kept_setting} == {"5"}
 
 

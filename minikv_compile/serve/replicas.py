@@ -564,10 +564,11 @@ def replica_commands(argv: Sequence[str], data_parallel: int, tensor_parallel: i
             raise ValueError(f"--data-parallel {data_parallel} x --tensor-parallel "
                              f"{tensor_parallel}: expected {need} GPUs, got {len(visible)}")
     # The processes share the cores: cores / (N x M) threads each, unless OMP_NUM_THREADS is
-    # set. Torch's default is a thread per core in every process, whose OpenMP threads then
-    # wait on each other: two CPU replicas on 2 cores streamed 400 tokens in 8 s against 0.5
-    # alone; two processes on a GPU host copied recall's prompt snapshots at ~120 MB/s
-    # (perf/NOTES.md, "Why context first with recall was slow")
+    # set (torchrun passes it to its M ranks; its own default is 1). Torch's default is a thread
+    # per core in every process, whose OpenMP threads then wait on each other: two CPU replicas
+    # on 2 cores streamed 400 tokens in 8 s against 0.5 alone; two processes on a GPU host
+    # copied recall's prompt snapshots at ~120 MB/s (perf/NOTES.md, "Why context first with
+    # recall was slow")
     affinity = getattr(os, "sched_getaffinity", None)  # Linux's; elsewhere every core
     cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     threads = str(max(1, cores // (data_parallel * tensor_parallel)))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from minikv_compile.perf.report import jsonable
-from .stats import pareto_front
+from .stats import pareto_front, shortfall
 from .tasks import TASKS
 
 SCHEMA = "minikv_compile.perf.accuracy/1"
@@ -40,17 +40,6 @@ def _ci(ci, scale=100.0, digits=1) -> str:
     if not ci or ci[0] is None or any(isinstance(v, float) and not math.isfinite(v) for v in ci):
         return ""
     return f" [{scale * ci[0]:.{digits}f}, {scale * ci[1]:.{digits}f}]"
-
-
-def _partial(e: dict, lengths) -> str:
-    """The mark `` (2048, 4096 only)`` when ``e``'s needle score covers fewer of the plan's
-    prompt lengths than all (a run cut short by its time budget): such a score averages easier
-    prompts and is not comparable with a complete one; "" otherwise."""
-    held = e.get("tasks", {}).get("needle", {}).get("by_length") or {}
-    missing = [n for n in lengths if str(n) not in held]
-    if not held or not missing:
-        return ""
-    return " (" + ", ".join(sorted(held, key=float)) + " only)"
 
 
 def render_markdown(data: dict) -> str:
@@ -99,7 +88,7 @@ def render_markdown(data: dict) -> str:
     if "question-last" in modes:
         if modes != ["question-last"]:
             lines += ["", "### Question last (the rest of this page is this mode's)", ""]
-        lines += _main_table(data["summary"], labels, plan["needle_lengths"])
+        lines += _main_table(data["summary"], labels)
     versus = {name: e["tasks"] for name, e in data["summary"].items()
               if any("vs_baseline" in t for t in e["tasks"].values())}
     if versus:
@@ -150,19 +139,25 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _main_table(summary: Dict[str, dict], labels: Dict[str, str], lengths) -> List[str]:
+def _main_table(summary: Dict[str, dict], labels: Dict[str, str]) -> List[str]:
     lines = ["| method | KV % | needle EM % | needle rel | PPL | PPL ×full | code ES | code rel | avg rel | P |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
     for name, e in summary.items():
         t = e["tasks"]
         n, p, c = t.get("needle", {}), t.get("ppl", {}), t.get("code", {})
         lines.append(
-            f"| {labels.get(name, name)} | {_pct(e.get('kv_fraction'))} | "
-            f"{_pct(n.get('score'))}{_ci(n.get('ci'))}{_partial(e, lengths)} | {_num(n.get('rel'))}{_ci(n.get('rel_ci'), 1, 2)} | "
+            f"| {_label(name, e, summary, labels)} | {_pct(e.get('kv_fraction'))} | "
+            f"{_pct(n.get('score'))}{_ci(n.get('ci'))} | {_num(n.get('rel'))}{_ci(n.get('rel_ci'), 1, 2)} | "
             f"{_num(p.get('score'))} | {_num(p.get('ratio'), 3)}{_ci(p.get('ratio_ci'), 1, 3)} | "
             f"{_pct(c.get('score'))}{_ci(c.get('ci'))} | {_num(c.get('rel'))}{_ci(c.get('rel_ci'), 1, 2)} | "
             f"{_num(e.get('rel'), 3)} | {'*' if e.get('pareto') else ''} |")
     return lines
+
+
+def _label(name: str, e: dict, summary: Dict[str, dict], labels: Dict[str, str]) -> str:
+    """The method's label, with what it lacks of the full cache's measurements (``shortfall``)."""
+    short = shortfall(e, summary.get("full", {}))
+    return labels.get(name, name) + (f" ({short})" if short else "")
 
 
 _MODE_TITLES = {"question-last": "question last", "context-first": "context first"}
@@ -174,7 +169,6 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
     by_mode = data.get("summary_by_mode", {})
     contrast = data.get("mode_contrast", {})
     modes = [m for m in ("question-last", "context-first") if m in (data.get("modes") or [])]
-    lengths = data["plan"]["needle_lengths"]
     lines = [
         "## Question last and context first",
         "",
@@ -207,20 +201,22 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
 
         kv = [cell(md, e, lambda e: _pct(e.get("kv_fraction"))) for md, e in zip(modes, entries)]
         needle = [cell(md, e, lambda e: _pct(e["tasks"].get("needle", {}).get("score"))
-                       + _ci(e["tasks"].get("needle", {}).get("ci")) + _partial(e, lengths))
-                  for md, e in zip(modes, entries)]
+                       + _ci(e["tasks"].get("needle", {}).get("ci"))) for md, e in zip(modes, entries)]
         ppl = [cell(md, e, lambda e: _num(e["tasks"].get("ppl", {}).get("ratio"), 3)
                     + _ci(e["tasks"].get("ppl", {}).get("ratio_ci"), 1, 3)) for md, e in zip(modes, entries)]
+        short = "; ".join(dict.fromkeys(
+            x for md, e in zip(modes, entries) if e is not None
+            for x in [shortfall(e, by_mode[md].get("full", {}))] if x))
         c = contrast.get(name, {})
         dn = c.get("needle")
         dn = "–" if dn is None else f"{100 * dn['diff']:+.1f}{_ci(dn['ci'])}"
         dp = c.get("ppl")
         dp = "–" if dp is None else f"{dp['ratio']:.3f}{_ci(dp['ci'], 1, 3)}"
-        lines.append(f"| {labels.get(name, name)} | " + " | ".join(kv) + " | " + " | ".join(needle)
+        lines.append(f"| {labels.get(name, name)}{f' ({short})' if short else ''} | "
+                     + " | ".join(kv) + " | " + " | ".join(needle)
                      + f" | {dn} | " + " | ".join(ppl) + f" | {dp} |")
     if "context-first" in by_mode:
-        lines += ["", "### Context first", ""] + _main_table(by_mode["context-first"], labels,
-                                                             lengths)
+        lines += ["", "### Context first", ""] + _main_table(by_mode["context-first"], labels)
     if data.get("unsupported"):
         lines += ["", "Not run (the method cannot run in that mode):", ""]
         lines += [f"- {u['method']} {u['task']}/{u['group']} {u['mode']}: {u['reason']}"
@@ -275,10 +271,12 @@ def plot(out_dir: Path) -> Optional[Path]:
             by_mode = {"question-last": data["summary"],
                        **{k: v for k, v in (data.get("summary_by_mode") or {}).items()
                           if k != "question-last"}}
+            summary_full = {md: summary.get("full", {}) for md, summary in by_mode.items()}
             for mode, name, e in [(md, n, e) for md, summary in by_mode.items()
                                   for n, e in summary.items()]:
-                if task in ("needle", "avg") and _partial(e, data["plan"]["needle_lengths"]):
-                    continue  # a needle score short of some lengths is not comparable
+                short = shortfall(e, summary_full[mode])
+                if short and (task == "avg" or (task == "needle" and "needle" in short)):
+                    continue  # a score short of what the full cache was measured on
                 if task == "avg":
                     x, y = e.get("kv_fraction"), e.get("rel")
                 elif task in e["tasks"]:

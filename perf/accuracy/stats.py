@@ -61,11 +61,27 @@ def pareto_front(points: Dict[str, Tuple[float, float]]) -> List[str]:
     return sorted(front, key=lambda n: points[n][0])
 
 
+def shortfall(entry: dict, reference: dict) -> str:
+    """What a summary entry lacks of what ``reference`` (the full cache's entry) was measured on,
+    in words (``"needle at 2048, 4096 only; no ppl, code"``), or "" when nothing. A run cut short
+    by its time budget leaves a method without the longest needles or whole tasks, and its mean
+    over the rest flatters it: such an entry is marked in the tables and kept off the front."""
+    tasks, ref = entry.get("tasks", {}), reference.get("tasks", {})
+    held = tasks.get("needle", {}).get("by_length", {})
+    parts = []
+    if "needle" in tasks and set(ref.get("needle", {}).get("by_length", ())) - set(held):
+        parts.append("needle at " + ", ".join(sorted(held, key=float)) + " only")
+    missing = [t for t in ref if t not in tasks]
+    if missing:
+        parts.append("no " + ", ".join(missing))
+    return "; ".join(parts)
+
+
 def summarize(units: List[dict], methods: Sequence[str], baseline: str = "minikv") -> Dict[str, dict]:
     """Per method: each task's score with its interval, relative to the full cache (paired), the
     paired difference to ``baseline`` (the paper's MiniKV) and the KV bytes; plus the mean
     relative score over the tasks present and the Pareto front of the methods measured on every
-    task and needle length the full cache was."""
+    task and needle length the full cache was (``shortfall``)."""
     rows: Dict[Tuple[str, str], List[dict]] = {}
     kv: Dict[Tuple[str, str], List[Tuple[int, int, int]]] = {}
     for u in units:
@@ -129,17 +145,9 @@ def summarize(units: List[dict], methods: Sequence[str], baseline: str = "minikv
             rels = [t["rel"] for t in tasks.values() if t.get("rel") is not None]
             entry["rel"] = sum(rels) / len(rels) if len(rels) == len(tasks) else None
             out[method] = entry
-    # the front among the methods measured on everything the full cache was (a run cut short
-    # by its time budget leaves a method without the longest needles, whose mean then flatters it)
-    ref = out.get("full", {}).get("tasks", {})
-    lengths = set(ref.get("needle", {}).get("by_length", ()))
-
-    def complete(e: dict) -> bool:
-        return (set(e["tasks"]) >= set(ref)
-                and set(e["tasks"].get("needle", {}).get("by_length", ())) >= lengths)
-
+    ref = out.get("full", {})
     points = {m: (e["kv_fraction"], e["rel"]) for m, e in out.items()
-              if e.get("rel") is not None and complete(e)}
+              if e.get("rel") is not None and not shortfall(e, ref)}
     for m in pareto_front(points):
         out[m]["pareto"] = True
     return out

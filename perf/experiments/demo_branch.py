@@ -3,7 +3,7 @@ GPU the default answers "gold, silver, and precious gems" where the uncompressed
 "... and ivory"). Each cache is given the demo's prompt and the stem "The navy of Tharshish
 brought once in three years of gold, silver, and", then " ivory" or " precious" (one sequence
 each, one batch), and the log-probabilities of both last tokens are printed: their difference is
-the margin by which the cache would choose "ivory" there. Teacher forcing speculates the forced
+the margin by which the cache would choose "ivory" there; then the cache's own greedy answer. Teacher forcing speculates the forced
 token (SpeCache's row 1 is always right); greedy generation speculates its own guess, so a
 margin here that differs from a greedy run's choice points at the speculation, one that differs
 between devices at the same dtype at the kernels::
@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
-from minikv_compile.demo import build_needle_prompt
+from minikv_compile.demo import answer_is_right, build_needle_prompt
 from minikv_compile.models.smollm2 import load_smollm2
 
 STEM = "The navy of Tharshish brought once in three years of gold, silver, and"
@@ -49,8 +49,11 @@ def main() -> None:
     for name in a.caches.split(","):
         cm = minikv_compile(model, MiniKVConfig(**common, **CACHES[name]))
         lr, lw = cm.teacher_force([prompt.input_ids] * 2, [right, wrong])
+        out = cm.generate([prompt.input_ids], max_new_tokens=48, eos_token_id=tok.eos_token_id)
+        answer = tok.decode(out.sequences[0], skip_special_tokens=True).strip()
         print(f"{name:13s} ivory {float(lr[-1]):6.2f}  precious {float(lw[-1]):6.2f}  margin "
-              f"{float(lr[-1] - lw[-1]):+.2f}  the stem's log-probability {float(lr[:-1].sum()):.2f}",
+              f"{float(lr[-1] - lw[-1]):+.2f}  the stem's log-probability {float(lr[:-1].sum()):.2f}"
+              f"\n{'':13s} greedy: {answer!r} ({'right' if answer_is_right(answer, prompt.expected) else 'wrong'})",
               flush=True)
         del cm
         if cuda:

@@ -1,9 +1,10 @@
 """Host copies of the size recall's prompt snapshots make, timed in N processes at once (issue
 46: context first with recall ran ~10x slower in the accuracy harness's two-GPU calls).
 
-Each process clones ``slots`` slot rows of ``2 x layers`` pinned-store-shaped tensors (what
-``StaticKVCache.snapshot`` does with the host copy) and writes them back (``restore``), a few
-rounds, and prints the times. With ``--processes N`` the N run at once, each with torch's
+Each process clones ``slots`` slot rows of ``2 x layers`` tensors shaped as recall's host store
+(what ``StaticKVCache.snapshot`` does with the host copy) and writes them back (``restore``), a
+few rounds, and prints the times. The tensors are pageable, not pinned as on a GPU machine: a
+CPU-only reproduction, whose copies are the same CPU work. With ``--processes N`` the N run at once, each with torch's
 default threads (a thread per core) unless ``--threads`` says otherwise::
 
     python perf/experiments/host_copy_contention.py                 # one process

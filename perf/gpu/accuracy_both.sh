@@ -47,8 +47,8 @@ if [ "$STEP" = run ]; then
   tail -3 "$OUT/install.log"
   if [ -n "${SEED:-}" ] && [ ! -f /tmp/acc/main.json ]; then
     # --extend refuses another GPU model or versions: look before the call's time is spent
-    mkdir -p /tmp/acc && xz -dc "$SEED" > /tmp/acc/main.json || exit 1
-    python3 - /tmp/acc/main.json "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" <<'PY' || exit 1
+    mkdir -p /tmp/acc && xz -dc "$SEED" > /tmp/acc/seed.json || exit 1
+    python3 - /tmp/acc/seed.json "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" <<'PY' || exit 1
 import json, sys
 d = json.load(open(sys.argv[1]))
 seed_gpu = d["environment"]["device"].get("name")
@@ -56,6 +56,7 @@ if seed_gpu != sys.argv[2].strip():
     sys.exit(f"SEED: its run was on {seed_gpu!r}, this machine has {sys.argv[2].strip()!r}: "
              "--extend would refuse it")
 PY
+    mv /tmp/acc/seed.json /tmp/acc/main.json  # only a seed that passed: the next call looks again
   fi
 fi
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
@@ -75,7 +76,7 @@ if [ "$GPUS" = 2 ]; then
   # each process its half of the cores: two torch processes with a thread per core each make
   # the host copies of the context-first recall runs ~100x slower (OpenMP threads contending;
   # perf/NOTES.md, "Why context first with recall was slow")
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 2 ))}
+  CORES=$(nproc); export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES > 1 ? CORES / 2 : 1 ))}
   LEFT=$((600 - SECONDS - 150))  # the workers' budget: the merge reloads the model after them
   [ "$LEFT" -lt 60 ] && LEFT=60
   [ "$LEFT" -lt "$BUDGET" ] && ACC="${ACC% *} $LEFT"
@@ -88,13 +89,17 @@ if [ "$GPUS" = 2 ]; then
   [ -f /tmp/acc1/main.json ] && merge full _left  # an earlier call's, if its merge failed
   # /tmp/acc keeps only the methods it has results of, so that those not started alternate
   # over the two GPUs (a one-GPU call lists every method it was given)
-  [ -f /tmp/acc/main.json ] && python3 - /tmp/acc/main.json <<'PY'
-import json, sys
+  if [ -f /tmp/acc/main.json ]; then
+    python3 - /tmp/acc/main.json <<'PY' || exit 1
+import json, os, sys
 d = json.load(open(sys.argv[1]))
 ran = {u["method"] for u in d["units"]}
 d["methods"] = [m for m in d["methods"] if m["name"] in ran]
-json.dump(d, open(sys.argv[1], "w"))
+with open(sys.argv[1] + ".tmp", "w") as f:  # the accumulated run is never half written
+    json.dump(d, f)
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 PY
+  fi
   EXTEND=""; [ -f /tmp/acc/main.json ] && EXTEND="--extend"
   # GPU 0 goes on from /tmp/acc (the methods it lists still incomplete, and the full cache with
   # its HF check); those it does not list alternate between the GPUs, GPU 1 starting a run of

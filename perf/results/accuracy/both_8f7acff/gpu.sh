@@ -28,4 +28,5 @@ GPUS=2 perf/gpu/accuracy_both.sh extend 8f7acff
 SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.json.xz \
   WHEELS=.carry_c GPUS=2 BUDGET=330 perf/gpu/accuracy_both.sh run 8f7acff
 # main.md and accuracy.png were then drawn again on the CPU from main.json.xz, summarized by the
-# tree after 86a6b4d (needle scores short of some lengths marked, and off the Pareto front)
+# tree of the commit that wrote this line (a method short of the full cache's tasks or needle
+# lengths named as such, and off the Pareto front)
