@@ -26,6 +26,9 @@ def main() -> None:
     p.add_argument("--recall-top-k", type=int, default=64)
     p.add_argument("--context-tokens", type=int, default=4000)
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--resync", action="store_true",
+                   help="after a miss, a pre-decoding step (the token fed in both rows, nothing "
+                        "recorded) puts the pair back in phase: the trial of a fix")
     a = p.parse_args()
     fed = []  # (row 0's token, row 1's token, pre-decoding) at each step, slot 0
     begin = decode.RecallDecodeStep.begin
@@ -36,6 +39,17 @@ def main() -> None:
         return begin(self, slots)
 
     decode.RecallDecodeStep.begin = logged  # eager on the CPU: every step runs this
+    choose = decode.RecallDecodeStep.choose
+
+    def resynced(self, slots, h, mode):
+        st, rows = self.state, slice(0, slots.shape[0])
+        real = slots & ~st.done[rows] & ~st.pre[rows]
+        guessed = st.spec[rows].clone()  # row 1's token: the guess of the one row 0 chooses now
+        choose(self, slots, h, mode)
+        st.pre[rows] |= real & ~st.done[rows] & (st.tokens[rows] != guessed)
+
+    if a.resync:
+        decode.RecallDecodeStep.choose = resynced
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     model, tok = load_smollm2(dtype=dtype, device="cpu")
     prompt = build_needle_prompt(tok, a.context_tokens)
@@ -44,8 +58,9 @@ def main() -> None:
                                             recall_top_k=a.recall_top_k))
     out = cm.generate([prompt.input_ids], max_new_tokens=a.new_tokens,
                       eos_token_id=tok.eos_token_id)
-    print(f"{a.dtype}, recall_top_k={a.recall_top_k}: "
+    print(f"{a.dtype}, recall_top_k={a.recall_top_k}{', resync' if a.resync else ''}: "
           f"{tok.decode(list(out.sequences[0]), skip_special_tokens=True)!r}")
+    print(f"steps {len(fed)}, of them pre-decoding {sum(s[2] for s in fed)}")
     steps = [s for s in fed if not s[2]]
     counts = {"right": 0, "miss": 0, "echo": 0}
     for i, (t, s, _) in enumerate(steps):
