@@ -3,8 +3,8 @@
 branch). Each decode step feeds row 0 the newest token and row 1 a guess of the token after it
 (the speculation), whose attention picks the positions the next step recalls. This prints, for
 one greedy generation with the demo's prompt, each step's two tokens and whether the guess was
-right (it equals the token row 0 feeds next) or an echo (row 1 feeds the token row 0 feeds: the
-guess lags one position), then the counts::
+right (it equals the token row 0 feeds next) or else an echo (row 1 feeds the token row 0
+feeds: the guess lags one position) or a miss, then the counts::
 
     python perf/experiments/spec_trace.py --dtype bf16 --recall-top-k 128
 """
@@ -35,7 +35,8 @@ def main() -> None:
 
     def logged(self, slots):
         st = self.state
-        fed.append((int(st.tokens[0]), int(st.spec[0]), bool(st.pre[0])))
+        if bool(st.active[0]) and not bool(st.done[0]):  # (steps after eos change nothing)
+            fed.append((int(st.tokens[0]), int(st.spec[0]), bool(st.pre[0])))
         return begin(self, slots)
 
     decode.RecallDecodeStep.begin = logged  # eager on the CPU: every step runs this
@@ -46,7 +47,10 @@ def main() -> None:
         real = slots & ~st.done[rows] & ~st.pre[rows]
         guessed = st.spec[rows].clone()  # row 1's token: the guess of the one row 0 chooses now
         choose(self, slots, h, mode)
-        st.pre[rows] |= real & ~st.done[rows] & (st.tokens[rows] != guessed)
+        # a miss: the next step pre-decodes the chosen token, in both rows (as admission does)
+        miss = real & ~st.done[rows] & (st.tokens[rows] != guessed)
+        st.pre[rows] |= miss
+        st.spec[rows] = torch.where(miss, st.tokens[rows], st.spec[rows])
 
     if a.resync:
         decode.RecallDecodeStep.choose = resynced
@@ -65,7 +69,7 @@ def main() -> None:
     counts = {"right": 0, "miss": 0, "echo": 0}
     for i, (t, s, _) in enumerate(steps):
         nxt = steps[i + 1][0] if i + 1 < len(steps) else None
-        kind = "echo" if s == t else "right" if s == nxt else "miss" if nxt is not None else "-"
+        kind = ("-" if nxt is None else "right" if s == nxt else "echo" if s == t else "miss")
         counts[kind] = counts.get(kind, 0) + 1
         print(f"  {i:3d} row 0 {tok.decode([t])!r:14s} row 1 {tok.decode([s])!r:14s} {kind}")
     print("counts:", counts)

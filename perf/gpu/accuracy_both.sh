@@ -56,7 +56,7 @@ if seed_gpu != sys.argv[2].strip():
     sys.exit(f"SEED: its run was on {seed_gpu!r}, this machine has {sys.argv[2].strip()!r}: "
              "--extend would refuse it")
 PY
-    mv /tmp/acc/seed.json /tmp/acc/main.json  # only a seed that passed: the next call looks again
+    mv /tmp/acc/seed.json /tmp/acc/main.json || exit 1  # only a seed that passed
   fi
 fi
 export PYTHONPATH=/tmp/mk:/tmp/site; cd /tmp/run || exit 1
@@ -118,6 +118,7 @@ first += [m for m in rest if m not in second]
 print(",".join(first) or "full", ",".join(second) or "-")
 PY
 )
+  [ -n "${M1:-}" ] || { echo "the split of the methods over the GPUs failed"; exit 1; }
   echo "GPU 0: $M0 (and what /tmp/acc holds incomplete)"; echo "GPU 1: $M1"
   CUDA_VISIBLE_DEVICES=0 timeout $((LEFT + 80)) $ACC --methods "$M0" $EXTEND --out /tmp/acc \
     > "$OUT/acc_${STEP}_gpu0.log" 2>&1 &
