@@ -51,9 +51,9 @@ class RecallBuffers:
 
     def __init__(self, *, top_k: int, block: int, capacities: List[int], max_batch_size: int,
                  num_kv_heads: int, num_q_heads: int, head_dim: int, ring_rows: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, resync: bool = False):
         B, H, D, K = max_batch_size, num_kv_heads, head_dim, top_k
-        self.top_k, self.block = top_k, block
+        self.top_k, self.block, self.resync = top_k, block, resync
         self.host_bytes = 2 * B * H * D * dtype.itemsize * sum(capacities)
         check_host_memory(self.host_bytes)
         self.stores = [HostStore.allocate(max_batch_size=B, num_kv_heads=H, capacity=cap,
@@ -130,7 +130,8 @@ class StaticKVCache:
             top_k=config.recall_top_k, block=config.recall_block, capacities=caps,
             max_batch_size=config.max_batch_size, num_kv_heads=num_kv_heads,
             num_q_heads=num_q_heads or num_kv_heads, head_dim=head_dim,
-            ring_rows=config.residual_length + 1, dtype=dtype, device=device) if recall else None
+            ring_rows=config.residual_length + 1, dtype=dtype, device=device,
+            resync=config.recall_resync) if recall else None
         self.layout = CacheLayout.allocate(
             capacities=caps,
             max_batch_size=config.max_batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,

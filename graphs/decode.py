@@ -289,7 +289,7 @@ class RecallDecodeStep(DecodeStep):
     twice, which changes no ranking of its mass), row 0's argmax becomes the speculation
     ``T'_2`` and nothing is recorded; ``lens[b, 1]`` is given back, so that the next step feeds
     the first token again, now with its top-k recalled. A slot thus takes one step more than
-    its tokens.
+    its tokens (and with ``recall_resync`` one more for each missed guess: ``choose``).
     """
 
     batched = dict(DecodeStep.batched,
@@ -396,15 +396,19 @@ class RecallDecodeStep(DecodeStep):
         forced token the next step feeds after the one it feeds: what greedy generation's
         speculation is whenever the step before guessed right (its row 1 runs the token row 0
         will choose), so that perplexity measures the cache, not a guess of a text the model
-        would not have written."""
+        would not have written. With ``recall_resync``, a slot whose guess missed pre-decodes
+        its chosen token next (greedy and sampling modes)."""
         st = self.state
         batch = slots.shape[0]
         rows = slice(0, batch)
         live = slots & ~st.done[rows]
         pre = st.pre[rows]
         real = live & ~pre
+        resync = self.recall.resync and mode != "teacher"  # (teacher mode's guesses never miss)
+        guessed = st.spec[rows].clone() if resync else None  # what row 1 fed: a guess of `chosen`
         logits = self.adapter.logits(h[:, 0]).view(batch, 2, -1)             # (B, 2, V) fp32
-        st.record(st.choose(logits[:, 0], rows, mode, real), rows, real)
+        chosen = st.choose(logits[:, 0], rows, mode, real)
+        st.record(chosen, rows, real)
         if mode == "teacher":  # (count has moved on for the slots that recorded)
             col = st.count[rows].clamp(max=st.max_new_tokens - 1)[:, None]
             spec = st.forced[rows].gather(1, col)[:, 0]
@@ -412,4 +416,10 @@ class RecallDecodeStep(DecodeStep):
             spec = argmax_rows(torch.where(pre[:, None], logits[:, 0], logits[:, 1]))
         st.spec[rows] = torch.where(live, spec, st.spec[rows])
         st.pre[rows] = pre & ~live
+        if resync:
+            # a miss: row 1's guess of the next token was conditioned on another token than
+            # the one chosen, so the next step pre-decodes the chosen one in both rows
+            miss = real & ~st.done[rows] & (chosen != guessed)
+            st.pre[rows] = st.pre[rows] | miss
+            st.spec[rows] = torch.where(miss, chosen, st.spec[rows])
 

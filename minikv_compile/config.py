@@ -145,6 +145,13 @@ class MiniKVConfig:
         Recall granularity: 1 (single positions) or aligned blocks of this many positions,
         ranked by their summed attention (fewer, larger host reads). ``recall_top_k`` must be
         a multiple of it.
+    recall_resync:
+        False (default), or True: after each step whose speculation missed (the token chosen
+        is not the one the speculative row fed), the next step pre-decodes the chosen token, as
+        a slot's first step does, so that the next recall is chosen by its own query again: one
+        step more a miss. Without it, a missed guess's successor is conditioned on the wrong
+        token and the speculation stays out of phase (on the CPU, the demo's prompt: after one
+        miss row 1 echoed row 0's token to the end; ``perf/NOTES.md``). Needs recall.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
@@ -184,6 +191,7 @@ class MiniKVConfig:
     rotation: Optional[str] = None      # BY_BITS: "hadamard", or "none" with bits=16
     recall_top_k: Optional[int] = None  # BY_BITS: 64, or 0 with bits=16
     recall_block: int = 1
+    recall_resync: bool = False
     max_batch_size: int = 1
     max_prompt_len: int = 4096
     max_new_tokens: int = 256
@@ -255,6 +263,10 @@ class MiniKVConfig:
         if self.recall_top_k % self.recall_block:
             raise ValueError(f"recall_top_k: expected a multiple of recall_block="
                              f"{self.recall_block}, got {self.recall_top_k}")
+        store("recall_resync", check_bool("recall_resync", self.recall_resync))
+        if self.recall_resync and not self.recall_top_k:
+            raise ValueError("recall_resync: expected False without recall (recall_top_k=0), "
+                             "got True")
         if self.snapkv_kernel % 2 == 0:
             raise ValueError(f"snapkv_kernel: expected an odd pooling width, got {self.snapkv_kernel}")
         for name in ("compile", "cuda_graphs"):

@@ -388,11 +388,14 @@ class MiniKVModel:
             if streamer is not None:
                 streamer([out[0] for out in rt.outputs(slots)])
                 counts = [1] * B
-            # steps after the first token (SpeCache: and each slot's pre-decoding step)
+            # steps after the first token (SpeCache: and each slot's pre-decoding step); with
+            # recall_resync each missed guess takes one more, so past ``last`` the loop looks
+            # at the finished flags every step, for at most one step more a token
             last = max(r.max_new_tokens for r in requests) - 1 + self.runtime.extra_steps
+            resync = self.config.recall_resync
             steps = 0
             eos = any(r.eos_ids for r in requests)
-            while steps < last:
+            while steps < (2 * last if resync else last):
                 if watch:  # one sync a step anyway: look before every step
                     if stop is not None:
                         for slot, end in zip(slots, stop(rt.outputs(slots))):
@@ -402,7 +405,8 @@ class MiniKVModel:
                         finished = rt.finished(slots)
                     if all(finished):
                         break
-                elif eos and steps % eos_check_every == 0 and all(rt.finished(slots)):
+                elif (((eos and steps % eos_check_every == 0) or steps >= last)
+                      and all(rt.finished(slots))):
                     break  # (at step 0 too: every sequence may have ended with its first token)
                 rt.step()
                 steps += 1

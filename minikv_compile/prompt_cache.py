@@ -27,10 +27,11 @@ from minikv_compile.graphs.cache import SlotSnapshot
 FORMAT = "minikv_compile.PromptCache"
 FORMAT_VERSION = 1
 # The config fields a prompt cache need not match: capacities, batch size, ranks and the
-# compile settings do not change what a slot holds, so a cache serves any engine with room for
-# it. Every other field (selection, budgets, layout, rotation, recall) must match.
+# compile settings and how decoding speculates do not change what a slot holds, so a cache serves
+# any engine with room for it. Every other field (selection, budgets, layout, rotation, recall)
+# must match.
 FREE_CONFIG_FIELDS = ("max_batch_size", "max_prompt_len", "max_new_tokens", "compile",
-                      "cuda_graphs", "tensor_parallel")
+                      "cuda_graphs", "tensor_parallel", "recall_resync")
 
 
 def cache_config(config) -> Dict[str, object]:

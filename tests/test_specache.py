@@ -74,6 +74,40 @@ def test_speculation_is_the_next_token_greedy_and_forced():
         assert int(st.spec[0]) == forced[i]
 
 
+@pytest.mark.parametrize("resync", [False, True])
+def test_a_missed_guess_pre_decodes_the_chosen_token_with_resync(resync):
+    """With 4 positions recalled the two rows are not exact and row 1's guesses miss. Without
+    ``recall_resync`` the step after a miss feeds row 1 the guess made from the wrong token;
+    with it, that step pre-decodes the chosen token in both rows (nothing recorded), and
+    ``generate`` still gives every token asked for, in one step more a miss."""
+    cm = minikv_compile(tiny(), snapkv(**KIVI, recall_top_k=4, recall_resync=resync))
+    rt, st = cm.runtime, cm.runtime.state
+    rt.admit(0, Request(prompt_of(40, seed=3), 40))
+    rt.step()                                        # admission's pre-decoding step
+    misses = pre_steps = 0
+    for _ in range(30):
+        fed, guess, pre = int(st.tokens[0]), int(st.spec[0]), bool(st.pre[0])
+        count = int(st.count[0])
+        rt.step()
+        if pre:  # nothing recorded; row 0's argmax is the new guess
+            pre_steps += 1
+            assert int(st.count[0]) == count and int(st.tokens[0]) == fed
+            continue
+        chosen = rt.outputs([0])[0][-1]
+        if chosen != guess:
+            misses += 1
+            assert bool(st.pre[0]) == resync
+            if resync:
+                assert int(st.spec[0]) == chosen == int(st.tokens[0])
+    pending = resync and bool(st.pre[0])  # a miss at the last step: its pre-decoding step to come
+    assert misses > 0 and pre_steps == (misses - pending if resync else 0)
+    rt.release(0)
+    prompts = [prompt_of(37), prompt_of(20, seed=1)]
+    out = cm.generate(prompts, max_new_tokens=48)
+    assert [len(s) for s in out.sequences] == [48, 48]
+    assert (out.decode_steps > 48) == resync  # 47 tokens after the first, the admission's step
+
+
 @pytest.mark.parametrize("block", [1, 16])
 def test_a_small_recall_with_eviction_is_slot_independent(block):
     """K = 16 of ~60 held tokens under the default selection (25% + 25%): a batch equals each
@@ -163,6 +197,8 @@ def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch):
     (dict(recall_top_k=-1), "recall_top_k: expected an int >= 0"),
     (dict(recall_block=0), "recall_block: expected an int >= 1"),
     (dict(recall_top_k=2.0), "recall_top_k: expected an int"),
+    (dict(recall_top_k=0, recall_resync=True), "recall_resync: expected False without recall"),
+    (dict(recall_resync=1), "recall_resync: expected True or False"),
 ])
 def test_bad_recall_config(over, match):
     with pytest.raises(ValueError, match=match):
@@ -172,13 +208,15 @@ def test_bad_recall_config(over, match):
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_replayed_recall_step_equals_the_eager_step():
+@pytest.mark.parametrize("resync", [False, True])
+def test_gpu_replayed_recall_step_equals_the_eager_step(resync):
     """bf16 on the GPU: the captured two-row step (pinned host copy, recall on the side
     stream) gives the tokens of the same compiled parts run without graphs, for a request
-    joining mid-generation; the graphs are replayed and nothing recompiles on a second run."""
+    joining mid-generation; the graphs are replayed and nothing recompiles on a second run.
+    With ``recall_resync`` too (a missed guess's pre-decoding step set inside the graph)."""
     model = tiny(dtype=torch.bfloat16, device="cuda")
     cfg = dict(residual_length=32, max_prompt_len=128, max_new_tokens=80, max_batch_size=4,
-               recall_top_k=16)
+               recall_top_k=16, recall_resync=resync)
     graphs = minikv_compile(model, snapkv(**cfg))
     eager = minikv_compile(model, snapkv(**cfg, cuda_graphs=False))  # same kernels
     reqs = [Request(prompt_of(100, seed=1), 80), Request(prompt_of(61, seed=3), 64)]

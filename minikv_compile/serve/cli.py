@@ -98,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
         elif f.default is None:  # Optional[bool]: None lets the engine choose by device
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help="default: on for CUDA, off on the CPU")
+        elif isinstance(f.default, bool):  # (type=bool would read "False" as true)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=f"default: {'on' if f.default else 'off'}")
         else:
             group.add_argument(flag, dest=f.name, type=type(f.default), default=None,
                                metavar=type(f.default).__name__.upper(),
