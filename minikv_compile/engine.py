@@ -51,8 +51,10 @@ class GenerationOutput:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Generated tokens per second of decode (all sequences of the batch, steps x batch)."""
-        n = self.decode_steps * len(self.sequences)
+        """Tokens the decode steps generated per second of decode, all sequences of the batch
+        (each sequence's first token comes from the prefill; SpeCache's pre-decoding steps
+        generate none)."""
+        n = sum(len(s) for s in self.sequences) - len(self.sequences)
         return n / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 

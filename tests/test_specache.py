@@ -108,6 +108,23 @@ def test_a_missed_guess_pre_decodes_the_chosen_token_with_resync(resync):
     assert (out.decode_steps > 48) == resync  # 47 tokens after the first, the admission's step
 
 
+def test_resync_changes_no_token_when_every_position_is_recalled():
+    """Sampling (a drawn token is a miss wherever it is not row 1's greedy guess), every
+    position recalled (the rows are exact whatever the ranking): the pre-decoding steps after
+    the misses re-feed each token at its position, over the 32-token ring's flushes, without
+    changing a single token of the same seeded draws."""
+    model = tiny()
+    prompts = [prompt_of(37), prompt_of(20, seed=1)]
+    out = {}
+    for resync in (False, True):
+        cm = minikv_compile(model, snapkv(**KIVI, recall_top_k=EVERYTHING, recall_resync=resync))
+        torch.manual_seed(0)
+        out[resync] = cm.generate(prompts, max_new_tokens=48, do_sample=True, temperature=1.5)
+    assert out[True].sequences == out[False].sequences
+    assert [len(s) for s in out[True].sequences] == [48, 48]
+    assert out[True].decode_steps > out[False].decode_steps == 48  # the misses' steps
+
+
 @pytest.mark.parametrize("block", [1, 16])
 def test_a_small_recall_with_eviction_is_slot_independent(block):
     """K = 16 of ~60 held tokens under the default selection (25% + 25%): a batch equals each
