@@ -151,7 +151,9 @@ class MiniKVConfig:
         a slot's first step does, so that the next recall is chosen by its own query again: one
         step more a miss. Without it, a missed guess's successor is conditioned on the wrong
         token and the speculation stays out of phase (on the CPU, the demo's prompt: after one
-        miss row 1 echoed row 0's token to the end; ``perf/NOTES.md``). Needs recall.
+        miss row 1 echoed row 0's token, or ran on its own continuation, and never got back in
+        phase; ``perf/NOTES.md``). Off by default until its cost and gain are measured on the
+        GPU. Needs recall.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
