@@ -204,9 +204,8 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
                        + _ci(e["tasks"].get("needle", {}).get("ci"))) for md, e in zip(modes, entries)]
         ppl = [cell(md, e, lambda e: _num(e["tasks"].get("ppl", {}).get("ratio"), 3)
                     + _ci(e["tasks"].get("ppl", {}).get("ratio_ci"), 1, 3)) for md, e in zip(modes, entries)]
-        short = "; ".join(dict.fromkeys(
-            x for md, e in zip(modes, entries) if e is not None
-            for x in [shortfall(e, by_mode[md].get("full", {}))] if x))
+        short = "; ".join(sorted({shortfall(e, by_mode[md].get("full", {}))
+                                  for md, e in zip(modes, entries) if e is not None} - {""}))
         c = contrast.get(name, {})
         dn = c.get("needle")
         dn = "–" if dn is None else f"{100 * dn['diff']:+.1f}{_ci(dn['ci'])}"
@@ -271,10 +270,9 @@ def plot(out_dir: Path) -> Optional[Path]:
             by_mode = {"question-last": data["summary"],
                        **{k: v for k, v in (data.get("summary_by_mode") or {}).items()
                           if k != "question-last"}}
-            summary_full = {md: summary.get("full", {}) for md, summary in by_mode.items()}
             for mode, name, e in [(md, n, e) for md, summary in by_mode.items()
                                   for n, e in summary.items()]:
-                short = shortfall(e, summary_full[mode])
+                short = shortfall(e, by_mode[mode].get("full", {}))
                 if short and (task == "avg" or (task == "needle" and "needle" in short)):
                     continue  # a score short of what the full cache was measured on
                 if task == "avg":

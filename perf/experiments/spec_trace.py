@@ -27,8 +27,8 @@ def main() -> None:
     p.add_argument("--context-tokens", type=int, default=4000)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--resync", action="store_true",
-                   help="after a miss, a pre-decoding step (the token fed in both rows, nothing "
-                        "recorded) puts the pair back in phase: the trial of a fix")
+                   help="MiniKVConfig(recall_resync=True): after a miss, a pre-decoding step (the "
+                        "chosen token fed in both rows, nothing recorded) puts the pair back in phase")
     a = p.parse_args()
     fed = []  # (row 0's token, row 1's token, pre-decoding) at each step, slot 0
     begin = decode.RecallDecodeStep.begin
@@ -40,26 +40,12 @@ def main() -> None:
         return begin(self, slots)
 
     decode.RecallDecodeStep.begin = logged  # eager on the CPU: every step runs this
-    choose = decode.RecallDecodeStep.choose
-
-    def resynced(self, slots, h, mode):
-        st, rows = self.state, slice(0, slots.shape[0])
-        real = slots & ~st.done[rows] & ~st.pre[rows]
-        guessed = st.spec[rows].clone()  # row 1's token: the guess of the one row 0 chooses now
-        choose(self, slots, h, mode)
-        # a miss: the next step pre-decodes the chosen token, in both rows (as admission does)
-        miss = real & ~st.done[rows] & (st.tokens[rows] != guessed)
-        st.pre[rows] |= miss
-        st.spec[rows] = torch.where(miss, st.tokens[rows], st.spec[rows])
-
-    if a.resync:
-        decode.RecallDecodeStep.choose = resynced
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     model, tok = load_smollm2(dtype=dtype, device="cpu")
     prompt = build_needle_prompt(tok, a.context_tokens)
     cm = minikv_compile(model, MiniKVConfig(max_batch_size=1, max_prompt_len=len(prompt.input_ids),
                                             max_new_tokens=a.new_tokens,
-                                            recall_top_k=a.recall_top_k))
+                                            recall_top_k=a.recall_top_k, recall_resync=a.resync))
     out = cm.generate([prompt.input_ids], max_new_tokens=a.new_tokens,
                       eos_token_id=tok.eos_token_id)
     print(f"{a.dtype}, recall_top_k={a.recall_top_k}{', resync' if a.resync else ''}: "
