@@ -30,16 +30,17 @@ PRESETS = {
     "kivi": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16, rotation="none",
                  recall_top_k=0),
     # SpeCache as its paper runs it: KIVI-2's GPU copy, 64 positions per KV head recalled in
-    # full precision from host memory each step (84.6 / 84.6%, x1.004; 1.08x KIVI's step time
-    # on the Llama-3.1-8B shape at 1 x 32k, 1.11x at 8 x 4k, H100)
+    # full precision from host memory each step, no resync (84.6 / 84.6%, x1.004; 1.08x KIVI's
+    # step time on the Llama-3.1-8B shape at 1 x 32k, 1.11x at 8 x 4k, H100)
     "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16,
-                     rotation="none", recall_top_k=64),
-    # the library's default: KIVI-2 at group 64 with the Hadamard rotation and the recall of 64
-    # (85.0 / 84.6%, x1.001 / x1.002; 15.6% of fp16's bytes by formula, 16.6% resident at 32k
-    # with the ring and the recall buffers; its step 1.17x "minikv"'s on the Llama-3.1-8B shape
-    # at 1 x 32k and 8 x 4k, its 32k prefill 0.88x, its long-phase first token 0.91x)
+                     rotation="none", recall_top_k=64, recall_resync=False),
+    # the library's default: KIVI-2 at group 64 with the Hadamard rotation and the recall of 64,
+    # the speculation resynced after a miss (85.8 / 85.8%, x1.001 / x1.002; 15.6% of fp16's
+    # bytes by formula, 16.6% resident at 32k with the ring and the recall buffers; its step
+    # 1.17x "minikv"'s on the Llama-3.1-8B shape at 1 x 32k and 8 x 4k, its 32k prefill 0.88x,
+    # its long-phase first token 0.91x)
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
-                     rotation="hadamard", recall_top_k=64),
+                     rotation="hadamard", recall_top_k=64, recall_resync=True),
 }
 
 # Fields whose default depends on ``bits``: (quantized, 16 bit). A 16-bit cache has nothing to
@@ -146,14 +147,16 @@ class MiniKVConfig:
         ranked by their summed attention (fewer, larger host reads). ``recall_top_k`` must be
         a multiple of it.
     recall_resync:
-        False (default), or True: after each step whose speculation missed (the token chosen
-        is not the one the speculative row fed), the next step pre-decodes the chosen token, as
-        a slot's first step does, so that the next recall is chosen by its own query again: one
-        step more a miss. Without it, a missed guess's successor is conditioned on the wrong
-        token and the speculation stays out of phase (on the CPU, the demo's prompt: after one
-        miss row 1 echoed row 0's token, or ran on its own continuation, and never got back in
-        phase; ``perf/NOTES.md``). Off by default until its cost and gain are measured on the
-        GPU. Needs recall.
+        Default (``None``): on with recall (``recall_top_k`` above 0), off without it.
+        After each step whose speculation missed (the token chosen is not the one the
+        speculative row fed), the next step pre-decodes the chosen token, as a slot's first
+        step does, so that the next recall is chosen by its own query again: one step more a
+        miss. Without it a missed guess's successor is conditioned on the wrong token and the
+        speculation stays out of phase (``perf/NOTES.md``). The default's needle 85.0 / 84.6% ->
+        85.8 / 85.8% (full cache 88.3 / 87.1); with recall 128 on a GPU, the demo's prompt at
+        1.5k-6k tokens gets the uncompressed cache's very answers (without it, "precious gems"
+        at 3k and 4k); 2-27% more steps than tokens there. SpeCache's paper runs without it
+        (``preset("specache")``). True needs recall.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
@@ -193,7 +196,7 @@ class MiniKVConfig:
     rotation: Optional[str] = None      # BY_BITS: "hadamard", or "none" with bits=16
     recall_top_k: Optional[int] = None  # BY_BITS: 64, or 0 with bits=16
     recall_block: int = 1
-    recall_resync: bool = False
+    recall_resync: Optional[bool] = None  # on with recall
     max_batch_size: int = 1
     max_prompt_len: int = 4096
     max_new_tokens: int = 256
@@ -265,6 +268,8 @@ class MiniKVConfig:
         if self.recall_top_k % self.recall_block:
             raise ValueError(f"recall_top_k: expected a multiple of recall_block="
                              f"{self.recall_block}, got {self.recall_top_k}")
+        if self.recall_resync is None:
+            store("recall_resync", self.recall_top_k > 0)
         store("recall_resync", check_bool("recall_resync", self.recall_resync))
         if self.recall_resync and not self.recall_top_k:
             raise ValueError("recall_resync: expected False without recall (recall_top_k=0), "

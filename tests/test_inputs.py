@@ -460,13 +460,18 @@ def test_config_refuses(kw, match):
 
 
 def test_the_default_is_the_accurate_cache_and_resolves_by_bits_and_ring():
-    """``MiniKVConfig()`` keeps every token at 2 bits, group 64, rotated, with recall 64 (issue
-    47's choice, ``preset("accurate")``); 16 bits keep the uncompressed cache's group 16, no
-    rotation and no recall; a ring that 64 does not divide takes the largest group that does."""
+    """``MiniKVConfig()`` keeps every token at 2 bits, group 64, rotated, with recall 64 and the
+    speculation's resync (issue 47's choice, ``preset("accurate")``); 16 bits keep the
+    uncompressed cache's group 16, no rotation, no recall and so no resync; a ring that 64 does
+    not divide takes the largest group that does."""
     default = MiniKVConfig()
     assert all(getattr(default, k) == v for k, v in PRESETS["accurate"].items())
+    assert default.recall_resync is True
     full = MiniKVConfig(bits=16)
-    assert (full.group_size, full.rotation, full.recall_top_k) == (16, "none", 0)
+    assert (full.group_size, full.rotation, full.recall_top_k, full.recall_resync) == \
+        (16, "none", 0, False)
+    assert MiniKVConfig(recall_top_k=0).recall_resync is False  # resync follows recall
+    assert MiniKVConfig.preset("specache").recall_resync is False  # the paper's, as it runs
     assert [MiniKVConfig(residual_length=r).group_size for r in (128, 96, 32, 48)] == [64, 32, 32, 16]
     assert MiniKVConfig(residual_length=32, group_size=16).group_size == 16
     snapkv = MiniKVConfig.preset("snapkv")

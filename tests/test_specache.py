@@ -38,7 +38,9 @@ def test_recalling_every_token_reproduces_hf_greedy(kind, block, bits):
     cm = minikv_compile(model, snapkv(**kivi, recall_top_k=EVERYTHING, recall_block=block))
     out = cm.generate(prompts, max_new_tokens=48)
     assert out.sequences == want
-    assert out.decode_steps == 48  # 47 tokens after the first, and the pre-decoding step
+    # 47 tokens after the first and the pre-decoding step; with everything recalled only the
+    # first guess (made on the low-bit cache alone) can miss: the resync's one step more
+    assert out.decode_steps in (48, 49)
 
 
 def test_teacher_forced_log_probs_with_every_token_recalled_are_the_full_caches():
