@@ -51,7 +51,7 @@ class RecallBuffers:
 
     def __init__(self, *, top_k: int, block: int, capacities: List[int], max_batch_size: int,
                  num_kv_heads: int, num_q_heads: int, head_dim: int, ring_rows: int,
-                 dtype: torch.dtype, device: torch.device, resync: bool = False):
+                 dtype: torch.dtype, device: torch.device, resync: str = "off"):
         B, H, D, K = max_batch_size, num_kv_heads, head_dim, top_k
         self.top_k, self.block, self.resync = top_k, block, resync
         self.host_bytes = 2 * B * H * D * dtype.itemsize * sum(capacities)

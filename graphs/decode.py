@@ -399,15 +399,16 @@ class RecallDecodeStep(DecodeStep):
         forced token the next step feeds after the one it feeds: what greedy generation's
         speculation is whenever the step before guessed right (its row 1 runs the token row 0
         will choose), so that perplexity measures the cache, not a guess of a text the model
-        would not have written. With ``recall_resync``, a slot whose guess missed pre-decodes
-        its chosen token next (greedy and sampling modes)."""
+        would not have written. With ``recall_resync`` (``"greedy"``: greedy slots;
+        ``"always"``: sampled ones too), a slot whose guess missed pre-decodes its chosen token
+        next."""
         st = self.state
         batch = slots.shape[0]
         rows = slice(0, batch)
         live = slots & ~st.done[rows]
         pre = st.pre[rows]
         real = live & ~pre
-        resync = self.recall.resync and mode != "teacher"  # (teacher mode's guesses never miss)
+        resync = self.recall.resync != "off" and mode != "teacher"  # (teacher's never miss)
         guessed = st.spec[rows].clone() if resync else None  # what row 1 fed: a guess of `chosen`
         logits = self.adapter.logits(h[:, 0]).view(batch, 2, -1)             # (B, 2, V) fp32
         chosen = st.choose(logits[:, 0], rows, mode, real)
@@ -423,6 +424,8 @@ class RecallDecodeStep(DecodeStep):
             # a miss: row 1's guess of the next token was conditioned on another token than
             # the one chosen, so the next step pre-decodes the chosen one in both rows
             miss = real & ~st.done[rows] & (chosen != guessed)
+            if self.recall.resync == "greedy" and mode == "sample":
+                miss = miss & st.greedy[rows]  # the batch's sampled slots keep their lag
             st.pre[rows] = st.pre[rows] | miss
             st.spec[rows] = torch.where(miss, chosen, st.spec[rows])
 

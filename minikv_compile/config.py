@@ -10,6 +10,7 @@ from minikv_compile.inputs import check_bool, check_float, check_int
 
 _POLICIES = ("uniform", "pyramid")
 ROTATIONS = ("none", "hadamard")
+RESYNCS = ("off", "greedy", "always")  # MiniKVConfig.recall_resync
 
 
 # Named configurations (``MiniKVConfig.preset``), chosen from the accuracy harness on SmolLM2
@@ -33,14 +34,14 @@ PRESETS = {
     # full precision from host memory each step, no resync (84.6 / 84.6%, x1.004; 1.08x KIVI's
     # step time on the Llama-3.1-8B shape at 1 x 32k, 1.11x at 8 x 4k, H100)
     "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16,
-                     rotation="none", recall_top_k=64, recall_resync=False),
+                     rotation="none", recall_top_k=64, recall_resync="off"),
     # the library's default: KIVI-2 at group 64 with the Hadamard rotation and the recall of 64,
-    # the speculation resynced after a miss (85.8 / 85.8%, x1.001 / x1.002; 15.6% of fp16's
+    # the speculation resynced after a greedy miss (85.8 / 85.8%, x1.001 / x1.002; 15.6% of fp16's
     # bytes by formula, 16.6% resident at 32k with the ring and the recall buffers; its step
     # 1.17x "minikv"'s on the Llama-3.1-8B shape at 1 x 32k and 8 x 4k, its 32k prefill 0.88x,
     # its long-phase first token 0.91x)
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
-                     rotation="hadamard", recall_top_k=64, recall_resync=True),
+                     rotation="hadamard", recall_top_k=64, recall_resync="greedy"),
 }
 
 # Fields whose default depends on ``bits``: (quantized, 16 bit). A 16-bit cache has nothing to
@@ -147,16 +148,19 @@ class MiniKVConfig:
         ranked by their summed attention (fewer, larger host reads). ``recall_top_k`` must be
         a multiple of it.
     recall_resync:
-        Default (``None``): on with recall (``recall_top_k`` above 0), off without it.
-        After each step whose speculation missed (the token chosen is not the one the
-        speculative row fed), the next step pre-decodes the chosen token, as a slot's first
-        step does, so that the next recall is chosen by its own query again: one step more a
-        miss. Without it a missed guess's successor is conditioned on the wrong token and the
-        speculation stays out of phase (``perf/NOTES.md``). The default's needle 85.0 / 84.6% ->
-        85.8 / 85.8% (full cache 88.3 / 87.1); with recall 128 on a GPU, the demo's prompt at
-        1.5k-6k tokens gets the uncompressed cache's very answers (without it, "precious gems"
-        at 3k and 4k); 2-27% more steps than tokens there. SpeCache's paper runs without it
-        (``preset("specache")``). True needs recall.
+        ``"off"``, ``"greedy"`` or ``"always"`` (``RESYNCS``); default (``None``): ``"greedy"``
+        with recall (``recall_top_k`` above 0), ``"off"`` without. After a step whose
+        speculation missed (the token chosen is not the one the speculative row fed), the next
+        step pre-decodes the chosen token, as a slot's first step does, so that the next recall
+        is chosen by its own query again: one step more a miss. Without it a missed guess's
+        successor is conditioned on the wrong token and the speculation stays out of phase
+        (``perf/NOTES.md``). Greedy: the default's needle 85.0 / 84.6% -> 85.8 / 85.8% (full
+        cache 88.3 / 87.1); with recall 128 on a GPU the demo's prompt at 1.5k-6k tokens gets
+        the uncompressed cache's very answers (without it "precious gems" at 3k and 4k); 1-27%
+        more steps than tokens. ``"greedy"`` leaves sampled requests alone: a drawn token
+        differs from the greedy guess so often (SmolLM2 on the CPU: 37% more steps at
+        temperature 0.7, 46% at 1.0) that ``"always"`` would cost that much. SpeCache's paper
+        runs without it (``preset("specache")``). Not ``"off"`` needs recall.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
@@ -196,7 +200,7 @@ class MiniKVConfig:
     rotation: Optional[str] = None      # BY_BITS: "hadamard", or "none" with bits=16
     recall_top_k: Optional[int] = None  # BY_BITS: 64, or 0 with bits=16
     recall_block: int = 1
-    recall_resync: Optional[bool] = None  # on with recall
+    recall_resync: Optional[str] = None  # "greedy" with recall, else "off"
     max_batch_size: int = 1
     max_prompt_len: int = 4096
     max_new_tokens: int = 256
@@ -269,11 +273,12 @@ class MiniKVConfig:
             raise ValueError(f"recall_top_k: expected a multiple of recall_block="
                              f"{self.recall_block}, got {self.recall_top_k}")
         if self.recall_resync is None:
-            store("recall_resync", self.recall_top_k > 0)
-        store("recall_resync", check_bool("recall_resync", self.recall_resync))
-        if self.recall_resync and not self.recall_top_k:
-            raise ValueError("recall_resync: expected False without recall (recall_top_k=0), "
-                             "got True")
+            store("recall_resync", "greedy" if self.recall_top_k else "off")
+        if self.recall_resync not in RESYNCS:
+            raise ValueError(f"recall_resync: expected one of {RESYNCS}, got {self.recall_resync!r}")
+        if self.recall_resync != "off" and not self.recall_top_k:
+            raise ValueError("recall_resync: expected 'off' without recall (recall_top_k=0), "
+                             f"got {self.recall_resync!r}")
         if self.snapkv_kernel % 2 == 0:
             raise ValueError(f"snapkv_kernel: expected an odd pooling width, got {self.snapkv_kernel}")
         for name in ("compile", "cuda_graphs"):

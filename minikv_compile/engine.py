@@ -394,7 +394,7 @@ class MiniKVModel:
             # recall_resync each missed guess takes one more, so past ``last`` the loop looks
             # at the finished flags every step, for at most one step more a token
             last = max(r.max_new_tokens for r in requests) - 1 + self.runtime.extra_steps
-            resync = self.config.recall_resync
+            resync = self.config.recall_resync != "off"
             steps = 0
             eos = any(r.eos_ids for r in requests)
             while steps < (2 * last if resync else last):

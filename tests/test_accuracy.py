@@ -133,6 +133,29 @@ def test_a_method_short_of_some_needle_lengths_is_marked_and_off_the_front():
     assert stats.shortfall(summary["cut"], summary["full"]) == "needle at 2048 only; no ppl"
 
 
+def test_the_modes_table_names_each_modes_shortfall_where_they_differ():
+    def needles(method, length):
+        return {"method": method, "task": "needle", "group": str(length), "kv": {
+            "formula_bytes": 100, "fp16_bytes": 1000},
+            "rows": [dict(id=f"n{length}-{i}", score=1.0, length=length, depth=0.5) for i in range(2)]}
+
+    def row(lengths_by_mode):
+        by_mode = {mode: stats.summarize([needles("full", 2048), needles("full", 8192)]
+                                         + [needles("cut", n) for n in lengths], ["full", "cut"])
+                   for mode, lengths in lengths_by_mode.items()}
+        data = {"modes": list(lengths_by_mode), "summary_by_mode": by_mode, "mode_contrast": {},
+                "methods": [{"name": "full"}, {"name": "cut"}]}
+        return next(line for line in reporting._modes_section(data, {}) if line.startswith("| cut "))
+
+    assert row({"question-last": [2048], "context-first": [2048, 8192]}).startswith(
+        "| cut (question last: needle at 2048 only) |")
+    assert row({"question-last": [2048], "context-first": [8192]}).startswith(
+        "| cut (question last: needle at 2048 only. context first: needle at 8192 only) |")
+    assert row({"question-last": [2048], "context-first": [2048]}).startswith(
+        "| cut (needle at 2048 only) |")
+    assert row({"question-last": [2048, 8192], "context-first": [2048, 8192]}).startswith("| cut |")
+
+
 def test_compare_runs_tolerances():
     def run(needle_tokens, ppl, es):
         return {"environment": {}, "engine": {}, "units": [

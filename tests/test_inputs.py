@@ -466,12 +466,12 @@ def test_the_default_is_the_accurate_cache_and_resolves_by_bits_and_ring():
     not divide takes the largest group that does."""
     default = MiniKVConfig()
     assert all(getattr(default, k) == v for k, v in PRESETS["accurate"].items())
-    assert default.recall_resync is True
+    assert default.recall_resync == "greedy"
     full = MiniKVConfig(bits=16)
     assert (full.group_size, full.rotation, full.recall_top_k, full.recall_resync) == \
-        (16, "none", 0, False)
-    assert MiniKVConfig(recall_top_k=0).recall_resync is False  # resync follows recall
-    assert MiniKVConfig.preset("specache").recall_resync is False  # the paper's, as it runs
+        (16, "none", 0, "off")
+    assert MiniKVConfig(recall_top_k=0).recall_resync == "off"  # resync follows recall
+    assert MiniKVConfig.preset("specache").recall_resync == "off"  # the paper's, as it runs
     assert [MiniKVConfig(residual_length=r).group_size for r in (128, 96, 32, 48)] == [64, 32, 32, 16]
     assert MiniKVConfig(residual_length=32, group_size=16).group_size == 16
     snapkv = MiniKVConfig.preset("snapkv")

@@ -677,13 +677,17 @@ def test_preset_flag_gives_the_presets_config_with_the_field_flags_on_top(capsys
     assert engine_config(args) == MiniKVConfig.preset("minikv", max_batch_size=4, bits=4)
     assert engine_config(parser().parse_args(["--model", "x"])) == MiniKVConfig()
     # a bool field: a switch, never type=bool (which reads "False" as true)
-    on = parser().parse_args(["--model", "x", "--recall-resync"])
-    assert engine_config(on) == MiniKVConfig(recall_resync=True)
-    off = parser().parse_args(["--model", "x", "--no-recall-resync"])
-    assert engine_config(off) == MiniKVConfig(recall_resync=False)
+    off = parser().parse_args(["--model", "x", "--no-cuda-graphs"])
+    assert engine_config(off) == MiniKVConfig(cuda_graphs=False)
     with pytest.raises(SystemExit):
-        parser().parse_args(["--model", "x", "--recall-resync", "False"])
+        parser().parse_args(["--model", "x", "--cuda-graphs", "False"])
+    # the resync: one of its names, the default's when not given
+    always = parser().parse_args(["--model", "x", "--recall-resync", "always"])
+    assert engine_config(always) == MiniKVConfig(recall_resync="always")
     capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--model", "x", "--recall-resync", "on"])
+    assert "--recall-resync: invalid choice: 'on'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser().parse_args(["--model", "x", "--preset", "fast"])
     assert "--preset: invalid choice: 'fast'" in capsys.readouterr().err

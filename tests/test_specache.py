@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
+from minikv_compile.config import RESYNCS
 from minikv_compile.graphs import cache as cache_module
 from minikv_compile.graphs.runtime import Request
 from minikv_compile.graphs.sampling import Sampling
@@ -78,11 +79,13 @@ def test_speculation_is_the_next_token_greedy_and_forced():
 
 @pytest.mark.parametrize("resync", [False, True])
 def test_a_missed_guess_pre_decodes_the_chosen_token_with_resync(resync):
-    """With 4 positions recalled the two rows are not exact and row 1's guesses miss. Without
-    ``recall_resync`` the step after a miss feeds row 1 the guess made from the wrong token;
-    with it, that step pre-decodes the chosen token in both rows (nothing recorded), and
-    ``generate`` still gives every token asked for, in one step more a miss."""
-    cm = minikv_compile(tiny(), snapkv(**KIVI, recall_top_k=4, recall_resync=resync))
+    """With 4 positions recalled the two rows are not exact and row 1's greedy guesses miss.
+    With ``recall_resync="off"`` the step after a miss feeds row 1 the guess made from the wrong
+    token; with ``"greedy"`` (the default), that step pre-decodes the chosen token in both rows
+    (nothing recorded), and ``generate`` still gives every token asked for, in one step more a
+    miss."""
+    cm = minikv_compile(tiny(), snapkv(**KIVI, recall_top_k=4,
+                                       recall_resync="greedy" if resync else "off"))
     rt, st = cm.runtime, cm.runtime.state
     rt.admit(0, Request(prompt_of(40, seed=3), 40))
     rt.step()                                        # admission's pre-decoding step
@@ -110,21 +113,39 @@ def test_a_missed_guess_pre_decodes_the_chosen_token_with_resync(resync):
     assert (out.decode_steps > 48) == resync  # 47 tokens after the first, the admission's step
 
 
+def test_the_greedy_resync_re_phases_the_greedy_slot_of_a_sampling_batch():
+    """A batch of a greedy and a sampled request steps in sampling mode; ``"greedy"`` puts only
+    the greedy slot's guess back in phase after its misses, the sampled one keeps its lag."""
+    cm = minikv_compile(tiny(), snapkv(**KIVI, recall_top_k=4))  # the default: "greedy"
+    rt, st = cm.runtime, cm.runtime.state
+    rt.admit(0, Request(prompt_of(40, seed=3), 40))
+    rt.admit(1, Request(prompt_of(30, seed=4), 40,
+                        sampling=Sampling(greedy=False, temperature=1.5, seed=5)))
+    rt.step()                                        # admission's pre-decoding step
+    pre_steps = [0, 0]
+    for _ in range(30):
+        pre = st.pre[:2].tolist()
+        rt.step()
+        pre_steps = [n + p for n, p in zip(pre_steps, pre)]
+    assert pre_steps[0] > 0 and pre_steps[1] == 0
+
+
 def test_resync_changes_no_token_when_every_position_is_recalled():
     """Sampling (a drawn token is a miss wherever it is not row 1's greedy guess), every
-    position recalled (the rows are exact whatever the ranking): the pre-decoding steps after
-    the misses re-feed each token at its position, over the 32-token ring's flushes, without
-    changing a single token of the same seeded draws."""
+    position recalled (the rows are exact whatever the ranking): with ``"always"`` the
+    pre-decoding steps after the misses re-feed each token at its position, over the 32-token
+    ring's flushes, without changing a single token of the same seeded draws; ``"greedy"``
+    leaves sampled slots alone (the step count of ``"off"``)."""
     model = tiny()
     prompts = [prompt_of(37), prompt_of(20, seed=1)]
     out = {}
-    for resync in (False, True):
+    for resync in RESYNCS:
         cm = minikv_compile(model, snapkv(**KIVI, recall_top_k=EVERYTHING, recall_resync=resync))
         torch.manual_seed(0)
         out[resync] = cm.generate(prompts, max_new_tokens=48, do_sample=True, temperature=1.5)
-    assert out[True].sequences == out[False].sequences
-    assert [len(s) for s in out[True].sequences] == [48, 48]
-    assert out[True].decode_steps > out[False].decode_steps == 48  # the misses' steps
+    assert out["always"].sequences == out["greedy"].sequences == out["off"].sequences
+    assert [len(s) for s in out["always"].sequences] == [48, 48]
+    assert out["always"].decode_steps > out["greedy"].decode_steps == out["off"].decode_steps == 48
 
 
 @pytest.mark.parametrize("block", [1, 16])
@@ -216,8 +237,9 @@ def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch):
     (dict(recall_top_k=-1), "recall_top_k: expected an int >= 0"),
     (dict(recall_block=0), "recall_block: expected an int >= 1"),
     (dict(recall_top_k=2.0), "recall_top_k: expected an int"),
-    (dict(recall_top_k=0, recall_resync=True), "recall_resync: expected False without recall"),
-    (dict(recall_resync=1), "recall_resync: expected True or False"),
+    (dict(recall_top_k=0, recall_resync="greedy"),
+     "recall_resync: expected 'off' without recall \\(recall_top_k=0\\), got 'greedy'"),
+    (dict(recall_resync=True), "recall_resync: expected one of \\('off', 'greedy', 'always'\\), got True"),
 ])
 def test_bad_recall_config(over, match):
     with pytest.raises(ValueError, match=match):
@@ -235,7 +257,7 @@ def test_gpu_replayed_recall_step_equals_the_eager_step(resync):
     With ``recall_resync`` too (a missed guess's pre-decoding step set inside the graph)."""
     model = tiny(dtype=torch.bfloat16, device="cuda")
     cfg = dict(residual_length=32, max_prompt_len=128, max_new_tokens=80, max_batch_size=4,
-               recall_top_k=16, recall_resync=resync)
+               recall_top_k=16, recall_resync="greedy" if resync else "off")
     graphs = minikv_compile(model, snapkv(**cfg))
     eager = minikv_compile(model, snapkv(**cfg, cuda_graphs=False))  # same kernels
     reqs = [Request(prompt_of(100, seed=1), 80), Request(prompt_of(61, seed=3), 64)]

@@ -14,7 +14,7 @@ import torch
 
 from minikv_compile.models.parallel import join_torchrun
 
-from ..config import BY_BITS, PRESETS, MiniKVConfig
+from ..config import BY_BITS, PRESETS, RESYNCS, MiniKVConfig
 from ..inputs import check_int
 from ..ranks import follow
 from ..scheduler import Scheduler
@@ -27,8 +27,6 @@ from .server import run_server
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _log = logging.getLogger("minikv_compile.serve")
-# the help of the Optional[bool] config fields that the config, not the device, chooses
-_CHOSEN = {"recall_resync": "default: on with recall (--recall-top-k above 0)"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -97,13 +95,13 @@ def parser() -> argparse.ArgumentParser:
             group.add_argument(flag, dest=f.name, type=type(low_bits), default=None,
                                metavar=type(low_bits).__name__.upper(),
                                help=f"default: {low_bits}, or {full} with --bits 16")
-        elif f.default is None:  # Optional[bool]: None lets the config choose
+        elif f.name == "recall_resync":
+            group.add_argument(flag, dest=f.name, choices=RESYNCS, default=None,
+                               help="default: greedy with recall (--recall-top-k above 0), "
+                                    "off without")
+        elif f.default is None:  # compile, cuda_graphs: None lets the engine choose by device
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=_CHOSEN.get(f.name, "default: on for CUDA, "
-                                                                       "off on the CPU"))
-        elif isinstance(f.default, bool):  # (type=bool would read "False" as true)
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=f"default: {'on' if f.default else 'off'}")
+                               default=None, help="default: on for CUDA, off on the CPU")
         else:
             group.add_argument(flag, dest=f.name, type=type(f.default), default=None,
                                metavar=type(f.default).__name__.upper(),

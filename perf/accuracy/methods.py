@@ -41,7 +41,7 @@ def _method(name: str, label: str, match: Optional[str] = None, **fields) -> Met
 PAPER_MINIKV = dict(heavy_budget=0.25, recent_budget=0.25, budget_policy="uniform", pyramid_depth=7,
                     selection="h2o", snapkv_window=32, snapkv_kernel=7, selection_block=1,
                     sink_tokens=0, bits=2, group_size=16, residual_length=128, kept_floor=1,
-                    rotation="none", recall_top_k=0, recall_block=1, recall_resync=False)
+                    rotation="none", recall_top_k=0, recall_block=1, recall_resync="off")
 _KEEP_ALL = dict(heavy_budget=1.0, recent_budget=1.0)
 
 # Selection recipes compared at MiniKV's bytes (and swept over budgets with --sweep-selections).
@@ -95,7 +95,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
     # the default's cache (`"accurate"`) with the speculation put back in phase after each miss
     _method("kivi2_g64_spec64_hadamard_resync",
             "KIVI-2, group 64, Hadamard + SpeCache K 64, resync", group_size=64,
-            rotation="hadamard", recall_top_k=64, recall_resync=True, **_KEEP_ALL),
+            rotation="hadamard", recall_top_k=64, recall_resync="greedy", **_KEEP_ALL),
     # issue 47's candidates for the default: 128 positions recalled, or groups of 32 (18.75%)
     _method("kivi2_g64_spec128_hadamard", "KIVI-2, group 64, Hadamard + SpeCache K 128",
             group_size=64, rotation="hadamard", recall_top_k=128, **_KEEP_ALL),

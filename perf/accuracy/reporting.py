@@ -204,8 +204,10 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
                        + _ci(e["tasks"].get("needle", {}).get("ci"))) for md, e in zip(modes, entries)]
         ppl = [cell(md, e, lambda e: _num(e["tasks"].get("ppl", {}).get("ratio"), 3)
                     + _ci(e["tasks"].get("ppl", {}).get("ratio_ci"), 1, 3)) for md, e in zip(modes, entries)]
-        short = "; ".join(sorted({shortfall(e, by_mode[md].get("full", {}))
-                                  for md, e in zip(modes, entries) if e is not None} - {""}))
+        shorts = {md: shortfall(e, by_mode[md].get("full", {}))
+                  for md, e in zip(modes, entries) if e is not None}
+        short = ("; ".join(sorted(set(shorts.values()) - {""})) if len(set(shorts.values())) < 2
+                 else ". ".join(f"{md.replace('-', ' ')}: {s}" for md, s in shorts.items() if s))
         c = contrast.get(name, {})
         dn = c.get("needle")
         dn = "–" if dn is None else f"{100 * dn['diff']:+.1f}{_ci(dn['ci'])}"

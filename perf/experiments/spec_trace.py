@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--context-tokens", type=int, default=4000)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--resync", action="store_true",
-                   help="MiniKVConfig(recall_resync=True): after a miss, a pre-decoding step (the "
+                   help="MiniKVConfig(recall_resync='greedy'), the default since: after a miss, a pre-decoding step (the "
                         "chosen token fed in both rows, nothing recorded) puts the pair back in phase")
     a = p.parse_args()
     fed = []  # (row 0's token, row 1's token, pre-decoding) at each step, slot 0
@@ -45,7 +45,8 @@ def main() -> None:
     prompt = build_needle_prompt(tok, a.context_tokens)
     cm = minikv_compile(model, MiniKVConfig(max_batch_size=1, max_prompt_len=len(prompt.input_ids),
                                             max_new_tokens=a.new_tokens,
-                                            recall_top_k=a.recall_top_k, recall_resync=a.resync))
+                                            recall_top_k=a.recall_top_k,
+                                            recall_resync="greedy" if a.resync else "off"))
     out = cm.generate([prompt.input_ids], max_new_tokens=a.new_tokens,
                       eos_token_id=tok.eos_token_id)
     print(f"{a.dtype}, recall_top_k={a.recall_top_k}{', resync' if a.resync else ''}: "

@@ -30,3 +30,11 @@ SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.jso
 # main.md and accuracy.png were then drawn again on the CPU from main.json.xz, summarized by the
 # tree of the commit that wrote this line (a method short of the full cache's tasks or needle
 # lengths named as such, and off the Pareto front)
+# Session 40: a fresh nvidia-h200-x2 machine; after call 3 of accuracy/default_resync_83720f1/
+# (its /tmp/acc moved aside), call 4 (carry .carry_c) on both GPUs (acc_run40_*.log), then
+# call 5 (acc_extend40_*.log):
+SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.json.xz \
+  WHEELS=.carry_c GPUS=2 BUDGET=330 perf/gpu/accuracy_both.sh run 8f7acff
+GPUS=2 BUDGET=200 perf/gpu/accuracy_both.sh extend 8f7acff
+# and main.md, accuracy.png drawn again on the CPU from main.json.xz by the tree that wrote this
+# line (each mode's shortfall named where the modes' differ)
