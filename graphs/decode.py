@@ -54,8 +54,8 @@ class SlotState:
                                          column N is the scratch column again
         spec        (Bmax,)       int64  SpeCache: the speculative token fed beside ``tokens``
         pre         (Bmax,)       bool   SpeCache: the slot's next step is its pre-decoding
-                                         one (after admission; with ``recall_resync``, after a
-                                         missed guess too)
+                                         one (after admission; unless ``recall_resync`` is
+                                         "off", after a missed guess too)
     """
 
     def __init__(self, max_batch_size: int, max_new_tokens: int, vocab_size: int,
@@ -291,8 +291,9 @@ class RecallDecodeStep(DecodeStep):
     twice, which changes no ranking of its mass), row 0's argmax becomes the speculation
     ``T'_2`` and nothing is recorded; ``lens[b, 1]`` is given back, so that the next step feeds
     the first token again, now with its top-k recalled. A slot thus takes one step more than
-    its tokens. With ``recall_resync`` the step after a missed guess pre-decodes the chosen
-    token the same way (its recall rows the miss's ranking, not -1): one step more a miss.
+    its tokens. Unless ``recall_resync`` is "off", the step after a missed guess pre-decodes
+    the chosen token the same way (its recall rows the miss's ranking, not -1): one step more
+    a miss.
     """
 
     batched = dict(DecodeStep.batched,

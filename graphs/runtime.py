@@ -398,8 +398,8 @@ class SlotRuntime:
     @property
     def extra_steps(self) -> int:
         """Steps a request takes besides one per token after its first: SpeCache's
-        pre-decoding step (``RecallDecodeStep``), or none; with ``recall_resync``, at least
-        that (one more for each missed guess)."""
+        pre-decoding step (``RecallDecodeStep``), or none; unless ``recall_resync`` is "off",
+        at least that (one more for each missed guess)."""
         return 0 if self.cache.recall is None else 1
 
     def step_key(self) -> Tuple[int, str]:

@@ -36,12 +36,12 @@ PRESETS = {
     "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16,
                      rotation="none", recall_top_k=64, recall_resync="off"),
     # the library's default: KIVI-2 at group 64 with the Hadamard rotation and the recall of 64,
-    # the speculation resynced after a greedy miss (85.8 / 85.8%, x1.001 / x1.002; 15.6% of fp16's
-    # bytes by formula, 16.6% resident at 32k with the ring and the recall buffers; its step
-    # 1.17x "minikv"'s on the Llama-3.1-8B shape at 1 x 32k and 8 x 4k, its 32k prefill 0.88x,
-    # its long-phase first token 0.91x)
+    # the speculation resynced after a greedy miss (recall_resync's default with recall) (85.8 /
+    # 85.8%, x1.001 / x1.002; 15.6% of fp16's bytes by formula, 16.6% resident at 32k with the
+    # ring and the recall buffers; its step 1.17x "minikv"'s on the Llama-3.1-8B shape at 1 x
+    # 32k and 8 x 4k, its 32k prefill 0.88x, its long-phase first token 0.91x)
     "accurate": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=64,
-                     rotation="hadamard", recall_top_k=64, recall_resync="greedy"),
+                     rotation="hadamard", recall_top_k=64),
 }
 
 # Fields whose default depends on ``bits``: (quantized, 16 bit). A 16-bit cache has nothing to
@@ -55,9 +55,9 @@ class MiniKVConfig:
 
     Budgets are fractions of the prompt length ``L``; the default keeps every token (the
     accuracy harness's evidence: ``PRESETS``). ``group_size``, ``rotation`` and ``recall_top_k``
-    left as ``None`` are chosen by ``bits`` (``BY_BITS``) and stored: ``dataclasses.replace``
-    keeps them, so a config for other ``bits`` is built anew. The paper's methods are
-    configurations:
+    left as ``None`` are chosen by ``bits`` (``BY_BITS``), ``recall_resync`` by
+    ``recall_top_k``, and stored: ``dataclasses.replace`` keeps them, so a config for other
+    ``bits`` or without recall is built anew. The paper's methods are configurations:
 
     ===================  =====================================================================
     full cache           ``bits=16, heavy_budget=1.0, recent_budget=1.0`` (or any budgets
@@ -68,13 +68,14 @@ class MiniKVConfig:
     MiniKV (paper)       ``preset("minikv")``: budgets 0.25 + 0.25, ``selection="h2o",
                          snapkv_kernel=7, selection_block=1, sink_tokens=0``, 2 bit, group 16
     library default      KIVI-2 at group 64, Hadamard rotation, SpeCache recall of 64
-                         (``preset("accurate")``): nothing evicted, 15.6% of fp16's bytes on
-                         the GPU, a full-precision copy in pinned host memory
+                         re-phased after greedy misses (``preset("accurate")``): nothing
+                         evicted, 15.6% of fp16's bytes on the GPU, a full-precision copy in
+                         pinned host memory
     SnapKV + 2 bit       ``preset("snapkv")``: MiniKV's bytes, SnapKV scores over 16-token
                          blocks + 4 sinks (the default before issue 47)
     MiniKV-pyramid       ``budget_policy="pyramid"``
-    SpeCache             ``recall_top_k=64`` on KIVI's cache (``preset("specache")``); at
-                         group 64 with ``rotation="hadamard"``: ``preset("accurate")``
+    SpeCache             ``recall_top_k=64, recall_resync="off"`` on KIVI's cache
+                         (``preset("specache")``)
     ===================  =====================================================================
 
     Parameters
@@ -154,13 +155,11 @@ class MiniKVConfig:
         step pre-decodes the chosen token, as a slot's first step does, so that the next recall
         is chosen by its own query again: one step more a miss. Without it a missed guess's
         successor is conditioned on the wrong token and the speculation stays out of phase
-        (``perf/NOTES.md``). Greedy: the default's needle 85.0 / 84.6% -> 85.8 / 85.8% (full
-        cache 88.3 / 87.1); with recall 128 on a GPU the demo's prompt at 1.5k-6k tokens gets
-        the uncompressed cache's very answers (without it "precious gems" at 3k and 4k); 1-27%
-        more steps than tokens. ``"greedy"`` leaves sampled requests alone: a drawn token
-        differs from the greedy guess so often (SmolLM2 on the CPU: 37% more steps at
-        temperature 0.7, 46% at 1.0) that ``"always"`` would cost that much. SpeCache's paper
-        runs without it (``preset("specache")``). Not ``"off"`` needs recall.
+        (``perf/NOTES.md``). With it the default's needle is 85.8 / 85.8% (full cache 88.3 /
+        87.1), at 2-29% more steps than tokens on the demo's prompts. ``"greedy"`` leaves
+        sampled requests alone: a drawn token differs from the greedy guess so often (SmolLM2:
+        37% more steps at temperature 0.7, 46% at 1.0) that ``"always"`` would cost that much.
+        SpeCache's paper runs without it (``preset("specache")``). Not ``"off"`` needs recall.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:

@@ -390,9 +390,9 @@ class MiniKVModel:
             if streamer is not None:
                 streamer([out[0] for out in rt.outputs(slots)])
                 counts = [1] * B
-            # steps after the first token (SpeCache: and each slot's pre-decoding step); with
-            # recall_resync each missed guess takes one more, so past ``last`` the loop looks
-            # at the finished flags every step, for at most one step more a token
+            # steps after the first token (SpeCache: and each slot's pre-decoding step); unless
+            # recall_resync is "off" each missed guess takes one more, so past ``last`` the loop
+            # looks at the finished flags every step, for at most one step more a token
             last = max(r.max_new_tokens for r in requests) - 1 + self.runtime.extra_steps
             resync = self.config.recall_resync != "off"
             steps = 0

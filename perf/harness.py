@@ -222,8 +222,11 @@ def is_engine(method: str) -> bool:
 
 
 def engine_config(method: str, **capacity) -> MiniKVConfig:
-    """The MiniKVConfig of an engine method with the given capacity / compile settings."""
-    return MiniKVConfig(**ENGINE_METHODS[method], **capacity)
+    """The MiniKVConfig of an engine method with the given capacity / compile settings, the
+    speculation's resync off: random weights guess the next token at random, so it would
+    pre-decode every other step; the step is what these timings compare (the resync's steps
+    per token are measured on the real model: ``perf/experiments/demo_resync.py``)."""
+    return MiniKVConfig(**{"recall_resync": "off", **ENGINE_METHODS[method]}, **capacity)
 
 
 @dataclass

@@ -428,3 +428,15 @@ def test_quick_smollm2_end_to_end(tmp_path):
     # SmolLM2 reads a fact in a 512-token haystack with the full cache (the sanity floor of the task)
     assert data["summary"]["full"]["tasks"]["needle"]["score"] == 1.0
     assert data["summary"]["full"]["rel"] == pytest.approx(1.0)
+
+
+def test_the_library_methods_are_the_librarys_configs_resync_included():
+    """``preset_NAME`` and ``default`` run what the library builds, the fields a prompt cache
+    need not match (the resync) among them: ``preset_specache`` the paper's, without it."""
+    capacity = dict(max_batch_size=2, max_prompt_len=64, max_new_tokens=8)
+    for m in methods.LIBRARY_METHODS:
+        name = m.name.removeprefix("preset_")
+        want = MiniKVConfig(**capacity) if m.name == "default" else MiniKVConfig.preset(name, **capacity)
+        assert MiniKVConfig(**m.fields, **capacity) == want, m.name
+    assert methods.METHODS["preset_specache"].fields["recall_resync"] == "off"
+    assert methods.METHODS["default"].fields["recall_resync"] == "greedy"

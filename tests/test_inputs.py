@@ -471,6 +471,7 @@ def test_the_default_is_the_accurate_cache_and_resolves_by_bits_and_ring():
     assert (full.group_size, full.rotation, full.recall_top_k, full.recall_resync) == \
         (16, "none", 0, "off")
     assert MiniKVConfig(recall_top_k=0).recall_resync == "off"  # resync follows recall
+    assert MiniKVConfig.preset("accurate", recall_top_k=0).recall_resync == "off"
     assert MiniKVConfig.preset("specache").recall_resync == "off"  # the paper's, as it runs
     assert [MiniKVConfig(residual_length=r).group_size for r in (128, 96, 32, 48)] == [64, 32, 32, 16]
     assert MiniKVConfig(residual_length=32, group_size=16).group_size == 16

@@ -122,12 +122,15 @@ def test_the_greedy_resync_re_phases_the_greedy_slot_of_a_sampling_batch():
     rt.admit(1, Request(prompt_of(30, seed=4), 40,
                         sampling=Sampling(greedy=False, temperature=1.5, seed=5)))
     rt.step()                                        # admission's pre-decoding step
-    pre_steps = [0, 0]
+    pre_steps, misses = [0, 0], [0, 0]
     for _ in range(30):
-        pre = st.pre[:2].tolist()
+        pre, guess, count = st.pre[:2].tolist(), st.spec[:2].tolist(), st.count[:2].tolist()
         rt.step()
-        pre_steps = [n + p for n, p in zip(pre_steps, pre)]
-    assert pre_steps[0] > 0 and pre_steps[1] == 0
+        for b, out in enumerate(rt.outputs([0, 1])):
+            pre_steps[b] += pre[b]
+            misses[b] += int(st.count[b]) > count[b] and out[-1] != guess[b]
+    assert misses[0] > 0 and pre_steps[0] > 0
+    assert misses[1] > 0 and pre_steps[1] == 0
 
 
 def test_resync_changes_no_token_when_every_position_is_recalled():

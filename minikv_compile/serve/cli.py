@@ -97,8 +97,10 @@ def parser() -> argparse.ArgumentParser:
                                help=f"default: {low_bits}, or {full} with --bits 16")
         elif f.name == "recall_resync":
             group.add_argument(flag, dest=f.name, choices=RESYNCS, default=None,
-                               help="default: greedy with recall (--recall-top-k above 0), "
-                                    "off without")
+                               help="after a missed guess of the next token, one step puts "
+                                    "recall's speculation back in phase: for greedy requests, "
+                                    "for all, or off (the paper's). Default: greedy with recall "
+                                    "(--recall-top-k above 0), off without")
         elif f.default is None:  # compile, cuda_graphs: None lets the engine choose by device
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help="default: on for CUDA, off on the CPU")

@@ -92,7 +92,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             recall_top_k=256, **_KEEP_ALL),
     _method("kivi2_g64_spec64_hadamard", "KIVI-2, group 64, Hadamard + SpeCache K 64",
             group_size=64, rotation="hadamard", recall_top_k=64, **_KEEP_ALL),
-    # the default's cache (`"accurate"`) with the speculation put back in phase after each miss
+    # the default (`"accurate"`); kivi2_g64_spec64_hadamard is its cache without the resync
     _method("kivi2_g64_spec64_hadamard_resync",
             "KIVI-2, group 64, Hadamard + SpeCache K 64, resync", group_size=64,
             rotation="hadamard", recall_top_k=64, recall_resync="greedy", **_KEEP_ALL),
@@ -145,11 +145,16 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             recall_top_k=64, **SELECTIONS["snapkv_block_sink"]),
 )}
 # The library as it stands (issue 47 chooses the default from them): its default config and its
-# presets, every field but the capacity read from MiniKVConfig now, so they follow the library.
+# presets, every field but the capacity read from MiniKVConfig now, so they follow the library
+# (the resync too: a prompt cache need not match it, a method must).
+def _library(config: MiniKVConfig) -> Tuple[Tuple[str, object], ...]:
+    return tuple(sorted({**cache_config(config), "recall_resync": config.recall_resync}.items()))
+
+
 LIBRARY_METHODS = (
-    Method("default", "Library default (MiniKVConfig())", tuple(sorted(cache_config(MiniKVConfig()).items()))),
-    *(Method(f"preset_{name}", f'preset("{name}")',
-             tuple(sorted(cache_config(MiniKVConfig.preset(name)).items()))) for name in PRESETS))
+    Method("default", "Library default (MiniKVConfig())", _library(MiniKVConfig())),
+    *(Method(f"preset_{name}", f'preset("{name}")', _library(MiniKVConfig.preset(name)))
+      for name in PRESETS))
 METHODS.update({m.name: m for m in LIBRARY_METHODS})
 # Most important first: a run cut short by --budget-seconds still has the paper's comparison.
 MAIN_METHODS = ("full", "minikv", "kivi2", "snapkv2", "h2o16", "minikv_pyramid", "snapkv_block",

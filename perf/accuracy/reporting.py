@@ -207,7 +207,7 @@ def _modes_section(data: dict, labels: Dict[str, str]) -> List[str]:
         shorts = {md: shortfall(e, by_mode[md].get("full", {}))
                   for md, e in zip(modes, entries) if e is not None}
         short = ("; ".join(sorted(set(shorts.values()) - {""})) if len(set(shorts.values())) < 2
-                 else ". ".join(f"{md.replace('-', ' ')}: {s}" for md, s in shorts.items() if s))
+                 else ". ".join(f"{_MODE_TITLES[md]}: {s}" for md, s in shorts.items() if s))
         c = contrast.get(name, {})
         dn = c.get("needle")
         dn = "–" if dn is None else f"{100 * dn['diff']:+.1f}{_ci(dn['ci'])}"

@@ -495,7 +495,8 @@ class Run:
                       cache_host_bytes=sum(r["cache_host_bytes"] for r in rows) / len(rows))
         self.data["units"].append({
             "method": method.name, "task": task, "group": group, "mode": mode, "seconds": seconds,
-            "engine_build_seconds": build_s, "config": cache_config(config),
+            "engine_build_seconds": build_s,
+            "config": {**cache_config(config), "recall_resync": config.recall_resync},
             "kv": kv, "rows": rows})
         self.summarize()
         self.write()

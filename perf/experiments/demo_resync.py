@@ -20,10 +20,11 @@ from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.demo import answer_is_right, build_needle_prompt
 from minikv_compile.models.smollm2 import load_smollm2
 
-CACHES = {  # (at 103c77b the default's resync was off: "default" there is "default-resync" here)
-    "default-resync": dict(recall_resync="off"),
+CACHES = {  # (at 103c77b the resync was off by default: "default" there is "default-off" here,
+            # "default+resync" there "default" here, and the same for recall128)
+    "default-off": dict(recall_resync="off"),
     "default": {},
-    "recall128-resync": dict(recall_top_k=128, recall_resync="off"),
+    "recall128-off": dict(recall_top_k=128, recall_resync="off"),
     "recall128": dict(recall_top_k=128),
     "uncompressed": dict(heavy_budget=1.0, recent_budget=1.0, bits=16, recall_top_k=0),
 }

@@ -27,8 +27,9 @@ def main() -> None:
     p.add_argument("--context-tokens", type=int, default=4000)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--resync", action="store_true",
-                   help="MiniKVConfig(recall_resync='greedy'), the default since: after a miss, a pre-decoding step (the "
-                        "chosen token fed in both rows, nothing recorded) puts the pair back in phase")
+                   help="recall_resync='greedy' (the default since; without the flag 'off'): "
+                        "after a miss, a pre-decoding step (the chosen token fed in both rows, "
+                        "nothing recorded) puts the pair back in phase")
     a = p.parse_args()
     fed = []  # (row 0's token, row 1's token, pre-decoding) at each step, slot 0
     begin = decode.RecallDecodeStep.begin
