@@ -252,18 +252,21 @@ def test_bad_recall_config(over, match):
 # -- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("resync", [False, True])
-def test_gpu_replayed_recall_step_equals_the_eager_step(resync):
+@pytest.mark.parametrize("resync,sampled", [("off", False), ("greedy", False), ("greedy", True)])
+def test_gpu_replayed_recall_step_equals_the_eager_step(resync, sampled):
     """bf16 on the GPU: the captured two-row step (pinned host copy, recall on the side
     stream) gives the tokens of the same compiled parts run without graphs, for a request
     joining mid-generation; the graphs are replayed and nothing recompiles on a second run.
-    With ``recall_resync`` too (a missed guess's pre-decoding step set inside the graph)."""
+    With ``recall_resync`` too (a missed guess's pre-decoding step set inside the graph), and
+    with a sampled request joining the greedy one (the sampling step, the resync masked to the
+    greedy slot)."""
     model = tiny(dtype=torch.bfloat16, device="cuda")
     cfg = dict(residual_length=32, max_prompt_len=128, max_new_tokens=80, max_batch_size=4,
-               recall_top_k=16, recall_resync="greedy" if resync else "off")
+               recall_top_k=16, recall_resync=resync)
     graphs = minikv_compile(model, snapkv(**cfg))
     eager = minikv_compile(model, snapkv(**cfg, cuda_graphs=False))  # same kernels
-    reqs = [Request(prompt_of(100, seed=1), 80), Request(prompt_of(61, seed=3), 64)]
+    drawn = Sampling(greedy=False, temperature=1.2, seed=7) if sampled else Sampling()
+    reqs = [Request(prompt_of(100, seed=1), 80), Request(prompt_of(61, seed=3), 64, sampling=drawn)]
 
     def join(cm):
         rt = cm.runtime
