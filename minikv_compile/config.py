@@ -36,7 +36,7 @@ PRESETS = {
     "specache": dict(heavy_budget=1.0, recent_budget=1.0, bits=2, group_size=16,
                      rotation="none", recall_top_k=64, recall_resync="off"),
     # the library's default: KIVI-2 at group 64 with the Hadamard rotation and the recall of 64,
-    # the speculation resynced after a greedy miss (recall_resync's default with recall) (85.8 /
+    # the speculation resynced after a greedy miss, recall_resync's default with recall (85.8 /
     # 85.8%, x1.001 / x1.002; 15.6% of fp16's bytes by formula, 16.6% resident at 32k with the
     # ring and the recall buffers; its step 1.17x "minikv"'s on the Llama-3.1-8B shape at 1 x
     # 32k and 8 x 4k, its 32k prefill 0.88x, its long-phase first token 0.91x)
