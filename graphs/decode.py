@@ -425,8 +425,8 @@ class RecallDecodeStep(DecodeStep):
             # a miss: row 1's guess of the next token was conditioned on another token than
             # the one chosen, so the next step pre-decodes the chosen one in both rows
             miss = real & ~st.done[rows] & (chosen != guessed)
-            if self.recall.resync == "greedy" and mode == "sample":
-                miss = miss & st.greedy[rows]  # the batch's sampled slots keep their lag
+            if self.recall.resync == "greedy":
+                miss = miss & st.greedy[rows]  # a sampling batch's drawn slots keep their lag
             st.pre[rows] = st.pre[rows] | miss
             st.spec[rows] = torch.where(miss, chosen, st.spec[rows])
 

@@ -144,17 +144,19 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
             heavy_budget=0.425, recent_budget=0.425, group_size=64, rotation="hadamard",
             recall_top_k=64, **SELECTIONS["snapkv_block_sink"]),
 )}
+def method_fields(config: MiniKVConfig) -> Dict[str, object]:
+    """The fields of ``config`` a method is: a prompt cache's (``cache_config``) and the
+    speculation's resync, which a prompt cache need not match but a method's tokens do."""
+    return {**cache_config(config), "recall_resync": config.recall_resync}
+
+
 # The library as it stands (issue 47 chooses the default from them): its default config and its
-# presets, every field but the capacity read from MiniKVConfig now, so they follow the library
-# (the resync too: a prompt cache need not match it, a method must).
-def _library(config: MiniKVConfig) -> Tuple[Tuple[str, object], ...]:
-    return tuple(sorted({**cache_config(config), "recall_resync": config.recall_resync}.items()))
-
-
+# presets, every field but the capacity read from MiniKVConfig now, so they follow the library.
 LIBRARY_METHODS = (
-    Method("default", "Library default (MiniKVConfig())", _library(MiniKVConfig())),
-    *(Method(f"preset_{name}", f'preset("{name}")', _library(MiniKVConfig.preset(name)))
-      for name in PRESETS))
+    Method("default", "Library default (MiniKVConfig())",
+           tuple(sorted(method_fields(MiniKVConfig()).items()))),
+    *(Method(f"preset_{name}", f'preset("{name}")',
+             tuple(sorted(method_fields(MiniKVConfig.preset(name)).items()))) for name in PRESETS))
 METHODS.update({m.name: m for m in LIBRARY_METHODS})
 # Most important first: a run cut short by --budget-seconds still has the paper's comparison.
 MAIN_METHODS = ("full", "minikv", "kivi2", "snapkv2", "h2o16", "minikv_pyramid", "snapkv_block",

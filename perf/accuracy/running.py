@@ -15,8 +15,8 @@ import torch
 
 from minikv_compile import MiniKVConfig, minikv_compile
 from minikv_compile.perf.report import atomic_write, jsonable
-from minikv_compile.prompt_cache import cache_config
-from .methods import AGREEMENT_METHODS, METHODS, Method, fp16_bytes, kv_bytes, matched_budget
+from .methods import (AGREEMENT_METHODS, METHODS, Method, fp16_bytes, kv_bytes, matched_budget,
+                      method_fields)
 from .reporting import SCHEMA, _brief, plot, render_markdown, to_json
 from .stats import mode_contrast, summarize
 from .tasks import (ByteCodec, Corpora, HFCodec, PLANS, Plan, TASKS, build_samples,
@@ -496,7 +496,7 @@ class Run:
         self.data["units"].append({
             "method": method.name, "task": task, "group": group, "mode": mode, "seconds": seconds,
             "engine_build_seconds": build_s,
-            "config": {**cache_config(config), "recall_resync": config.recall_resync},
+            "config": method_fields(config),
             "kv": kv, "rows": rows})
         self.summarize()
         self.write()
