@@ -66,11 +66,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _profile_steps(rt, steps: int) -> Dict[str, float]:
+def _profile_steps(rt, steps: int) -> Dict[str, object]:
     """``steps`` steps of a runtime whose slots are admitted, under ``torch.profiler``: per step
     the kernels, the NCCL kernels and their device time, all kernels' device time, and the idle
     time between them (the span from the first kernel's start to the last one's end, less the
-    union of the kernels' intervals)."""
+    union of the kernels' intervals), and the 16 kernel names of most device time (a kernel
+    launched with programmatic dependent launch counts from its early start)."""
     for _ in range(3):
         rt.step()
     _sync()
@@ -85,11 +86,15 @@ def _profile_steps(rt, steps: int) -> Dict[str, float]:
     spans: List[Tuple[float, float]] = []
     kernels = nccl = 0
     nccl_us = total_us = 0.0
+    by_name: Dict[str, List[float]] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         kernels += 1
         total_us += e.device_time_total
+        named = by_name.setdefault(e.name[:120], [0, 0.0])
+        named[0] += 1
+        named[1] += e.device_time_total
         if "nccl" in e.name.lower() or "one_shot_all_reduce" in e.name:  # NCCL's, one-shot's
             nccl += 1
             nccl_us += e.device_time_total
@@ -104,7 +109,9 @@ def _profile_steps(rt, steps: int) -> Dict[str, float]:
     return {"kernels_per_step": kernels / steps, "nccl_kernels_per_step": nccl / steps,
             "nccl_ms_per_step": nccl_us / steps / 1e3, "kernel_ms_per_step": total_us / steps / 1e3,
             "busy_ms_per_step": busy / steps / 1e3, "idle_ms_per_step": (span - busy) / steps / 1e3,
-            "profiled_wall_ms_per_step": 1e3 * wall / steps}
+            "profiled_wall_ms_per_step": 1e3 * wall / steps,
+            "top_kernels": [{"name": n, "per_step": c / steps, "us_per_step": us / steps}
+                            for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:16]]}
 
 
 def _measure(model, tp, batch: int, prompt_len: int, summary: dict, args) -> Dict[str, object]:
