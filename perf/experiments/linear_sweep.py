@@ -1,9 +1,9 @@
 """Device experiment: ``minikv::fused_linear`` launch configurations on the four linear layers of a
-Llama-3.1-8B decode step, each beside what the step runs without it (inductor's RMSNorm /
+Llama-3.1-8B decode step (``--shape 70b-tp4``: one rank of Llama-3.1-70B over 4 GPUs), each beside what the step runs without it (inductor's RMSNorm /
 SiLU-gate / residual / RoPE kernels around a cuBLAS GEMV, compiled and graph-captured the same
 way; q/k/v includes the RoPE of its q and k heads on both sides).
 
-    python perf/experiments/linear_sweep.py --batches 1,8       # after perf/gpu_check.sh
+    python perf/experiments/linear_sweep.py --batches 1,8 [--shape 70b-tp4]   # after perf/gpu_check.sh
 
 Every timing is a CUDA graph over enough weight copies to read >= 3x L2 from HBM per replay
 (median of ``do_bench``); "TB/s" counts the weight bytes only. Prints one line per (layer,
@@ -18,14 +18,24 @@ import torch.nn.functional as F
 from minikv_compile.ops import linear as lin
 from minikv_compile.perf.measure import copy_bandwidth, graph_ms, replicas, row_environment
 
-HIDDEN, INTER, QKV = 4096, 14336, 6144
-HEAD_DIM, ROPE_ROWS = 128, 40 * 128  # q/k/v: RoPE over the 32 q and 8 k heads
-LAYERS = {  # name: (N, K, prologue, residual, glu_out)
-    "qkv": (QKV, HIDDEN, "rmsnorm", False, False),
-    "o": (HIDDEN, HIDDEN, "none", True, False),
-    "gate_up": (2 * INTER, HIDDEN, "rmsnorm", False, True),  # silu(gate) * up in the epilogue
-    "down": (HIDDEN, INTER, "none", True, False),
-}
+HEAD_DIM = 128
+# shape: (hidden, intermediate, query heads, KV heads) of one rank: Llama-3.1-8B on one GPU, and
+# Llama-3.1-70B's shard over 4 and 2 tensor-parallel ranks (issue 50: its step's kernels at a
+# quarter of the bytes)
+SHAPES = {"8b": (4096, 14336, 32, 8), "70b-tp4": (8192, 7168, 16, 2),
+          "70b-tp2": (8192, 14336, 32, 4)}
+ROPE_ROWS = 0  # q/k/v: RoPE over the q and k heads' rows (set by main from the shape)
+
+
+def layers(shape: str):
+    """name: (N, K, prologue, residual, glu_out) of the four linear layers of one rank."""
+    hidden, inter, h_q, h_kv = SHAPES[shape]
+    return {
+        "qkv": ((h_q + 2 * h_kv) * HEAD_DIM, hidden, "rmsnorm", False, False),
+        "o": (hidden, h_q * HEAD_DIM, "none", True, False),
+        "gate_up": (2 * inter, hidden, "rmsnorm", False, True),  # silu(gate) * up in the epilogue
+        "down": (hidden, inter, "none", True, False),
+    }
 
 
 def row_configs():  # one row, FMA
@@ -73,11 +83,15 @@ def baseline_fn(prologue: str, glu_out: bool, eps: float = 1e-5):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--layers", default="qkv,o,gate_up,down")
+    ap.add_argument("--shape", default="8b", choices=tuple(SHAPES))
     ap.add_argument("--quick", action="store_true", help="default config only")
     ap.add_argument("--warps", default="4", help="warps per program of the tensor-core "
                     "configs (comma-separated); with --quick, the default tile at each")
     args = ap.parse_args()
+    global ROPE_ROWS
+    LAYERS = layers(args.shape)
+    ROPE_ROWS = (SHAPES[args.shape][2] + SHAPES[args.shape][3]) * HEAD_DIM
     warps = tuple(int(w) for w in args.warps.split(","))
     dev, dt = torch.device("cuda"), torch.bfloat16
     copy = copy_bandwidth(dev)["bytes_per_s"]
