@@ -17,8 +17,10 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +32,9 @@ from minikv_compile.serve.affinity import (  # noqa: E402
     MAX_ROUTE, Affinity, hashes_of, route_of)
 from minikv_compile.serve.errors import ApiError  # noqa: E402
 from minikv_compile.serve.replicas import (FALLBACK_BODY_BYTES, Replica,  # noqa: E402
-                                           Replicas, create_front, kept, merge_metrics,
-                                           prompt_tokens, replica_commands, without_tls)
+                                           Replicas, counters_only, create_front, kept,
+                                           merge_metrics, prompt_tokens, replica_commands,
+                                           without_tls)
 from minikv_compile.serve.security import ServeOptions  # noqa: E402
 from test_serve import (  # noqa: E402
     Server, _read_until_closed, _save_tiny_llama, self_signed_cert)
@@ -227,6 +230,113 @@ def test_merge_metrics_sums_histograms_and_labelled_samples():
     # counters past a million stay exact
     big = merge_metrics([(0, "# TYPE c counter\nc 1234567\n"), (1, "# TYPE c counter\nc 1\n")])
     assert big[1] == "c 1234568"
+
+
+def test_a_dead_replicas_counters_stay_and_its_gauges_go():
+    text = ('# HELP g_slots s\n# TYPE g_slots gauge\ng_slots 4\n'
+            '# HELP c_total c\n# TYPE c_total counter\nc_total{outcome="eos"} 5\n'
+            '# HELP h_seconds h\n# TYPE h_seconds histogram\nh_seconds_bucket{le="+Inf"} 2\n'
+            'h_seconds_sum 0.5\nh_seconds_count 2\nuntyped 1\n')
+    assert counters_only(text).splitlines() == [
+        "# HELP c_total c", "# TYPE c_total counter", 'c_total{outcome="eos"} 5',
+        "# HELP h_seconds h", "# TYPE h_seconds histogram", 'h_seconds_bucket{le="+Inf"} 2',
+        "h_seconds_sum 0.5", "h_seconds_count 2"]
+    assert counters_only(None) is None
+
+
+# -- stand-in replicas (tests/fake_replica.py): an engine failure, a refused connection, a cut
+# stream, which real replicas do not give on cue ------------------------------------------------
+
+FAKE = str(Path(__file__).with_name("fake_replica.py"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """Two stand-in replicas, started and ready; (the Replicas, each one's failure flag file)."""
+    ports, flags = [_free_port(), _free_port()], [tmp_path / "failed0", tmp_path / "failed1"]
+    replicas = Replicas([Replica(i, [sys.executable, FAKE, str(port), str(flag)],
+                                 dict(os.environ), port)
+                         for i, (port, flag) in enumerate(zip(ports, flags))], slots=4)
+    replicas.start()
+    try:
+        _until(lambda: all(r.state == "ready" for r in replicas.replicas))
+        yield replicas, flags
+    finally:
+        replicas.stop()
+
+
+def test_a_replica_whose_engine_failed_is_stopped_and_the_front_serves_on(fakes):
+    replicas, flags = fakes
+    victim = replicas.replicas[1]
+    flags[1].write_text("CUDA error: an illegal memory access was encountered")
+    _until(lambda: victim.state == "dead")
+    assert victim.failure == "CUDA error: an illegal memory access was encountered"
+    assert replicas.status() == (200, "degraded")
+    assert "replica 1 dead (its engine failed: CUDA error" in replicas.summary()
+    assert victim.proc.wait(timeout=20) == -signal.SIGTERM  # stopped by the front
+    assert {replicas.pick().index for _ in range(4)} == {0}
+    flags[0].write_text("out of memory")
+    _until(lambda: replicas.status() == (503, "failed"))
+
+
+def test_a_refused_connection_goes_to_another_replica_and_a_cut_event_ends_before_the_error(
+        fakes):
+    from starlette.testclient import TestClient
+
+    replicas, _ = fakes
+    live = replicas.replicas[0]
+    refusing = Replica(2, [], {}, _free_port(), state="ready")  # its process runs, its port is shut
+    replicas.replicas.append(refusing)
+    with TestClient(create_front(replicas), base_url="http://127.0.0.1") as client:
+        for _ in range(4):  # each refused connection retried on the live replica
+            reply = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+            assert reply.status_code == 200 and reply.json() == {"replica_port": live.port}
+        assert refusing.routed == refusing.in_flight == refusing.pending == 0
+        assert live.in_flight == live.pending == 0 and live.routed >= 2
+        # a stream cut in the middle of an event: that event ends before the error's
+        with client.stream("POST", "/v1/completions",
+                           json={"prompt": [1, 2, 3], "stream": True}) as reply:
+            text = reply.read().decode()
+        events = [e for e in text.split("\n\n") if e]
+        assert events[0] == 'data: {"n": 1}' and events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert re.match(r"the connection to replica \d broke while serving this request",
+                        error["message"]) and error["type"] == "server_error"
+        assert all(r.in_flight == r.pending == 0 for r in replicas.replicas)
+        # no replica takes it: 503 with OpenAI's error body
+        replicas.replicas[:] = [refusing]
+        reply = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
+        assert "no replica is ready" in reply.json()["error"]["message"]
+
+
+def test_a_dead_replicas_gauges_leave_the_fronts_sums(fakes):
+    from starlette.testclient import TestClient
+
+    replicas, flags = fakes
+    with TestClient(create_front(replicas), base_url="http://127.0.0.1") as client:
+        s = _samples(client.get("/metrics").text)
+        assert s["fake_slots_in_use"] == 6 and s["fake_requests_total"] == 14
+        flags[1].write_text("failed")
+        _until(lambda: replicas.replicas[1].state == "dead")
+        s = _samples(client.get("/metrics").text)
+        assert s["fake_slots_in_use"] == 3 and 'fake_slots_in_use{replica="1"}' not in s
+        assert s["fake_requests_total"] == 14  # its counter as it last was
+        assert s['minikv_replica_up{replica="1"}'] == 0
+        assert s['minikv_replica_dead{replica="1"}'] == 1
 
 
 def test_affinity_holds_while_its_replica_has_a_free_slot_or_is_least_loaded():

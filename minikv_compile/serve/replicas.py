@@ -23,9 +23,12 @@ outnumber those ahead of the least loaded (see ``Replicas.pick``). ``/health`` i
 replica is ready (503 while any is starting), and stays 200 while at least one serves after
 others died, saying which (``"degraded"``); ``/metrics`` gives every replica's samples with a
 ``replica`` label, their sum without it, and the front's own (replica up, in flight, routed,
-failed, sent by affinity; affinity entries and yields). A replica that dies
-fails only the requests it held: a stream gets an error event naming it, then ``[DONE]``; a
-whole answer a 502. The front serves on the others and never restarts it.
+failed, sent by affinity; affinity entries and yields; a dead replica's counters as they last
+were, its gauges dropped). A replica that dies fails only the requests it held: a stream gets
+an error event naming it, then ``[DONE]``; a whole answer a 502; a request whose connection to
+it was refused (never sent) goes to another replica. A replica whose engine failed while its
+process runs (its ``/health`` says ``"failed"``) is stopped and counts as dead. The front serves
+on the others and never restarts it.
 
 The front is the server's door: the single server's checks (``security.Guard``: Host, Origin,
 API key, JSON content type), CORS, ``--max-body-bytes`` (a larger body is answered 413 before it
@@ -61,7 +64,8 @@ from .security import ServeOptions, install_door
 
 _log = logging.getLogger("minikv_compile.serve.replicas")
 
-# How often the front polls each replica's process and, until it is ready, its /health.
+# How often the front polls each replica's process and its /health (starting: ready yet?
+# ready: has its engine failed?).
 POLL_S = 0.5
 # A replica's /metrics must answer within this for the front's /metrics (else its last scrape).
 SCRAPE_TIMEOUT_S = 5.0
@@ -81,6 +85,7 @@ class Replica:
     proc: Optional[subprocess.Popen] = None
     state: str = "starting"                 # starting | ready | dead
     exit_status: Optional[int] = None
+    failure: Optional[str] = None           # its engine's error, where that ended it
     in_flight: int = 0
     pending: int = 0                        # prompt tokens of its requests yet to stream
     routed: int = 0                         # requests sent to it
@@ -93,12 +98,30 @@ class Replica:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def why(self) -> str:
+        """Why a dead replica is out of service."""
+        if self.failure is not None:
+            return f"its engine failed: {self.failure}"
+        return f"exit status {self.exit_status}"
+
     def describe(self) -> Dict[str, object]:
         return {"replica": self.index, "state": self.state, "port": self.port,
                 "pid": self.proc.pid if self.proc else None, "exit_status": self.exit_status,
+                "failure": self.failure,
                 "in_flight": self.in_flight, "pending": self.pending, "routed": self.routed,
                 "failed": self.failed, "affine": self.affine,
                 "gpus": self.env.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _failure(reply) -> Optional[str]:
+    """The engine's error where a replica's ``/health`` answer says it failed, else None."""
+    try:
+        said = reply.json()
+    except ValueError:
+        return None
+    if isinstance(said, dict) and said.get("status") == "failed":
+        return str(said.get("error") or "no error given")
+    return None
 
 
 def _die_with_parent() -> None:  # (the child, before exec) a front killed outright takes these along
@@ -110,8 +133,8 @@ def _die_with_parent() -> None:  # (the child, before exec) a front killed outri
 
 class Replicas:
     """The replica processes: started together, watched by a thread (a process that ended is
-    ``dead``; one whose ``/health`` answers 200 is ``ready``), chosen by affinity and load,
-    stopped together.
+    ``dead``; one whose ``/health`` answers 200 is ``ready``; one whose ``/health`` says its
+    engine failed is stopped and ``dead``), chosen by affinity and load, stopped together.
 
     slots: each replica's ``max_batch_size``. api_key: the key the watcher's ``/v1/models``
     carries (the replicas' ``--api-key``)."""
@@ -143,15 +166,18 @@ class Replicas:
         with httpx.Client(timeout=2.0) as client:
             while not self._stopping.is_set():
                 for r in self.replicas:
-                    self.check(r)
-                    if r.state == "starting":
-                        try:
-                            if client.get(r.url + "/health").status_code == 200:
-                                r.max_body_bytes = self._body_limit(client, r)
-                                r.state = "ready"
-                                _log.info("replica %d: ready", r.index)
-                        except httpx.TransportError:
-                            pass
+                    if not self.check(r):
+                        continue
+                    try:  # (no answer in time: no news; only the replica's word changes it)
+                        reply = client.get(r.url + "/health")
+                        if r.state == "starting" and reply.status_code == 200:
+                            r.max_body_bytes = self._body_limit(client, r)
+                            r.state = "ready"
+                            _log.info("replica %d: ready", r.index)
+                        elif reply.status_code == 503 and _failure(reply) is not None:
+                            self.fail(r, _failure(reply))
+                    except httpx.TransportError:
+                        pass
                 self._stopping.wait(POLL_S)
 
     def _body_limit(self, client, r: Replica) -> Optional[int]:
@@ -168,6 +194,16 @@ class Replicas:
                      "%d bytes", r.index, reply.status_code, FALLBACK_BODY_BYTES)
         return None
 
+    def fail(self, r: Replica, error: str) -> None:
+        """``r``'s engine failed while its process runs: out of service as if it had died, and
+        stopped (it would hold its GPUs and answer every request 503)."""
+        r.failure, r.state = error, "dead"
+        self.affinity.forget_replica(r.index)
+        _log.error("replica %d: its engine failed (%s): stopped; the front serves on the "
+                   "others", r.index, error)
+        if r.proc is not None and r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGTERM)
+
     def check(self, r: Replica) -> bool:
         """Whether ``r`` is still running; marks it dead (with its exit status) if not."""
         if r.state != "dead" and r.proc is not None and r.proc.poll() is not None:
@@ -178,13 +214,15 @@ class Replicas:
                            "the others", r.index, r.proc.pid, r.exit_status)
         return r.state != "dead"
 
-    def pick(self, prefer: Optional[int] = None, cached: int = 0) -> Replica:
+    def pick(self, prefer: Optional[int] = None, cached: int = 0,
+             exclude: frozenset = frozenset()) -> Replica:
         """The replica for a request: replica ``prefer`` (affinity: it served a prompt starting
         this one, ``cached`` of whose tokens it keeps) while it is ready, has a free slot (fewer
         than ``slots`` in flight, or all are full and none has fewer) and no more prompt tokens
         ahead, less ``cached``, than the least loaded; else, among the ready replicas with a
         free slot (all of them where none has one), the fewest prompt tokens ahead, then the
-        fewest in flight (ties in turn). ``ApiError`` 503 when none is ready.
+        fewest in flight (ties in turn); never one in ``exclude`` (indices: replicas that
+        refused this request's connection). ``ApiError`` 503 when none is ready.
 
         Prompt tokens first: a replica prefills its admitted prompts between decode steps, so
         a new request's first token waits for those ahead of it, and one 32k-token prompt
@@ -192,7 +230,8 @@ class Replicas:
         little to a decode step). The affine replica saves the request the prefill of its
         ``cached`` tokens, so it may have that many more ahead; a request queued on a full one
         would wait for one of its streams to end."""
-        ready = [r for r in self.replicas if r.state == "ready" and self.check(r)]
+        ready = [r for r in self.replicas
+                 if r.state == "ready" and r.index not in exclude and self.check(r)]
         if not ready:
             raise self.none_ready()
         fewest = min(r.in_flight for r in ready)
@@ -223,7 +262,7 @@ class Replicas:
 
     def summary(self) -> str:
         return ", ".join(f"replica {r.index} {r.state}" + (
-            f" (exit status {r.exit_status})" if r.state == "dead" else "") for r in self.replicas)
+            f" ({r.why()})" if r.state == "dead" else "") for r in self.replicas)
 
     def status(self) -> Tuple[int, str]:
         """(HTTP status, word) of ``/health``."""
@@ -295,6 +334,28 @@ def merge_metrics(scrapes: Sequence[Tuple[int, str]]) -> List[str]:
                   for key, value in family["sums"].items()]
         lines += family["each"]
     return lines
+
+
+def counters_only(text: Optional[str]) -> Optional[str]:
+    """Prometheus text less every family not typed ``counter``, ``histogram`` or ``summary``
+    (gauges, and untyped samples): what a replica that died still adds to the front's sums."""
+    if text is None:
+        return None
+    lines = text.splitlines()
+    kept_names = set()
+    for line in lines:
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            if kind.strip() in ("counter", "histogram", "summary"):
+                kept_names |= {name + suffix for suffix in
+                               ("", "_total", "_bucket", "_sum", "_count", "_created")}
+
+    def name_of(line: str) -> str:
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            return line.split(" ", 3)[2]
+        return line.split("{", 1)[0].split(" ", 1)[0]
+
+    return "\n".join(line for line in lines if line and name_of(line) in kept_names)
 
 
 def prompt_tokens(path: str, obj: object) -> int:
@@ -399,7 +460,7 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
         r.failed += 1
         await asyncio.sleep(0.05)  # (a killed process ends a moment after its sockets close)
         replicas.check(r)
-        what = (f"replica {r.index} (pid {r.proc.pid}) died (exit status {r.exit_status})"
+        what = (f"replica {r.index} (pid {r.proc.pid}) died ({r.why()})"
                 if r.state == "dead" else f"the connection to replica {r.index} broke")
         return ApiError(502, f"{what} while serving this request ({type(e).__name__}); the "
                              f"other replicas serve on: retry", type="server_error",
@@ -418,59 +479,73 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
             last, match = await run_in_threadpool(replicas.affinity.find, route[0], route[1])
         tokens = prompt_tokens(path, obj)
         prefer, cached = kept(tokens, match, last)
-        r = replicas.pick(prefer, cached)
-        fresh = tokens - cached if r.index == prefer else tokens  # what it must prefill
-        r.in_flight += 1
-        r.pending += fresh
-        r.routed += 1
+        refused = frozenset()  # replicas that refused this request's connection
+        while True:
+            r = replicas.pick(prefer, cached, refused)
+            fresh = tokens - cached if r.index == prefer else tokens  # what it must prefill
+            r.in_flight += 1
+            r.pending += fresh
+            r.routed += 1
 
-        def begun() -> None:  # its first token streamed (or it ended): no longer ahead
-            nonlocal fresh
-            r.pending -= fresh
-            fresh = 0
+            def begun() -> None:  # its first token streamed (or it ended): no longer ahead
+                nonlocal fresh
+                r.pending -= fresh
+                fresh = 0
 
-        def ended() -> None:
-            r.in_flight -= 1
-            begun()
+            def ended() -> None:
+                r.in_flight -= 1
+                begun()
 
-        reply: Optional[httpx.Response] = None
-        try:  # the client's headers go along (a replica checks its API key and origin)
-            upstream = client.build_request("POST", r.url + path, content=body,
-                                            headers=_forwarded(request.headers, _NOT_SENT))
-            reply = await client.send(upstream, stream=True)
-            if route is not None and reply.status_code == 200:  # its context is kept there
-                replicas.affinity.remember_last(route[0], *last, r.index)
-            mine = {**_forwarded(reply.headers, _NOT_RETURNED),
-                    "x-minikv-replica": str(r.index)}
-            if not stream or reply.status_code != 200:
-                content = await reply.aread()
-                await reply.aclose()
+            reply: Optional[httpx.Response] = None
+            try:  # the client's headers go along (a replica checks its API key and origin)
+                upstream = client.build_request("POST", r.url + path, content=body,
+                                                headers=_forwarded(request.headers, _NOT_SENT))
+                reply = await client.send(upstream, stream=True)
+                if route is not None and reply.status_code == 200:  # its context is kept there
+                    replicas.affinity.remember_last(route[0], *last, r.index)
+                mine = {**_forwarded(reply.headers, _NOT_RETURNED),
+                        "x-minikv-replica": str(r.index)}
+                if not stream or reply.status_code != 200:
+                    content = await reply.aread()
+                    await reply.aclose()
+                    ended()
+                    return Response(content, status_code=reply.status_code, headers=mine)
+                break
+            except httpx.ConnectError:  # never sent: not its request; another replica takes it
                 ended()
-                return Response(content, status_code=reply.status_code, headers=mine)
-        except httpx.TransportError as e:
-            ended()
-            if reply is not None:
-                await reply.aclose()
-            raise await lost(r, e) from None
-        except BaseException:
-            ended()
-            raise
+                r.routed -= 1
+                replicas.check(r)
+                refused |= {r.index}
+                _log.warning("replica %d refused a connection; the request goes to another",
+                             r.index)
+            except httpx.TransportError as e:
+                ended()
+                if reply is not None:
+                    await reply.aclose()
+                raise await lost(r, e) from None
+            except BaseException:
+                ended()
+                if reply is not None:
+                    await reply.aclose()
+                raise
 
         # the event that carries the first token: a chat stream's first event is its role
         first_token_event = 2 if path.endswith("/chat/completions") else 1
 
         async def relay():
-            events = 0
+            events, between = 0, True  # (between: the bytes so far end an event)
             try:
                 async for chunk in reply.aiter_raw():
                     if fresh:
                         events += chunk.count(b"data: ")
                         if events >= first_token_event:
                             begun()
+                    between = chunk.endswith(b"\n\n")
                     yield chunk
             except httpx.TransportError as e:  # the replica died mid-stream
                 error = (await lost(r, e)).body()
-                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                cut = b"" if between else b"\n\n"  # a half-sent event ends before the error's
+                yield cut + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 ended()
                 await reply.aclose()
@@ -521,8 +596,8 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
     @app.get("/metrics")
     async def metrics():
         async def scrape(r: Replica) -> Optional[str]:
-            if r.state == "dead":
-                return r.last_metrics  # its last figures: counters do not go back
+            if r.state == "dead":  # its counters as they last were (they do not go back); its
+                return counters_only(r.last_metrics)  # gauges went with it
             try:
                 reply = await client.get(r.url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
                 if reply.status_code == 200:
@@ -653,5 +728,6 @@ def serve_front(replicas: Replicas, host: str, port: int,
     return 1 if replicas.status()[1] == "failed" else 0
 
 
-__all__ = ["Replica", "Replicas", "create_front", "kept", "merge_metrics", "plan_replicas",
+__all__ = ["Replica", "Replicas", "counters_only", "create_front", "kept", "merge_metrics",
+           "plan_replicas",
            "prompt_tokens", "replica_commands", "serve_front", "without_tls"]
