@@ -229,6 +229,12 @@ def engine_config(method: str, **capacity) -> MiniKVConfig:
     return MiniKVConfig(**{"recall_resync": "off", **ENGINE_METHODS[method]}, **capacity)
 
 
+def shape_fields(shape: str) -> Dict[str, object]:
+    """Config fields a benchmark of a named config on ``shape`` sets beside the config's own:
+    on random weights the speculation's resync off (as ``engine_config``), on real ones none."""
+    return {} if SHAPES[shape].real else {"recall_resync": "off"}
+
+
 @dataclass
 class CallTiming:
     """One ``generate`` call: wall seconds (synchronized) and what the method itself reports."""

@@ -107,12 +107,14 @@ def load(shape: str, device, dtype):
 
 def minikv_config(args):
     """The engine's config: the library's default, or ``MiniKVConfig.preset(args.preset)``, with
-    the workload's capacity."""
+    the workload's capacity (and on random weights the resync off: ``harness.shape_fields``)."""
     from minikv_compile import MiniKVConfig
+
+    from . import harness as H
 
     capacity = dict(max_batch_size=args.max_batch_size, max_prompt_len=args.max_prompt_len,
                     max_new_tokens=args.max_new_tokens)
-    return MiniKVConfig.preset(args.preset, **capacity)
+    return MiniKVConfig.preset(args.preset, **H.shape_fields(args.model), **capacity)
 
 
 def serve_minikv(model, tokenizer, facts: Dict[str, Any], args, environment) -> int:

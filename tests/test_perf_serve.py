@@ -213,15 +213,18 @@ def test_a_preset_reaches_the_minikv_worker_and_its_config(tmp_path):
     minikv, hf = (Worker(b, args, tmp_path / f"{b}.log") for b in ("minikv", "hf"))
     assert minikv.argv[-2:] == ["--preset", "accurate"] and "--preset" not in hf.argv
     worker_args = parser.parse_args(minikv.argv[minikv.argv.index("serve-worker"):])
+    # random weights guess the next token at random: the resync off (it would pre-decode about
+    # every other step)
+    assert worker_args.model == "tiny"
     want = MiniKVConfig.preset("accurate", max_batch_size=args.max_batch_size,
                                max_prompt_len=args.max_prompt_len,
-                               max_new_tokens=args.max_new_tokens)
+                               max_new_tokens=args.max_new_tokens, recall_resync="off")
     assert serve_worker.minikv_config(worker_args) == want
     assert want.recall_top_k == 64 and want.rotation == "hadamard"
     worker_args.preset = None  # without one: the library's default
     assert serve_worker.minikv_config(worker_args) == MiniKVConfig(
         max_batch_size=args.max_batch_size, max_prompt_len=args.max_prompt_len,
-        max_new_tokens=args.max_new_tokens)
+        max_new_tokens=args.max_new_tokens, recall_resync="off")
 
 
 # -- the load generator's arithmetic ------------------------------------------------------------
