@@ -37,7 +37,8 @@ class GenerationOutput:
     """What ``generate`` returns.
 
     sequences: generated token ids per sequence (the prompt excluded; cut after the eos token,
-    which is included). stop_reasons: ``"eos"`` or ``"length"`` per sequence.
+    which is included). stop_reasons: ``"eos"``, ``"stop"`` (a stopping criterion) or
+    ``"length"`` per sequence.
     """
 
     sequences: List[List[int]]
@@ -396,11 +397,16 @@ class MiniKVModel:
             last = max(r.max_new_tokens for r in requests) - 1 + self.runtime.extra_steps
             resync = self.config.recall_resync != "off"
             steps = 0
+            asked = None  # the output lengths the stopping criteria last saw
             eos = any(r.eos_ids for r in requests)
             while steps < (2 * last if resync else last):
                 if watch:  # one sync a step anyway: look before every step
-                    if stop is not None:
-                        for slot, end in zip(slots, stop(rt.outputs(slots))):
+                    outputs = rt.outputs(slots) if stop is not None else None
+                    # the criteria see each new token once (not again after a step that added
+                    # none: SpeCache's pre-decoding step)
+                    if outputs is not None and [len(o) for o in outputs] != asked:
+                        asked = [len(o) for o in outputs]
+                        for slot, end in zip(slots, stop(outputs)):
                             if end and not finished[slot]:
                                 rt.finish(slot)
                                 stopped[slot] = True
@@ -421,8 +427,9 @@ class MiniKVModel:
                     counts, finished = now_counts, now_finished
                 elif watch:
                     finished = rt.finished(slots)
-            if stop is not None:  # the criteria see the last token too
-                for slot, end in zip(slots, stop(rt.outputs(slots))):
+            outputs = rt.outputs(slots) if stop is not None else None
+            if outputs is not None and [len(o) for o in outputs] != asked:  # the last token too
+                for slot, end in zip(slots, stop(outputs)):
                     stopped[slot] = stopped[slot] or (end and not finished[slot])
             if self.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -113,6 +113,29 @@ def test_a_missed_guess_pre_decodes_the_chosen_token_with_resync(resync):
     assert (out.decode_steps > 48) == resync  # 47 tokens after the first, the admission's step
 
 
+def test_stopping_criteria_see_each_new_token_once_across_pre_decoding_steps():
+    """A missed guess's pre-decoding step adds no token: the criteria are not asked about the
+    same sequences twice (one that counts its calls, as a user's may, sees one call a token)."""
+    from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+    class Lengths(StoppingCriteria):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append(input_ids.shape[1])
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    cm = minikv_compile(tiny(), snapkv(**KIVI, recall_top_k=4))  # "greedy": misses pre-decode
+    criterion = Lengths()
+    out = cm.generate([prompt_of(40, seed=3)], max_new_tokens=40,
+                      stopping_criteria=StoppingCriteriaList([criterion]))
+    assert out.decode_steps > 40  # some guesses missed (each a pre-decoding step)
+    assert len(out.sequences[0]) == 40 and out.stop_reasons == ["length"]
+    assert criterion.seen == sorted(set(criterion.seen))  # each length once, in order
+    assert criterion.seen[-1] == 40 + 40  # the last token too (the prompt's ids included)
+
+
 def test_the_greedy_resync_re_phases_the_greedy_slot_of_a_sampling_batch():
     """A batch of a greedy and a sampled request steps in sampling mode; ``"greedy"`` puts only
     the greedy slot's guess back in phase after its misses, the sampled one keeps its lag."""
