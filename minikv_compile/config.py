@@ -160,6 +160,8 @@ class MiniKVConfig:
         sampled requests alone: a drawn token differs from the greedy guess so often (SmolLM2:
         37% more steps at temperature 0.7, 46% at 1.0) that ``"always"`` would cost that much.
         SpeCache's paper runs without it (``preset("specache")``). Not ``"off"`` needs recall.
+        The guess is the plain argmax: a greedy request with a repetition penalty (or a ban on
+        eos before ``min_new_tokens``) chooses from other logits and misses more often.
     max_batch_size, max_prompt_len, max_new_tokens:
         The static capacity; buffers are allocated once for these.
     compile:
