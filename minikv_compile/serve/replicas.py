@@ -178,6 +178,9 @@ class Replicas:
                             self.fail(r, _failure(reply))
                     except httpx.TransportError:
                         pass
+                    except Exception:  # noqa: BLE001 -- the watcher outlives a bad answer
+                        _log.exception("replica %d: its /health answer could not be read",
+                                       r.index)
                 self._stopping.wait(POLL_S)
 
     def _body_limit(self, client, r: Replica) -> Optional[int]:
