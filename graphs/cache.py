@@ -160,14 +160,9 @@ class StaticKVCache:
         (the counters; it also orders the host copy's reads after the stream's pending stores,
         a tail prefill's chunk rows among them); the slot is not changed."""
         counts = torch.stack([layer.lens[slot] for layer in self.layers]).tolist()
-        P = 1 if self.bits == 16 else codes_per_word(self.bits)
         layers, host = [], [] if self.recall is not None else None
         for i, (layer, (n_quant, n_ring)) in enumerate(zip(self.layers, counts)):
-            rows = {"k_cache": n_quant // P, "v_cache": n_quant, "k_ring": n_ring,
-                    "v_ring": n_ring}
-            if self.bits != 16:
-                rows.update(k_scale=n_quant // self.group_size, k_zero=n_quant // self.group_size,
-                            v_scale=n_quant, v_zero=n_quant)
+            rows = self._rows(n_quant, n_ring)
             layers.append({name: getattr(layer, name)[slot, :, :n].clone()
                            for name, n in rows.items()})
             if host is not None:
@@ -175,6 +170,16 @@ class StaticKVCache:
                 host.append(tuple(t[slot, :, :n].clone() for t in (store.k, store.v)))
         return SlotSnapshot(tokens=tuple(tokens), lens=tuple(map(tuple, counts)), layers=layers,
                             host=host, logits=None if logits is None else logits.clone())
+
+    def _rows(self, n_quant: int, n_ring: int) -> Dict[str, int]:
+        """Each buffer's rows (its dim 2) that hold ``n_quant`` quantized and ``n_ring`` ring
+        tokens."""
+        P = 1 if self.bits == 16 else codes_per_word(self.bits)
+        rows = {"k_cache": n_quant // P, "v_cache": n_quant, "k_ring": n_ring, "v_ring": n_ring}
+        if self.bits != 16:
+            rows.update(k_scale=n_quant // self.group_size, k_zero=n_quant // self.group_size,
+                        v_scale=n_quant, v_zero=n_quant)
+        return rows
 
     def check_snapshot(self, snap: "SlotSnapshot", extra_tokens: int, name: str) -> None:
         """``ValueError`` unless ``snap`` has this cache's layout and, with ``extra_tokens``
@@ -205,6 +210,24 @@ class StaticKVCache:
             if n_ring > self.ring:
                 raise ValueError(f"{name}: layer {i} holds {n_ring} ring tokens, expected at "
                                  f"most residual_length={self.ring}")
+            # every tensor as this cache's buffer holds it (restore's copy_ would convert a
+            # dtype or broadcast a shape without a word)
+            want = {key: (self.num_kv_heads, n, *getattr(layer, key).shape[3:])
+                    for key, n in self._rows(n_quant, n_ring).items()}
+            pairs = [(key, t, getattr(layer, key).dtype) for key, t in snap.layers[i].items()]
+            if snap.host is not None:
+                store = self.recall.stores[i]
+                want.update(host_k=(self.num_kv_heads, n_quant + n_ring, self.head_dim),
+                            host_v=(self.num_kv_heads, n_quant + n_ring, self.head_dim))
+                pairs += [("host_k", snap.host[i][0], store.k.dtype),
+                          ("host_v", snap.host[i][1], store.v.dtype)]
+            if sorted(k for k, _, _ in pairs) != sorted(want):
+                raise ValueError(f"{name}: layer {i}: expected the tensors {sorted(want)}, got "
+                                 f"{sorted(k for k, _, _ in pairs)}")
+            for key, t, dtype in pairs:
+                if (tuple(t.shape), t.dtype) != (want[key], dtype):
+                    raise ValueError(f"{name}: layer {i}'s {key}: expected {want[key]} in "
+                                     f"{dtype}, got {tuple(t.shape)} in {t.dtype}")
 
     def restore(self, slot: int, snap: "SlotSnapshot") -> None:
         """Slot ``slot`` takes ``snap``'s state (checked by ``check_snapshot``), everything else

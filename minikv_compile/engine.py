@@ -235,10 +235,14 @@ class MiniKVModel:
     def load_prompt_cache(self, path) -> PromptCache:
         """The ``PromptCache`` saved at ``path`` (``PromptCache.save``), onto this engine's
         device (nothing is compiled). ``ValueError`` naming the field where the file's model
-        fingerprint, compression config or format version differs from this engine's."""
+        fingerprint, compression config or format version differs from this engine's, or a
+        tensor whose shape or dtype is not what this engine's slots hold."""
         self._check_no_tensor_parallel("load_prompt_cache")
-        return pc.load(path, fingerprint=self.fingerprint, config=pc.cache_config(self.config),
-                       device=self.device, num_layers=self.adapter.num_layers)
+        cache = pc.load(path, fingerprint=self.fingerprint, config=pc.cache_config(self.config),
+                        device=self.device, num_layers=self.adapter.num_layers)
+        for i, snap in enumerate(cache.sequences):
+            self.runtime.cache.check_snapshot(snap, 0, f"path: sequence {i}")
+        return cache
 
     @property
     def fingerprint(self) -> Dict[str, object]:

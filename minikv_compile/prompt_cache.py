@@ -15,8 +15,8 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -177,12 +177,15 @@ class PromptCache:
         written to a temporary file in the same folder, then renamed over ``path``."""
         device, host = {}, {}
         for i, seq in enumerate(self.sequences):
-            for name, t in seq.tensors().items():
-                (host if t.device.type == "cpu" else device)[f"seq{i}.{name}"] = t
+            for name, t in seq.tensors().items():  # by name, wherever this engine keeps them:
+                key = f"seq{i}.{name}"                # a CPU engine's file loads on CUDA
+                (host if _on_host(key) else device)[key] = t
             host[f"seq{i}.tokens"] = torch.tensor(seq.tokens, dtype=torch.int64)
         path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".promptcache-", suffix=".tmp", dir=folder)
+        tmp = os.path.join(folder, f".promptcache-{uuid.uuid4().hex}.tmp")
+        # created as open() creates files (mode 0o666 less the umask), not owner-only
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "wb") as f:
                 _write_safetensors(f, device, host, self.metadata())
@@ -197,6 +200,12 @@ class PromptCache:
 _DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
                 torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def _on_host(name: str) -> bool:
+    """Whether a file's tensor ``name`` lives in host memory when loaded (recall's host copy,
+    the token ids), not on the engine's device."""
+    return name.endswith(("host_k", "host_v", "tokens"))
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -378,18 +387,51 @@ def read_metadata(path) -> Dict[str, object]:
         raise ValueError(f"path: expected a saved prompt cache file, got {path!r}, which is not "
                          f"a file")
     with open(path, "rb") as f:
-        meta = _read_header(f, path, os.path.getsize(path)).get("__metadata__") or {}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"path.format: expected {FORMAT!r}, got {meta.get('format')!r} "
-                         f"in {path!r}")
+        return _metadata(_read_header(f, path, os.path.getsize(path)), path)
+
+
+# the metadata's fields and the JSON type each must parse to
+_METADATA = {"fingerprint": dict, "config": dict, "versions": dict, "lengths": list}
+
+
+def _metadata(header: dict, path: str) -> Dict[str, object]:
+    """The parsed metadata of a file's header (``ValueError`` naming a field that is missing or
+    not of its type)."""
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else meta
+        raise ValueError(f"path.format: expected {FORMAT!r}, got {got!r} in {path!r}")
     out = {}
-    for key in ("fingerprint", "config", "versions", "lengths"):
+    for key, kind in _METADATA.items():
         try:
             out[key] = json.loads(meta[key])
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"path.{key}: expected it in the file's metadata as JSON, got "
-                             f"{meta.get(key)!r} in {path!r}") from None
+            out[key] = None
+        if not isinstance(out[key], kind) or (key == "lengths" and not all(
+                type(n) is int and n >= 0 for n in out[key])):
+            raise ValueError(f"path.{key}: expected a JSON {kind.__name__}"
+                             f"{' of token counts' if key == 'lengths' else ''} in the file's "
+                             f"metadata, got {meta.get(key)!r} in {path!r}")
     return out
+
+
+def _entry(name: str, e: object, size: int, path: str) -> None:
+    """``ValueError`` unless the header's entry ``e`` for tensor ``name`` is a known dtype and a
+    shape whose bytes are its data offsets' span, within the ``size`` bytes after the header."""
+    ok = (isinstance(e, dict) and e.get("dtype") in _DTYPES
+          and isinstance(e.get("shape"), list)
+          and all(type(n) is int and n >= 0 for n in e["shape"])
+          and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+          and all(type(n) is int for n in e["data_offsets"]))
+    if ok:
+        lo, hi = e["data_offsets"]
+        n = _DTYPES[e["dtype"]].itemsize
+        for d in e["shape"]:
+            n *= d
+        ok = 0 <= lo <= hi <= size and hi - lo == n
+    if not ok:
+        raise ValueError(f"path: expected tensor {name!r} in a known dtype with a shape whose "
+                         f"bytes fit its place in the file, got {e!r} in {path!r}")
 
 
 def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
@@ -399,23 +441,24 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
     tensor is read. On the CPU the file is read in one read; on CUDA its device tensors'
     bytes are read in chunks through a reused pinned staging buffer, each chunk's copy to
     the device overlapping the read of the next (``_read_to_device``)."""
-    meta = read_metadata(path)
-    stub = PromptCache([], fingerprint=meta["fingerprint"], config=meta["config"],
-                       device=device, versions=meta["versions"])
-    check_compatible(stub, fingerprint=fingerprint, config=config, device=device, name="path")
     path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"path: expected a saved prompt cache file, got {path!r}, which is not "
+                         f"a file")
     size = os.path.getsize(path)
     device = torch.device(device)
-    on_host = lambda name: name.endswith(("host_k", "host_v", "tokens"))  # noqa: E731
-    with open(path, "rb") as f:
+    on_host = _on_host
+    with open(path, "rb") as f:  # (one read of the header: the file checked is the file read)
         header = _read_header(f, path, size)
+        meta = _metadata(header, path)
+        stub = PromptCache([], fingerprint=meta["fingerprint"], config=meta["config"],
+                           device=device, versions=meta["versions"])
+        check_compatible(stub, fingerprint=fingerprint, config=config, device=device,
+                         name="path")
         start = f.tell()
         entries = {k: v for k, v in header.items() if k != "__metadata__"}
         for name, e in entries.items():
-            lo, hi = e["data_offsets"]
-            if e.get("dtype") not in _DTYPES or not 0 <= lo <= hi <= size - start:
-                raise ValueError(f"path: expected {name!r} within the file in a known dtype, "
-                                 f"got {e}")
+            _entry(name, e, size - start, path)
         spans = [entries[k]["data_offsets"] for k in entries if not on_host(k)]
         lo = min((a for a, _ in spans), default=0)
         hi = max((b for _, b in spans), default=0)

@@ -14,6 +14,8 @@ import copy
 import io
 import json
 import os
+import stat
+import struct
 import tempfile
 
 import pytest
@@ -234,6 +236,72 @@ def test_chunked_transfers_move_every_byte(monkeypatch):
     f.seek(4 + 500)
     with pytest.raises(ValueError, match="truncated"):
         pc._read_to_device(f, torch.zeros_like(data))
+
+
+def _header(path) -> dict:
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+def _rewrite(path, out, edit) -> None:
+    """``path``'s file with its header changed by ``edit(header)``, written to ``out``."""
+    header = _header(path)
+    with open(path, "rb") as f:
+        f.seek(8 + struct.unpack("<Q", f.read(8))[0])
+        data = f.read()
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    out.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def test_a_cpu_engines_file_loads_anywhere_and_readers_other_than_its_owner_read_it(
+        full, tmp_path):
+    """The device tensors are written together by name, whatever the engine's device (the CUDA
+    loader streams that span to the GPU); the file's mode is the umask's, not owner-only."""
+    cache = full.cache_prompt([DOC, QUESTION])  # a batch of two: tokens between the sequences
+    path = tmp_path / "two.safetensors"
+    mask = os.umask(0o022)
+    try:
+        cache.save(path)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    entries = {k: v["data_offsets"] for k, v in _header(path).items() if k != "__metadata__"}
+    device = sorted(v for k, v in entries.items() if not pc._on_host(k))
+    assert all(a[1] == b[0] for a, b in zip(device, device[1:]))  # one span
+    assert all(v[0] >= device[-1][1] for k, v in entries.items() if pc._on_host(k))
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_damaged_file_is_a_value_error_naming_what(full, tmp_path):
+    cache = full.cache_prompt([DOC])
+    path, bad = tmp_path / "c.safetensors", tmp_path / "bad.safetensors"
+    cache.save(path)
+
+    def meta(key, value):
+        return lambda h: h["__metadata__"].__setitem__(key, value)
+
+    def entry(change):
+        return lambda h: change(h["seq0.layer0.k_ring"])
+
+    for edit, match in [
+            (entry(lambda e: e.__setitem__("shape", [e["shape"][0] + 1, *e["shape"][1:]])),
+             r"tensor 'seq0.layer0.k_ring' in a known dtype with a shape whose bytes fit"),
+            (entry(lambda e: e.__setitem__("dtype", "I64")), r"'seq0.layer0.k_ring'"),
+            (lambda h: h.__setitem__("seq0.layer0.k_ring", [1, 2]), r"'seq0.layer0.k_ring'"),
+            (meta("versions", "[1]"), r"path.versions: expected a JSON dict"),
+            (meta("lengths", "3"), r"path.lengths: expected a JSON list of token counts"),
+            (lambda h: h.__setitem__("__metadata__", [1]), r"path.format: expected"),
+            (lambda h: h["seq0.layer1.v_cache"].update(  # its bytes as another dtype
+                dtype="F16", shape=[2, 64, 2 * 64]),
+             r"path: sequence 0: layer 1's v_cache: expected \(2, 64, 64\) in torch.float32, "
+             r"got \(2, 64, 128\) in torch.float16")]:
+        _rewrite(path, bad, edit)
+        with pytest.raises(ValueError, match=match):
+            full.load_prompt_cache(bad)
+    assert full.load_prompt_cache(path).token_ids == [DOC]
 
 
 def test_refusals_name_what_differs_before_any_work(model, full, minikv, tmp_path):
