@@ -31,6 +31,7 @@ class Metrics:
     prefill_sum: float = 0.0
     steps: int = 0
     prefills: int = 0  # prefill passes completed (several prompts each when batched)
+    keep_failures: int = 0  # contexts the prefix cache could not keep (no memory for the copy)
 
     def observe(self, hist: List[int], seconds: float) -> None:
         hist[next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b),

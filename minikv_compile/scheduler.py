@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import gc
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -36,6 +37,8 @@ from .loop_metrics import LATENCY_BUCKETS, Metrics
 from .prefill_clock import CHUNK, LAYER, PrefillClock
 from .prefix_pool import DiskContexts, PrefixPool
 from .ranks import HEARTBEAT_S, ReplicatedRuntime
+
+_log = logging.getLogger("minikv_compile.scheduler")
 
 __all__ = ["Delta", "Handle", "IncrementalDetokenizer", "LATENCY_BUCKETS", "Metrics",
            "PrefillClock", "QueueFull", "Scheduler", "ServeRequest"]
@@ -632,11 +635,18 @@ class Scheduler:
         return fresh
 
     def _keep(self, slot: int, handle: Handle) -> None:
-        """Keep ``slot``'s context (its request's ``keep``) in the pool, and on disk."""
+        """Keep ``slot``'s context (its request's ``keep``) in the pool, and on disk. A context
+        that cannot be kept (no memory for its copy) is not: the request goes on, logged and
+        counted (``minikv_prefix_cache_keep_failures_total``), and the next one prefills it."""
         scope = self._scope(handle.request)
-        snap = self.rt.snapshot(slot)
-        if self.pool.add(scope, snap) and self.disk is not None:
-            self.disk.save(scope, snap)
+        try:
+            snap = self.rt.snapshot(slot)
+            if self.pool.add(scope, snap) and self.disk is not None:
+                self.disk.save(scope, snap)
+        except Exception as e:  # noqa: BLE001 -- an optimization failed, not the request
+            self.metrics.keep_failures += 1
+            _log.warning("slot %d: its context was not kept (%s: %s)", slot,
+                         type(e).__name__, e)
 
     def _step(self) -> None:
         """Launch a decode step of the running requests, then read the step before it while
@@ -716,10 +726,10 @@ class Scheduler:
         self._end(run.handle, reason, None, run.text[run.sent:])
 
     def _end(self, handle: Handle, reason: str, error: Optional[str], text: str = "") -> None:
-        if handle.slotted:
-            with self._cv:
+        with self._cv:  # (submit's threads end cancelled requests too: exact counts)
+            if handle.slotted:
                 handle.slotted = False
                 self._slotted -= 1
-        handle.finish_reason = reason  # counted before the client can see the end
-        self.metrics.requests[reason] += 1
+            handle.finish_reason = reason  # counted before the client can see the end
+            self.metrics.requests[reason] += 1
         handle._emit(Delta(text, [], reason, error))

@@ -391,3 +391,38 @@ def test_a_hit_is_admitted_alone_and_looked_up_once(ref):
     finally:
         sched.shutdown()
         ref.engine.runtime.release_all()
+
+
+@pytest.mark.parametrize("keep", ["prompt", "conversation"])
+def test_a_context_that_cannot_be_kept_leaves_its_request_whole(ref, monkeypatch, keep):
+    """Keeping a context (at admission, or at the end of a chat's answer) copies the slot: out
+    of memory there keeps nothing, counted, and the requests end as they would (before, the
+    request was never ended and the loop failed every other one)."""
+    from minikv_compile import scheduler as S
+
+    sched = S.Scheduler(ref.engine, ref.tok, prefix_cache_gpu_bytes=10**7)
+
+    def no_room(slot):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(ref.engine.runtime, "snapshot", no_room)
+    prompts = [ref.ids(words(31, 20)), ref.ids(words(32, 12))]
+    requests = [S.ServeRequest(prompts[0], 4, keep=keep), S.ServeRequest(prompts[1], 4)]
+    want = [ref.engine.generate([p], max_new_tokens=4, do_sample=False).sequences[0]
+            for p in prompts]
+    handles = [sched.submit(r) for r in requests]
+    try:
+        for _ in range(200):
+            if all(h.finish_reason is not None for h in handles):
+                break
+            if sched._admitting is None:
+                sched._start_admission()
+            sched._admit_piece()
+            sched._step()
+        assert [h.result() for h in handles] == [(ref.text(p, w), "length")
+                                                 for p, w in zip(prompts, want)]
+        assert sched.metrics.keep_failures == 2 and len(sched.pool) == 0  # (each keeps one)
+        assert sched.failure is None
+    finally:
+        sched.shutdown()
+        ref.engine.runtime.release_all()

@@ -20,10 +20,14 @@ from ..scheduler import ServeRequest
 from .errors import ApiError, bad, checked
 
 _MAX_STOPS = 4  # OpenAI's limit on stop strings
+# A chat turn's roles (a role is written into the prompt as it is: a free string could carry
+# the template's special tokens and forge a turn)
+_ROLES = ("system", "developer", "user", "assistant")
 
 # Fields a client may send that change nothing when left at their neutral value; any other
 # value is refused rather than silently ignored.
-_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, 0),
+# (``logprobs: 0`` is not neutral: a completion's log-probability of the chosen token.)
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False,),
             "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
             "suffix": ("",)}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
@@ -163,6 +167,10 @@ def parse(body: Dict[str, Any], served: Served, kind: str,
     if n is not None and not (type(n) is int and n == 1):
         raise bad("n", "1 (one completion per request)", n)
 
+    both = [body.get(k) for k in ("max_tokens", "max_completion_tokens")]
+    if None not in both and both[0] != both[1]:
+        raise bad("max_completion_tokens", f"the same value as max_tokens ({both[0]!r}) or "
+                  f"one of them alone", both[1])
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = body.get(name)
@@ -282,11 +290,13 @@ def chat_ids(body: Dict[str, Any], tokenizer, served: Served) -> List[int]:
     turns = []
     for i, m in enumerate(messages):
         param = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        if not isinstance(m, dict):
             raise bad(param, 'an object {"role": str, "content": str}', m)
-        unknown = sorted(set(m) - {"role", "content", "name"})
-        if unknown:
-            raise bad(f"{param}.{unknown[0]}", "only role, content and name", m[unknown[0]])
+        unknown = sorted(set(m) - {"role", "content"})
+        if unknown:  # (a name is not written into the prompt by the chat template here)
+            raise bad(f"{param}.{unknown[0]}", "only role and content", m[unknown[0]])
+        if m.get("role") not in _ROLES:
+            raise bad(f"{param}.role", f"one of {list(_ROLES)}", m.get("role"))
         turns.append({"role": m["role"], "content": _content(f"{param}.content", m.get("content"))})
     _short_enough("messages", sum(len(t["content"]) for t in turns), served)
     if getattr(tokenizer, "chat_template", None) is None:

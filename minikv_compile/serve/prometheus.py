@@ -56,6 +56,9 @@ def render(scheduler: Scheduler, config: MiniKVConfig, invalid: int) -> str:
     metric("minikv_prefix_cache_evictions_total", "counter",
            "Contexts dropped from the pool to make room (least recently used first).",
            [("", pool.evictions)])
+    metric("minikv_prefix_cache_keep_failures_total", "counter",
+           "Contexts that could not be kept (no memory for the copy): the request went on, the "
+           "next one prefills them.", [("", scheduler.metrics.keep_failures)])
     metric("minikv_prefix_cache_disk_loads_total", "counter",
            "Contexts read from --prefix-cache-dir on a miss.",
            [("", 0 if scheduler.disk is None else scheduler.disk.loads)])
