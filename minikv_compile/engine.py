@@ -180,6 +180,12 @@ class MiniKVModel:
         if stopping_criteria is not None and not callable(stopping_criteria):
             raise ValueError(f"stopping_criteria: expected a callable (HF's StoppingCriteriaList), "
                              f"got {type(stopping_criteria).__name__}")
+        hf_streamer = streamer is not None and not callable(streamer)
+        tensors = plan.output != "engine" or hf_streamer or stopping_criteria is not None
+        if (plan.pad is None and tensors and not isinstance(ids, torch.Tensor)
+                and len({len(p) for p in prompts}) > 1):  # HF's tensors: refused before work
+            raise ValueError("pad_token_id: expected an id to pad prompts of different lengths "
+                             "into one tensor, got None (and no eos id)")
         prefixes = self._check_prefixes(past_key_values, prompts)
         # (a rank's shard of a cache is not a PromptCache: _check_no_tensor_parallel)
         keep_cache = plan.keep_cache and self.adapter.tp.world == 1
@@ -189,7 +195,6 @@ class MiniKVModel:
         if past_key_values is not None:  # every request, before any is admitted
             for i, request in enumerate(requests):
                 self.runtime.check_request(request, f"input_ids[{i}]")
-        hf_streamer = streamer is not None and not callable(streamer)
         if hf_streamer:
             streamer.put(generation.hf_sequences(ids, prompts, [[]] * len(prompts), plan.pad))
         stop = None
@@ -502,7 +507,8 @@ def _input_width(ids) -> int:
     shape = getattr(ids, "shape", None)
     if shape is not None and len(shape) >= 1:
         return int(shape[-1])
-    if isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple)):
+    if isinstance(ids, (list, tuple)) and ids and getattr(ids[0], "ndim", 1) >= 1 \
+            and hasattr(ids[0], "__len__"):  # rows: lists, 1-D tensors or arrays
         return max(len(r) for r in ids)
     return len(ids) if isinstance(ids, (list, tuple)) else 0
 

@@ -70,13 +70,16 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int
                              f"got {type(generation_config).__name__}")
         for key, value in generation_config.to_diff_dict().items():
             setattr(merged, key, value)
-    unknown = sorted(k for k in kwargs if not hasattr(merged, k) or k.startswith("_"))
+    fields = merged.to_dict()  # (its fields: not its methods' names)
+    unknown = sorted(k for k in kwargs if k not in fields or k.startswith("_"))
     if unknown:
         raise TypeError(f"generate: unexpected keyword argument(s) {unknown}; expected "
                         f"GenerationConfig fields, e.g. {sorted(_SUPPORTED)}")
     set_here = {k for k, v in kwargs.items() if v is not None}
     for key in set_here:
         setattr(merged, key, kwargs[key])
+    if "eos_token_id" in kwargs and kwargs["eos_token_id"] is None:
+        merged.eos_token_id = None  # as HF: the call's None is no eos, not the model's
     _refuse_unsupported(merged)
 
     def get(key):
@@ -114,6 +117,9 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int
     if "return_dict_in_generate" in set_here:
         as_dict = check_bool("return_dict_in_generate", kwargs["return_dict_in_generate"])
         output = "dict" if as_dict else "tensor"
+    elif merged.return_dict_in_generate:  # a GenerationConfig's: the call's or the model's
+        output = "dict" if check_bool("return_dict_in_generate",
+                                      merged.return_dict_in_generate) else "tensor"
     return GenerationPlan(max_new_tokens=max_new, min_new_tokens=min(min_new, max_new),
                           sampling=sampling, eos=tuple(eos),
                           pad=pad if pad is not None or not eos else eos[0], declared_pad=pad,

@@ -296,3 +296,48 @@ def test_kv_memory_compares_like_with_like(model):
     assert "uncompressed float32" in str(rep)
     with pytest.raises(ValueError, match="prompt_len"):
         cm.kv_memory(prompt_len=65)
+
+
+def test_what_a_generation_config_says_and_a_calls_none_count_as_in_hf(model, cm):
+    p = prompt_of(10, 4)
+    free = cm.generate([p], max_new_tokens=12).sequences[0]
+    ids = torch.tensor([p])
+    # return_dict_in_generate from a GenerationConfig (the call's, or the model's)
+    out = cm.generate([p], generation_config=GenerationConfig(return_dict_in_generate=True,
+                                                              max_new_tokens=3))
+    assert isinstance(out, GenerateDecoderOnlyOutput) and out.sequences[0, 10:].tolist() == free[:3]
+    # eos_token_id=None in the call: no eos, as HF (the model's would stop at the 4th token)
+    model.generation_config.eos_token_id = free[3]
+    try:
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False, eos_token_id=None)
+        got = cm.generate([p], max_new_tokens=12, eos_token_id=None)
+        assert got.sequences[0] == want[0, 10:].tolist() == free
+        assert cm.generate([p], max_new_tokens=12).sequences[0] == free[:4]
+        model.generation_config.return_dict_in_generate = True
+        assert isinstance(cm.generate([p], max_new_tokens=2), GenerateDecoderOnlyOutput)
+    finally:
+        model.generation_config.eos_token_id = None
+        model.generation_config.return_dict_in_generate = False
+
+
+def test_max_length_counts_a_list_of_tensors_rows_and_method_names_are_no_arguments(cm):
+    rows = [torch.tensor(prompt_of(10, 1)), torch.tensor(prompt_of(10, 2))]
+    out = cm.generate(rows, max_length=13)
+    assert [len(s) for s in out.sequences] == [3, 3]  # 13 less the rows' 10, not less 2 rows
+    assert [len(s) for s in cm.generate([r.numpy() for r in rows], max_length=13).sequences] \
+        == [3, 3]
+    for name in ("to_dict", "validate", "update"):
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument\(s\) \['{name}'\]"):
+            cm.generate(rows, max_new_tokens=2, **{name: 1})
+
+
+def test_prompts_of_different_lengths_without_a_pad_id_are_refused_before_any_work(cm):
+    prompts = [prompt_of(10, 1), prompt_of(7, 2)]
+    steps = []
+    with pytest.raises(ValueError, match=r"pad_token_id: expected an id to pad prompts of "
+                                         r"different lengths into one tensor, got None"):
+        cm.generate(prompts, max_new_tokens=4, return_dict_in_generate=False,
+                    streamer=steps.append)
+    assert steps == [] and cm.runtime.admitted == []
+    assert [len(s) for s in cm.generate(prompts, max_new_tokens=4).sequences] == [4, 4]
