@@ -155,6 +155,18 @@ class _Running:
         self.last_at = handle.created
 
 
+def check_prefix_cache(gpu_bytes: int, folder: Optional[str], tensor_parallel: int) -> None:
+    """``ValueError`` for a prefix cache under tensor parallel (each rank holds a shard of a
+    context: the pool keeps none)."""
+    if tensor_parallel > 1:
+        for name, value, off in (("prefix_cache_gpu_bytes", gpu_bytes, 0),
+                                 ("prefix_cache_dir", folder, None)):
+            if value:
+                raise ValueError(f"{name}: expected {off!r} with tensor_parallel="
+                                 f"{tensor_parallel} (each rank holds a shard of a context), "
+                                 f"got {value!r}")
+
+
 class Scheduler:
     """The loop that owns ``engine`` (its runtime of slots) and serves ``submit`` ted requests.
 
@@ -239,10 +251,7 @@ class Scheduler:
     def _prefix_pool(self, gpu_bytes: int, host_bytes: int, folder: Optional[str]
                      ) -> Tuple[PrefixPool, Optional[DiskContexts]]:
         engine = self.engine
-        if (gpu_bytes or folder) and engine.adapter.tp.world > 1:
-            raise ValueError(f"prefix_cache_gpu_bytes: expected 0 with tensor_parallel="
-                             f"{engine.adapter.tp.world} (each rank holds a shard of a context), "
-                             f"got {gpu_bytes}")
+        check_prefix_cache(gpu_bytes, folder, engine.adapter.tp.world)
         if folder is not None and not gpu_bytes:
             raise ValueError(f"prefix_cache_dir: expected none while prefix_cache_gpu_bytes is 0 "
                              f"(reuse off), got {folder!r}")

@@ -651,6 +651,14 @@ def test_bad_flags_exit_with_the_message(model_dir, capsys):
         main(["--model", str(model_dir), "--tensor-parallel", "2"])
     assert "--tensor-parallel 2: expected a launch by torchrun --nproc-per-node 2 (RANK, " \
         "WORLD_SIZE and LOCAL_RANK set), got a single process" in capsys.readouterr().err
+    # refused by every rank before any waits for another (not by rank 0 after the load)
+    for flags, says in [(["--prefix-cache-gpu-bytes", "1000"],
+                         "prefix_cache_gpu_bytes: expected 0 with tensor_parallel=2"),
+                        (["--prefix-cache-dir", str(model_dir)],
+                         "prefix_cache_dir: expected None with tensor_parallel=2")]:
+        with pytest.raises(SystemExit):
+            main(["--model", str(model_dir), "--tensor-parallel", "2", *flags])
+        assert says in capsys.readouterr().err
     blocker = model_dir / "config.json"  # a file: no folder can be made below it
     with pytest.raises(SystemExit):
         main(["--model", str(model_dir), "--compile-cache", str(blocker / "cache")])

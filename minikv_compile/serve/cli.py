@@ -17,7 +17,7 @@ from minikv_compile.models.parallel import join_torchrun
 from ..config import BY_BITS, PRESETS, RESYNCS, MiniKVConfig
 from ..inputs import check_int
 from ..ranks import follow
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, check_prefix_cache
 from .app import create_app
 from .security import ServeOptions, allowed_hosts
 from .cache import use_compile_cache
@@ -156,6 +156,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=1)
         for flag in ("prefix_cache_gpu_bytes", "prefix_cache_host_bytes"):
             check_int("--" + flag.replace("_", "-"), getattr(args, flag), lo=0)
+        # on every rank, before any waits for another (rank 0 alone refusing it later would
+        # leave the others in a collective)
+        check_prefix_cache(args.prefix_cache_gpu_bytes, args.prefix_cache_dir,
+                           config.tensor_parallel)
         if not args.prefill_ms > 0:
             raise ValueError(f"--prefill-ms: expected a positive number, got {args.prefill_ms}")
         options, tls = _door_options(args)
