@@ -39,6 +39,9 @@ from .prefix_pool import DiskContexts, PrefixPool
 from .ranks import HEARTBEAT_S, ReplicatedRuntime
 
 _log = logging.getLogger("minikv_compile.scheduler")
+# How long shutdown waits for a warm-up to reach its next step (one bucket's compile and
+# capture; past it the followers of tensor parallel are not told to stop: two threads' calls)
+WARM_UP_STOP_S = 120.0
 
 __all__ = ["Delta", "Handle", "IncrementalDetokenizer", "LATENCY_BUCKETS", "Metrics",
            "PrefillClock", "QueueFull", "Scheduler", "ServeRequest"]
@@ -242,6 +245,8 @@ class Scheduler:
         self._slotted = 0  # requests given a slot (prefilling or running), under ``_cv``
         self._running: Dict[int, _Running] = {}
         self._cv = threading.Condition()
+        self._warm_idle = threading.Event()  # clear while warm_up runs (shutdown waits for it)
+        self._warm_idle.set()
         self._ids = itertools.count()
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -278,10 +283,25 @@ class Scheduler:
         while serving. Then take what start-up made out of the garbage collector's reach
         (``gc.freeze``): a full collection over it (~600k objects with the compiler loaded) took
         250 ms on the 2-core CI machine, a pause of every stream at once; serving's own objects
-        stay collected."""
+        stay collected. A ``shutdown`` meanwhile ends it at its next step (``RuntimeError``),
+        and waits for that: under tensor parallel, two threads must not make collectives."""
+        self._warm_idle.clear()
+        try:
+            self._warm_up()
+        finally:
+            self._warm_idle.set()
+
+    def _warming(self) -> None:
+        """``RuntimeError`` once ``shutdown`` was called (warm-up stops between its steps)."""
+        if self._stop:
+            raise RuntimeError("warm-up: the scheduler was shut down before it was ready")
+
+    def _warm_up(self) -> None:
         for bucket in self.rt.buckets:
             for mode in ("greedy", "sample"):
+                self._warming()
                 self.rt.prepare(bucket, mode)
+        self._warming()
         slot = self.rt.free_slots()[0]
         longest = Request([0] * self.engine.config.max_prompt_len, 1)
         # the prefix pool's bytes, full, and a context being copied in before the oldest goes
@@ -306,6 +326,7 @@ class Scheduler:
         self.rt.release(slot)
         del pool
         if self.pool.enabled:
+            self._warming()
             self._warm_tail(slot)
         gc.collect()
         gc.freeze()
@@ -340,8 +361,12 @@ class Scheduler:
             rt.release(slot)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="minikv-scheduler", daemon=True)
-        self._thread.start()
+        with self._cv:
+            if self._stop:  # shut down while it warmed up: nothing to serve
+                return
+            self._thread = threading.Thread(target=self._loop, name="minikv-scheduler",
+                                            daemon=True)
+            self._thread.start()
 
     def shutdown(self) -> None:
         with self._cv:
@@ -349,7 +374,9 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        stuck = self._thread is not None and self._thread.is_alive()
+        # a warm-up still running ends at its next step (a bucket's compile and capture)
+        warming = not self._warm_idle.wait(timeout=WARM_UP_STOP_S)
+        stuck = warming or (self._thread is not None and self._thread.is_alive())
         if self.disk is not None:
             self.disk.close()  # the contexts still queued are written
         if isinstance(self.rt, ReplicatedRuntime) and not stuck:

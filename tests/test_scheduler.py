@@ -607,3 +607,37 @@ def test_serving_with_recall_gives_each_request_its_tokens_alone(recall):
             assert h.result() == (w, "length") and h.completion_tokens == n
     finally:
         sched.shutdown()
+
+
+def test_a_shutdown_while_warming_up_ends_the_warm_up_and_waits_for_it(monkeypatch):
+    """Under tensor parallel the warm-up's calls are collectives: shutdown must not tell the
+    other ranks to stop while another thread still makes them. It ends the warm-up at its next
+    step and returns after it; the loop is not started afterwards."""
+    cm = minikv_compile(tiny(), snapkv(**CFG))
+    sched = Scheduler(cm, CharTokenizer())
+    calls, entered = [], threading.Event()
+
+    def prepare(bucket, mode):  # one bucket's compile and capture, slowed
+        calls.append((bucket, mode))
+        entered.set()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(cm.runtime, "prepare", prepare)
+    errors = []
+
+    def warm():
+        try:
+            sched.warm_up()
+        except RuntimeError as e:
+            errors.append(str(e))
+        sched.start()
+
+    thread = threading.Thread(target=warm)
+    thread.start()
+    assert entered.wait(30)
+    sched.shutdown()
+    assert sched._warm_idle.is_set()  # the warm-up had ended when shutdown returned
+    thread.join(10)
+    assert len(calls) == 1 and errors == [
+        "warm-up: the scheduler was shut down before it was ready"]
+    assert sched._thread is None and not sched.ready

@@ -40,6 +40,9 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
                       "prefilled in %.1f s", name, engine.runtime.buckets,
                       time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 -- the server must not say ready
+            if server.should_exit:  # stopped while warming up (shutdown ends the warm-up)
+                _log.info("stopped before ready: %s", e)
+                return
             _log.exception("warm-up failed")
             failed.append(e)
             server.should_exit = True
