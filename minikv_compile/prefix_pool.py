@@ -299,8 +299,8 @@ class DiskContexts:
                     continue
             try:
                 snap = self._read(os.path.join(self.folder, name))
-            except (ValueError, OSError) as e:
-                self.skipped.append(f"{name}: {e}")
+            except Exception as e:  # noqa: BLE001 -- a context not read is a miss, not a 500
+                self.skipped.append(f"{name}: {type(e).__name__}: {e}")
                 with self._lock:
                     self._names.discard(name)
                 continue

@@ -168,7 +168,16 @@ def test_disk_contexts_by_name(tmp_path):
     broken = DiskContexts(tmp_path, write, refuse)
     assert broken.load("s", prompt, prefix_hashes(prompt)) is None
     assert len(broken.skipped) == 2 and "bits" in broken.skipped[0]
-    for d in (disk, again, broken):
+
+    def no_room(path):  # any failure to read one is a miss: its prompt is prefilled
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    full = DiskContexts(tmp_path, write, no_room)
+    assert full.load("s", prompt, prefix_hashes(prompt)) is None
+    assert full.load("s", prompt, prefix_hashes(prompt)) is None  # not asked again
+    assert len(full.skipped) == 2 and all(
+        x.endswith(": RuntimeError: CUDA out of memory (simulated)") for x in full.skipped)
+    for d in (disk, again, broken, full):
         d.close()
 
 
