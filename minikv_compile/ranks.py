@@ -22,6 +22,7 @@ the process group's timeout.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class ReplicatedRuntime:
             raise ValueError(f"ReplicatedRuntime: expected rank 0 (the others run "
                              f"minikv_compile.ranks.follow), got rank {tp.rank}")
         self._rt, self._group = engine.runtime, tp.group
+        self.last_sent = time.monotonic()  # when the other ranks last got a call
 
     def __getattr__(self, name: str) -> Any:
         if name in _READS:
@@ -62,6 +64,7 @@ class ReplicatedRuntime:
 
     def _send(self, call: str, *args) -> None:
         dist.broadcast_object_list([(call, args)], src=0, group=self._group)
+        self.last_sent = time.monotonic()
 
     def prepare(self, bucket: int, mode: str) -> Optional[float]:
         self._send("prepare", bucket, mode)

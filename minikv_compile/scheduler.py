@@ -461,8 +461,16 @@ class Scheduler:
             with self._cv:
                 while (not self._stop and not self._waiting and not self._running
                        and self._admitting is None):
-                    if not self._cv.wait(HEARTBEAT_S) and isinstance(self.rt, ReplicatedRuntime):
+                    if not isinstance(self.rt, ReplicatedRuntime):
+                        self._cv.wait(HEARTBEAT_S)
+                        continue
+                    # by the clock, not by a wait that timed out: wake-ups that end in no call
+                    # (requests cancelled or refused before admission) would put it off
+                    due = HEARTBEAT_S - (time.monotonic() - self.rt.last_sent)
+                    if due <= 0:
                         self.rt.heartbeat()  # idle: the other ranks are waiting for a call
+                    else:
+                        self._cv.wait(due)
                 if self._stop:
                     break
                 self._drop_cancelled()

@@ -641,3 +641,42 @@ def test_a_shutdown_while_warming_up_ends_the_warm_up_and_waits_for_it(monkeypat
     assert len(calls) == 1 and errors == [
         "warm-up: the scheduler was shut down before it was ready"]
     assert sched._thread is None and not sched.ready
+
+
+def test_an_idle_tensor_parallel_loop_sends_heartbeats_by_the_clock(monkeypatch):
+    """The other ranks wait in a collective with a timeout: rank 0's idle loop sends a call
+    every HEARTBEAT_S since the last one, also while wake-ups that lead to no call (requests
+    cancelled or refused before admission) keep coming faster than that."""
+    from minikv_compile import scheduler as S
+
+    class Replicated:  # stands in for rank 0's ReplicatedRuntime
+        def __init__(self, rt):
+            self.rt, self.last_sent, self.beats = rt, time.monotonic(), []
+
+        def __getattr__(self, name):
+            return getattr(self.rt, name)
+
+        def heartbeat(self):
+            self.beats.append(time.monotonic())
+            self.last_sent = time.monotonic()
+
+        def stop_followers(self):
+            pass
+
+    monkeypatch.setattr(S, "ReplicatedRuntime", Replicated)
+    monkeypatch.setattr(S, "HEARTBEAT_S", 0.2)
+    cm = minikv_compile(tiny(), snapkv(**CFG))
+    sched = Scheduler(cm, CharTokenizer())
+    sched.rt = Replicated(cm.runtime)
+    sched.start()
+    try:
+        start = time.monotonic()
+        while time.monotonic() - start < 1.2:  # a wake-up every 50 ms, none a call
+            with sched._cv:
+                sched._cv.notify_all()
+            time.sleep(0.05)
+        beats = sched.rt.beats
+        assert len(beats) >= 4, beats
+        assert all(b - a < 0.45 for a, b in zip([start] + beats, beats)), beats
+    finally:
+        sched.shutdown()
