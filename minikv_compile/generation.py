@@ -118,8 +118,8 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, vocab_size: int
         as_dict = check_bool("return_dict_in_generate", kwargs["return_dict_in_generate"])
         output = "dict" if as_dict else "tensor"
     elif merged.return_dict_in_generate:  # a GenerationConfig's: the call's or the model's
-        output = "dict" if check_bool("return_dict_in_generate",
-                                      merged.return_dict_in_generate) else "tensor"
+        check_bool("return_dict_in_generate", merged.return_dict_in_generate)
+        output = "dict"
     return GenerationPlan(max_new_tokens=max_new, min_new_tokens=min(min_new, max_new),
                           sampling=sampling, eos=tuple(eos),
                           pad=pad if pad is not None or not eos else eos[0], declared_pad=pad,
