@@ -201,11 +201,14 @@ class MiniKVModel:
         if stopping_criteria is not None:
             stop = lambda outs: generation.stop_flags(stopping_criteria(  # noqa: E731
                 generation.hf_sequences(ids, prompts, outs, plan.pad), None), len(prompts))
-        with self._lock:
-            out = self._run(requests, _stream_to(streamer, plan.pad) if hf_streamer else streamer,
-                            every, stop, snapshot=keep_cache)
-        if hf_streamer:
-            streamer.end()
+        try:
+            with self._lock:
+                out = self._run(requests,
+                                _stream_to(streamer, plan.pad) if hf_streamer else streamer,
+                                every, stop, snapshot=keep_cache)
+        finally:  # also when the call fails: a consumer iterating the streamer is not left waiting
+            if hf_streamer:
+                streamer.end()
         if plan.output == "engine":
             return out
         sequences = generation.hf_sequences(ids, prompts, out.sequences, plan.pad)

@@ -4,6 +4,7 @@ cannot be made to do on cue: ``python tests/fake_replica.py PORT FLAG_FILE``.
 - ``GET /health``: 200 ``{"status": "ok"}``; once ``FLAG_FILE`` exists, 503 ``{"status":
   "failed", "error": "<its text>"}`` (an engine that failed while its process runs).
 - ``GET /v1/models``: a body limit of 1 MiB. ``GET /metrics``: one gauge and one counter.
+  ``GET /info``: plain text, not JSON.
 - ``POST /v1/completions``: a whole answer ``{"replica_port": PORT}``; with ``"stream": true``,
   one event and half of the next (its ``data: {`` and no more), then the connection closes
   without ending the chunked body (a replica that died mid-event).
@@ -41,6 +42,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(200, {"status": "ok"})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake", "max_body_bytes": 1 << 20}]})
+        elif self.path == "/info":  # not JSON: the front must not pass on a plain-text 500
+            body = b"ok"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         elif self.path == "/metrics":
             body = ("# HELP fake_slots_in_use Slots in use.\n# TYPE fake_slots_in_use gauge\n"
                     "fake_slots_in_use 3\n# HELP fake_requests_total Requests.\n"

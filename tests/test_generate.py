@@ -341,3 +341,21 @@ def test_prompts_of_different_lengths_without_a_pad_id_are_refused_before_any_wo
                     streamer=steps.append)
     assert steps == [] and cm.runtime.admitted == []
     assert [len(s) for s in cm.generate(prompts, max_new_tokens=4).sequences] == [4, 4]
+
+
+def test_a_failed_call_still_ends_an_hf_streamer(cm):
+    """A consumer iterating an HF streamer (TextIteratorStreamer's) is not left waiting when
+    the call fails: ``end()`` runs, then the error is raised; the engine goes on."""
+    class Breaks(_Recorder):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 3:
+                raise RuntimeError("the consumer went away")
+
+    p = prompt_of(12, 5)
+    free = cm.generate([p], max_new_tokens=8).sequences
+    streamer = Breaks()
+    with pytest.raises(RuntimeError, match="the consumer went away"):
+        cm.generate([p], max_new_tokens=8, streamer=streamer)
+    assert streamer.ended and cm.runtime.admitted == []
+    assert cm.generate([p], max_new_tokens=8).sequences == free

@@ -337,6 +337,9 @@ def test_a_dead_replicas_gauges_leave_the_fronts_sums(fakes):
         assert s["fake_requests_total"] == 14  # its counter as it last was
         assert s['minikv_replica_up{replica="1"}'] == 0
         assert s['minikv_replica_dead{replica="1"}'] == 1
+        info = client.get("/info")  # a replica's /info that is no JSON: a 502 in OpenAI's shape
+        assert info.status_code == 502 and info.json()["error"]["message"] == (
+            "replica 0's /info gave no JSON object")
 
 
 def test_affinity_holds_while_its_replica_has_a_free_slot_or_is_least_loaded():

@@ -586,7 +586,14 @@ def create_front(replicas: Replicas, options: ServeOptions = ServeOptions()):
         if reply.status_code != 200:
             return Response(reply.content, status_code=reply.status_code,
                             media_type=reply.headers.get("content-type"))
-        return {**reply.json(), "replicas": [x.describe() for x in replicas.replicas]}
+        try:
+            info = reply.json()
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise ApiError(502, f"replica {r.index}'s /info gave no JSON object",
+                           type="server_error")
+        return {**info, "replicas": [x.describe() for x in replicas.replicas]}
 
     @app.get("/health")
     async def health():
