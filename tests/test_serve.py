@@ -94,7 +94,8 @@ class Server:
             args += [f"--{key.replace('_', '-')}", str(value)]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})})
+                                         env={**os.environ, **(env or {})},
+                                         start_new_session=True)  # (its own group: Ctrl-C's)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -600,10 +601,13 @@ def test_an_unexpected_error_is_a_500_the_app_does_not_log(ref, caplog, monkeypa
     assert not [rec for rec in caplog.records if rec.name.startswith("minikv_compile")]
 
 
-def test_two_ranks_serve_what_one_process_generates(model_dir, tmp_path, ref):
+@pytest.mark.parametrize("ending", ["SIGTERM", "Ctrl-C"])
+def test_two_ranks_serve_what_one_process_generates(model_dir, tmp_path, ref, ending):
     """``torchrun --nproc-per-node 2`` (gloo), each rank holding one of the two KV heads, rank 0
     listening and driving the other: completions, whole and streamed, each what generate()
-    gives it alone in one process; SIGTERM ends both ranks."""
+    gives it alone in one process; SIGTERM to torchrun, or a terminal's Ctrl-C (SIGINT to every
+    process of the group at once), ends both ranks cleanly: the other rank waits for rank 0's
+    stop."""
     srv = Server(model_dir, tmp_path / "ranks.log", timeout=2 * START_TIMEOUT,
                  launcher=("torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m"),
@@ -623,6 +627,12 @@ def test_two_ranks_serve_what_one_process_generates(model_dir, tmp_path, ref):
             with c.stream("POST", "/v1/completions", json=body) as r:
                 assert stream_text(events(r), chat=False) == (want, reason)
     finally:
+        if ending == "Ctrl-C" and srv.proc.poll() is None:
+            os.killpg(srv.proc.pid, signal.SIGINT)
+            try:
+                srv.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         srv.stop()
     # both ranks ended without an error (torchrun prefixes their tracebacks with [rankN]; it
     # reports the SIGTERM it got itself, status 1)

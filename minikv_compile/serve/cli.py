@@ -178,9 +178,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, tokenizer = _load(args.model, device, dtype, config.tensor_parallel)
         engine = minikv_compile(model, config)
         if engine.adapter.tp.rank != 0:  # rank 0 serves; this rank makes its calls
-            # torchrun's SIGTERM reaches every rank at once: this one ends when rank 0, shutting
-            # down, sends its stop (killed now, it would fail rank 0's last collective)
+            # torchrun's SIGTERM (and a terminal's Ctrl-C, SIGINT) reaches every rank at once:
+            # this one ends when rank 0, shutting down, sends its stop (ended now, it would fail
+            # rank 0's last collective)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             follow(engine)
             leave_ranks(0)
         _log.info("%s", _memory_line(engine))

@@ -731,6 +731,7 @@ def serve_front(replicas: Replicas, host: str, port: int,
 
     threading.Thread(target=every_replica_dead, daemon=True).start()
     signal.signal(signal.SIGTERM, exit_quietly)
+    signal.signal(signal.SIGINT, exit_quietly)
     try:
         server.run()
     finally:

@@ -48,9 +48,11 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
             server.should_exit = True
 
     threading.Thread(target=warm_up, name="minikv-warm-up", daemon=True).start()
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again through the handler
-    # found before it: make that an exit through ``finally`` (status 0), not a kill.
+    # uvicorn shuts down gracefully on SIGTERM and SIGINT (Ctrl-C), then raises the signal again
+    # through the handler found before it: make that an exit through ``finally`` (status 0), not
+    # a kill or a KeyboardInterrupt's traceback.
     signal.signal(signal.SIGTERM, exit_quietly)
+    signal.signal(signal.SIGINT, exit_quietly)
     try:
         server.run()
     finally:
@@ -72,8 +74,8 @@ def uvicorn_server(app: FastAPI, host: str, port: int, *, read_timeout: float,
 
 
 def exit_quietly(signum, frame) -> None:
-    """A SIGTERM handler: uvicorn re-raises the signal after its graceful shutdown; exit
-    through ``finally`` (status 0), not a kill."""
+    """A SIGTERM and SIGINT handler: uvicorn re-raises the signal after its graceful shutdown;
+    exit through ``finally`` (status 0), not a kill or a KeyboardInterrupt."""
     raise SystemExit(0)
 
 
