@@ -221,9 +221,10 @@ class StaticKVCache:
                             host_v=(self.num_kv_heads, n_quant + n_ring, self.head_dim))
                 pairs += [("host_k", snap.host[i][0], store.k.dtype),
                           ("host_v", snap.host[i][1], store.v.dtype)]
-            if sorted(k for k, _, _ in pairs) != sorted(want):
+            got = sorted(k for k, _, _ in pairs)
+            if got != sorted(want):
                 raise ValueError(f"{name}: layer {i}: expected the tensors {sorted(want)}, got "
-                                 f"{sorted(k for k, _, _ in pairs)}")
+                                 f"{got}")
             for key, t, dtype in pairs:
                 if (tuple(t.shape), t.dtype) != (want[key], dtype):
                     raise ValueError(f"{name}: layer {i}'s {key}: expected {want[key]} in "

@@ -410,15 +410,22 @@ class MiniKVModel:
             resync = self.config.recall_resync != "off"
             steps = 0
             asked = None  # the output lengths the stopping criteria last saw
+
+            def ask() -> List[bool]:
+                """The criteria's flags, each new token seen once (not again after a step that
+                added none: SpeCache's pre-decoding step): all False when nothing is new."""
+                nonlocal asked
+                outputs = rt.outputs(slots)
+                if [len(o) for o in outputs] == asked:
+                    return [False] * B
+                asked = [len(o) for o in outputs]
+                return stop(outputs)
+
             eos = any(r.eos_ids for r in requests)
             while steps < (2 * last if resync else last):
                 if watch:  # one sync a step anyway: look before every step
-                    outputs = rt.outputs(slots) if stop is not None else None
-                    # the criteria see each new token once (not again after a step that added
-                    # none: SpeCache's pre-decoding step)
-                    if outputs is not None and [len(o) for o in outputs] != asked:
-                        asked = [len(o) for o in outputs]
-                        for slot, end in zip(slots, stop(outputs)):
+                    if stop is not None:
+                        for slot, end in zip(slots, ask()):
                             if end and not finished[slot]:
                                 rt.finish(slot)
                                 stopped[slot] = True
@@ -439,9 +446,8 @@ class MiniKVModel:
                     counts, finished = now_counts, now_finished
                 elif watch:
                     finished = rt.finished(slots)
-            outputs = rt.outputs(slots) if stop is not None else None
-            if outputs is not None and [len(o) for o in outputs] != asked:  # the last token too
-                for slot, end in zip(slots, stop(outputs)):
+            if stop is not None:  # the criteria see the last token too
+                for slot, end in zip(slots, ask()):
                     stopped[slot] = stopped[slot] or (end and not finished[slot])
             if self.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -380,16 +380,6 @@ def check_compatible(cache, *, fingerprint: Dict[str, object], config: Dict[str,
         raise ValueError(f"{name}.device: expected this engine's {device}, got {cache.device}")
 
 
-def read_metadata(path) -> Dict[str, object]:
-    """The metadata of a saved cache, parsed (``ValueError`` if ``path`` holds none)."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"path: expected a saved prompt cache file, got {path!r}, which is not "
-                         f"a file")
-    with open(path, "rb") as f:
-        return _metadata(_read_header(f, path, os.path.getsize(path)), path)
-
-
 # the metadata's fields and the JSON type each must parse to
 _METADATA = {"fingerprint": dict, "config": dict, "versions": dict, "lengths": list}
 
@@ -447,7 +437,6 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
                          f"a file")
     size = os.path.getsize(path)
     device = torch.device(device)
-    on_host = _on_host
     with open(path, "rb") as f:  # (one read of the header: the file checked is the file read)
         header = _read_header(f, path, size)
         meta = _metadata(header, path)
@@ -459,14 +448,14 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
         entries = {k: v for k, v in header.items() if k != "__metadata__"}
         for name, e in entries.items():
             _entry(name, e, size - start, path)
-        spans = [entries[k]["data_offsets"] for k in entries if not on_host(k)]
+        spans = [entries[k]["data_offsets"] for k in entries if not _on_host(k)]
         lo = min((a for a, _ in spans), default=0)
         hi = max((b for _, b in spans), default=0)
         # the file's bytes after the header; on CUDA the device tensors' span [lo, hi)
         # (written together by save) is left unread here and streamed to the device
         data = torch.empty(size - start, dtype=torch.uint8)
         if device.type == "cuda":
-            inside = [k for k, e in entries.items() if on_host(k)
+            inside = [k for k, e in entries.items() if _on_host(k)
                       and max(lo, e["data_offsets"][0]) < min(hi, e["data_offsets"][1])]
             if inside:
                 raise ValueError(f"path: expected the device tensors' bytes together, before "
@@ -483,7 +472,7 @@ def load(path, *, fingerprint: Dict[str, object], config: Dict[str, object],
     def tensor(name: str) -> torch.Tensor:
         e = entries[name]
         a, b = e["data_offsets"]
-        src = data[a:b] if on_host(name) else moved[a - lo: b - lo]
+        src = data[a:b] if _on_host(name) else moved[a - lo: b - lo]
         # a copy: its own storage, aligned for the dtype
         return src.clone().view(_DTYPES[e["dtype"]]).reshape(e["shape"])
 

@@ -174,8 +174,10 @@ class Replicas:
                             r.max_body_bytes = self._body_limit(client, r)
                             r.state = "ready"
                             _log.info("replica %d: ready", r.index)
-                        elif reply.status_code == 503 and _failure(reply) is not None:
-                            self.fail(r, _failure(reply))
+                        elif reply.status_code == 503:
+                            error = _failure(reply)
+                            if error is not None:
+                                self.fail(r, error)
                     except httpx.TransportError:
                         pass
                     except Exception:  # noqa: BLE001 -- the watcher outlives a bad answer
@@ -714,7 +716,7 @@ def serve_front(replicas: Replicas, host: str, port: int,
     one server: ``options``' door and read timeout, ``keep_alive``, TLS) until SIGTERM or
     SIGINT, then stop them. Returns 1 when every replica died (the front then stops by
     itself), else 0."""
-    from .server import exit_quietly, uvicorn_server
+    from .server import exit_quietly_on_stop, uvicorn_server
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
     server = uvicorn_server(create_front(replicas, options), host, port,
@@ -730,8 +732,7 @@ def serve_front(replicas: Replicas, host: str, port: int,
             time.sleep(POLL_S)
 
     threading.Thread(target=every_replica_dead, daemon=True).start()
-    signal.signal(signal.SIGTERM, exit_quietly)
-    signal.signal(signal.SIGINT, exit_quietly)
+    exit_quietly_on_stop()
     try:
         server.run()
     finally:

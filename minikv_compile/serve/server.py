@@ -48,11 +48,7 @@ def run_server(app: FastAPI, scheduler: Scheduler, name: str, host: str, port: i
             server.should_exit = True
 
     threading.Thread(target=warm_up, name="minikv-warm-up", daemon=True).start()
-    # uvicorn shuts down gracefully on SIGTERM and SIGINT (Ctrl-C), then raises the signal again
-    # through the handler found before it: make that an exit through ``finally`` (status 0), not
-    # a kill or a KeyboardInterrupt's traceback.
-    signal.signal(signal.SIGTERM, exit_quietly)
-    signal.signal(signal.SIGINT, exit_quietly)
+    exit_quietly_on_stop()
     try:
         server.run()
     finally:
@@ -77,6 +73,13 @@ def exit_quietly(signum, frame) -> None:
     """A SIGTERM and SIGINT handler: uvicorn re-raises the signal after its graceful shutdown;
     exit through ``finally`` (status 0), not a kill or a KeyboardInterrupt."""
     raise SystemExit(0)
+
+
+def exit_quietly_on_stop() -> None:
+    """uvicorn shuts down gracefully on SIGTERM and SIGINT (Ctrl-C), then raises the signal
+    again through the handler found before it: make that ``exit_quietly``."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, exit_quietly)
 
 
 def _protocol(read_timeout: float):
