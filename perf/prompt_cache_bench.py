@@ -111,7 +111,7 @@ def cmd_prompt_cache(s, a) -> None:
     # room for the whole fresh prompt, and for a cached context whose tail is kept whole
     capacity = dict(max_batch_size=1, max_new_tokens=max(a.answer_tokens, 2),
                     max_prompt_len=max(a.context + a.question, longest_chat) + a.question)
-    config = MiniKVConfig.preset(a.config, **s.H.shape_fields(a.model), **capacity)
+    config = MiniKVConfig.preset(a.config, **H.shape_fields(a.model), **capacity)
     holder = {}
 
     def build():
